@@ -1,0 +1,128 @@
+"""The model protocol and :class:`CachedModel`, a model bound to one level's cache view.
+
+A model is anything with this small surface (see :class:`CausalLM`): tokens and their positions in,
+logits out, appending to a cache it created. The synthetic models of :mod:`specstack.synthetic`
+and the transformers-backed models implement it.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Protocol, Sequence, runtime_checkable
+
+import attrs
+import torch
+
+from .errors import SpecstackError
+from .policies import CachePolicy, CacheState, check_selection
+from .types import Capability, LevelStats
+
+
+@runtime_checkable
+class KVCache(Protocol):
+    """Preallocated per-level storage. Slots hold ascending sequence positions."""
+
+    positions: torch.Tensor  # [n] positions of the occupied slots
+
+    def __len__(self) -> int: ...
+
+    def truncate(self, position: int) -> None:
+        """Drop every slot whose position is >= ``position`` (O(1): moves a length pointer)."""
+
+    def keep(self, slots: torch.Tensor) -> None:
+        """Keep only ``slots`` (ascending), moving them to the front."""
+
+
+@runtime_checkable
+class CausalLM(Protocol):
+    """A decoder-only language model as a stack sees it."""
+
+    vocab_size: int
+    max_length: int  # the model's context window
+    capabilities: frozenset[Capability]
+    tokenizer_id: str | None  # identifies the tokenizer; levels of one stack must agree
+
+    def new_cache(self, capacity: int) -> KVCache:
+        """A fresh, empty cache with room for ``capacity`` slots."""
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, num_logits: int) -> torch.Tensor:
+        """Append ``tokens`` [T] at ``positions`` [T] to ``cache`` and return the logits of the last
+        ``num_logits`` of them ([num_logits, V]); each token attends to the cache and the tokens before it."""
+
+
+@attrs.define(eq=False)
+class CachedModel:
+    """A model plus the cache view of one level, kept in step with a token sequence.
+
+    ``logits(tokens, n)`` returns the logits predicting the last ``n`` positions of ``tokens``. The
+    cache is first rolled back to the longest prefix it already holds (a pointer move), then the
+    remaining tokens are fed, in chunks when the policy has to evict on the way.
+    """
+
+    model: CausalLM
+    policy: CachePolicy
+    stats: LevelStats
+    capacity: int = attrs.field(init=False)
+    cache: KVCache = attrs.field(init=False)
+    _fed: list[int] = attrs.field(init=False, factory=list)  # token at every position fed so far
+
+    def __attrs_post_init__(self) -> None:
+        self.capacity = self.policy.capacity(self.model.max_length)
+        self.cache = self.model.new_cache(self.capacity)
+
+    def reset(self) -> None:
+        self.cache.truncate(0)
+        self._fed.clear()
+
+    def logits(self, tokens: Sequence[int], num_logits: int) -> torch.Tensor:
+        start = self._rollback(tokens, num_logits)
+        rows = []
+        while start < len(tokens):
+            size = self._chunk(len(tokens) - start)
+            wanted = max(0, min(size, num_logits - (len(tokens) - start - size)))
+            rows.append(self._forward(tokens[start : start + size], start, wanted))
+            start += size
+        return torch.cat([r for r in rows if r.shape[0]])  # [num_logits, V]
+
+    def _rollback(self, tokens: Sequence[int], num_logits: int) -> int:
+        """Roll the cache back to the longest prefix of ``tokens`` it holds, leaving ``num_logits`` to feed."""
+        limit = min(len(self._fed), len(tokens) - num_logits)
+        start = limit if self._fed[:limit] == list(tokens[:limit]) else _common_prefix(self._fed, tokens, limit)
+        self.cache.truncate(start)
+        del self._fed[start:]
+        return start
+
+    def _chunk(self, remaining: int) -> int:
+        if len(self.cache) + remaining <= self.capacity:
+            return remaining
+        return max(1, min(remaining, self.capacity // 4))
+
+    def _forward(self, tokens: Sequence[int], start: int, num_logits: int) -> torch.Tensor:
+        self._make_room(len(tokens))
+        began = time.perf_counter()
+        ids = torch.tensor(tokens, dtype=torch.long)  # [T]
+        positions = torch.arange(start, start + len(tokens))  # [T]
+        out = self.model.forward(ids, positions, self.cache, num_logits)  # [num_logits, V]
+        self._fed.extend(tokens)
+        self.stats.forward_calls += 1
+        self.stats.forward_tokens += len(tokens)
+        self.stats.forward_seconds += time.perf_counter() - began
+        return out
+
+    def _make_room(self, incoming: int) -> None:
+        if len(self.cache) + incoming <= self.capacity:
+            return
+        state = CacheState(positions=self.cache.positions, capacity=self.capacity, incoming=incoming, cache=self.cache)
+        self.cache.keep(check_selection(self.policy, self.policy.select(state), state))
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int], limit: int) -> int:
+    for i in range(limit):
+        if a[i] != b[i]:
+            return i
+    return limit
+
+
+def check_window(model: CausalLM, needed: int, what: str) -> None:
+    if needed > model.max_length:
+        raise SpecstackError(f"{what} needs {needed} positions but the model's window is {model.max_length}; shorten the prompt or max_new_tokens")

@@ -1,0 +1,82 @@
+"""Turning logits into the distribution a level samples from.
+
+Losslessness needs every level to apply *the same* warp (temperature, top-k, top-p) to its own
+logits: the target's distribution is ``warp(target_logits)``, and each lower level's proposal is
+``warp(its_logits)``. :func:`warp` is that single shared function.
+
+Temperature 0 is greedy decoding: the warp is a one-hot vector on the argmax (the first one on
+ties), so no division by zero happens and speculative sampling reduces to "accept iff the argmax
+agrees".
+"""
+
+from __future__ import annotations
+
+import math
+
+import attrs
+import torch
+
+from .errors import SpecstackError
+
+
+def _temperature(instance, attribute, value: float) -> None:
+    if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+        raise SpecstackError(f"temperature {value!r} is not allowed; use a finite number >= 0 (0 means greedy)")
+
+
+def _top_p(instance, attribute, value: float) -> None:
+    if not (isinstance(value, (int, float)) and 0 < value <= 1):
+        raise SpecstackError(f"top_p {value!r} is not allowed; use a number in (0, 1]")
+
+
+def _top_k(instance, attribute, value: int | None) -> None:
+    if value is not None and not (isinstance(value, int) and value >= 1):
+        raise SpecstackError(f"top_k {value!r} is not allowed; use an integer >= 1, or None for no limit")
+
+
+@attrs.frozen(kw_only=True)
+class SamplingConfig:
+    """How tokens are drawn, identically at every level of a stack."""
+
+    temperature: float = attrs.field(default=0.0, validator=_temperature)
+    top_p: float = attrs.field(default=1.0, validator=_top_p)
+    top_k: int | None = attrs.field(default=None, validator=_top_k)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def warp(logits: torch.Tensor, config: SamplingConfig) -> torch.Tensor:
+    """Return the sampling distribution for each row of ``logits`` ([..., V] -> [..., V], float32)."""
+    logits = logits.float()  # [..., V]
+    if config.greedy:
+        return _one_hot_argmax(logits)
+    logits = logits / config.temperature  # [..., V]
+    if config.top_k is not None and config.top_k < logits.shape[-1]:
+        kth = logits.topk(config.top_k, dim=-1).values[..., -1:]  # [..., 1]
+        logits = logits.masked_fill(logits < kth, -math.inf)  # ties with the k-th are kept
+    probs = logits.softmax(dim=-1)  # [..., V]
+    if config.top_p < 1:
+        probs = _nucleus(probs, config.top_p)
+    return probs
+
+
+def _one_hot_argmax(logits: torch.Tensor) -> torch.Tensor:
+    probs = torch.zeros_like(logits)  # [..., V]
+    return probs.scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
+
+
+def _nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Keep the smallest most-likely set whose mass reaches ``top_p``; renormalise."""
+    sorted_probs, order = probs.sort(dim=-1, descending=True, stable=True)  # [..., V]
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs  # [..., V]
+    drop_sorted = mass_before >= top_p  # [..., V]; the first token is never dropped
+    drop = torch.zeros_like(drop_sorted).scatter_(-1, order, drop_sorted)  # [..., V]
+    probs = probs.masked_fill(drop, 0.0)
+    return probs / probs.sum(dim=-1, keepdim=True)
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator) -> int:
+    """Draw one token from a single distribution ``probs`` [V] with an explicit generator."""
+    return int(torch.multinomial(probs, 1, generator=generator))

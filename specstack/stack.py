@@ -1,0 +1,223 @@
+"""Speculation stacks of any depth.
+
+A stack is a chain of levels L0 … Ln. L0 is a plain :class:`~specstack.drafters.Drafter`; every level
+above it is a :class:`SpeculativeLevel`, which asks the level below for γ tokens, scores them with
+its own model in one forward pass, verifies them, and hands up the tokens it emits *with its own
+probabilities* as the proposal distribution. Because a ``SpeculativeLevel`` is itself a ``Drafter``,
+depth is recursion: depth 1 is autoregressive decoding, depth 2 classic speculative decoding, depth
+3 TriForce (Sun et al., 2024), and deeper stacks need no new code.
+
+Why this is lossless: a verifier emits tokens distributed exactly as its level's distribution p
+(speculative sampling, Leviathan et al., 2023, Theorem 1). So the tokens a level hands up are a
+sample from p, and p is the right proposal q for the level above. By induction the top level
+emits tokens distributed as the target's ``warp(logits)``.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Sequence
+
+import attrs
+import torch
+
+from .drafters import Drafter, ModelDrafter
+from .errors import SpecstackError
+from .model import CachedModel, CausalLM, check_window
+from .policies import CachePolicy, FullCache
+from .sampling import SamplingConfig, warp
+from .types import Capability, Draft, GenerationResult, LevelStats
+from .verify import SpeculativeSamplingVerifier, Verifier, GreedyVerifier
+
+
+@attrs.define(eq=False, kw_only=True)
+class SpeculativeLevel(Drafter):
+    """One verifying level: ``drafter`` below, ``lm`` (a model over its cache view) here."""
+
+    name = "speculative-level"
+
+    drafter: Drafter
+    lm: CachedModel
+    verifier: Verifier
+    gamma: int
+    sampling: SamplingConfig
+    generator: torch.Generator
+    stop_tokens: frozenset[int] = frozenset()
+
+    @property
+    def vocab_size(self) -> int:
+        return self.lm.model.vocab_size
+
+    @property
+    def step(self) -> int:
+        return self.gamma
+
+    def propose(self, prefix: Sequence[int], n: int) -> Draft:
+        """Run rounds until at least ``n`` tokens are emitted (at most ``n + 1``) or a stop token."""
+        tokens: list[int] = []
+        rows: list[torch.Tensor] = []
+        while len(tokens) < n and not (tokens and tokens[-1] in self.stop_tokens):
+            emitted, probs = self.round([*prefix, *tokens], min(self.gamma, n - len(tokens)))
+            tokens += emitted
+            rows.append(probs)
+        cut = next((i + 1 for i, t in enumerate(tokens) if t in self.stop_tokens), len(tokens))
+        return Draft(tokens=torch.tensor(tokens[:cut], dtype=torch.long), probs=torch.cat(rows)[:cut])
+
+    def round(self, prefix: list[int], k: int) -> tuple[list[int], torch.Tensor]:
+        """One round: draft ``k`` tokens below, verify them here. Returns the emitted tokens and this
+        level's distribution at each of them ([m+1, V])."""
+        draft = self.drafter.propose(prefix, k).head(k)  # a lower level may overshoot by one token
+        if draft.parents is not None:
+            raise SpecstackError(f"level '{self.lm.stats.name}' verifies chains; a tree draft needs a tree-verifying level")
+        p = warp(self.lm.logits([*prefix, *draft.tokens.tolist()], len(draft) + 1), self.sampling)  # [k+1, V]
+        verdict = self.verifier.verify(draft, p, self.generator)
+        m = verdict.num_accepted
+        self._count(len(draft), m)
+        return [*draft.tokens[:m].tolist(), verdict.next_token], p[: m + 1]
+
+    def _count(self, drafted: int, accepted: int) -> None:
+        stats = self.lm.stats
+        stats.rounds += 1
+        stats.drafted += drafted
+        stats.accepted += accepted
+        stats.emitted += accepted + 1
+
+    def level_stats(self) -> list[LevelStats]:
+        return [*self.drafter.level_stats(), self.lm.stats]
+
+    def reset(self) -> None:
+        self.drafter.reset()
+        self.lm.reset()
+
+
+def _gamma(instance, attribute, value: int | None) -> None:
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+        raise SpecstackError(f"gamma {value!r} is not allowed; use an integer >= 1")
+
+
+@attrs.frozen(kw_only=True, eq=False)
+class Level:
+    """The recipe of one level: a model with a cache policy (and γ above level 0), or, at level 0
+    only, a ready-made drafter such as prompt lookup."""
+
+    model: CausalLM | None = None
+    policy: CachePolicy = attrs.field(factory=FullCache)
+    gamma: int | None = attrs.field(default=None, validator=_gamma)
+    drafter: Drafter | None = None
+    name: str | None = None
+
+    def __attrs_post_init__(self) -> None:
+        if (self.model is None) == (self.drafter is None):
+            raise SpecstackError("a level needs exactly one of model= or drafter=")
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.vocab_size if self.model is not None else self.drafter.vocab_size
+
+    def label(self, index: int) -> str:
+        return self.name or f"L{index}:{self.policy.name if self.model is not None else self.drafter.name}"
+
+
+@attrs.define(eq=False)
+class SpeculationStack:
+    """A built stack. ``generate`` decodes from the top level, which emits the target's distribution."""
+
+    top: Drafter
+    target: CausalLM
+    sampling: SamplingConfig
+    generator: torch.Generator
+    stop_tokens: frozenset[int]
+    depth: int
+
+    @classmethod
+    def build(
+        cls,
+        levels: Sequence[Level],
+        *,
+        sampling: SamplingConfig = SamplingConfig(),
+        verifier: Verifier | None = None,
+        stop_tokens: Sequence[int] = (),
+        seed: int = 0,
+    ) -> "SpeculationStack":
+        """Compose ``levels`` (lowest first; the last one's model is the target) into a stack."""
+        _check_levels(levels)
+        verifier = verifier or (GreedyVerifier() if sampling.greedy else SpeculativeSamplingVerifier())
+        verifier.check_sampling(sampling)
+        generator = torch.Generator().manual_seed(seed)
+        stops = frozenset(stop_tokens)
+        drafter = _base_drafter(levels[0], sampling, generator, stops)
+        for index, level in enumerate(levels[1:], start=1):
+            lm = CachedModel(level.model, level.policy, LevelStats(name=level.label(index)))
+            drafter = SpeculativeLevel(
+                drafter=drafter, lm=lm, verifier=verifier, gamma=level.gamma, sampling=sampling,
+                generator=generator, stop_tokens=stops,
+            )
+        return cls(top=drafter, target=levels[-1].model, sampling=sampling, generator=generator, stop_tokens=stops, depth=len(levels))
+
+    def generate(self, prompt: Sequence[int], max_new_tokens: int, *, seed: int | None = None) -> GenerationResult:
+        """Decode up to ``max_new_tokens`` tokens after ``prompt``, stopping after a stop token."""
+        prompt = _check_prompt(prompt, self.target, max_new_tokens)
+        if seed is not None:
+            self.generator.manual_seed(seed)
+        self.top.reset()
+        before = [attrs.evolve(s) for s in self.top.level_stats()]
+        began = time.perf_counter()
+        tokens: list[int] = []
+        while len(tokens) < max_new_tokens and not (tokens and tokens[-1] in self.stop_tokens):
+            draft = self.top.propose([*prompt, *tokens], min(self.top.step, max_new_tokens - len(tokens)))
+            tokens += draft.tokens.tolist()
+        seconds = time.perf_counter() - began
+        tokens = tokens[:max_new_tokens]
+        stopped = "eos" if tokens and tokens[-1] in self.stop_tokens else "max_new_tokens"
+        stats = tuple(_delta(after, b) for after, b in zip(self.top.level_stats(), before))
+        return GenerationResult(prompt_length=len(prompt), tokens=tuple(tokens), levels=stats, seconds=seconds, stopped_by=stopped)
+
+
+def _base_drafter(level: Level, sampling: SamplingConfig, generator: torch.Generator, stops: frozenset[int]) -> Drafter:
+    if level.drafter is not None:
+        return level.drafter
+    lm = CachedModel(level.model, level.policy, LevelStats(name=level.label(0)))
+    return ModelDrafter(lm=lm, sampling=sampling, generator=generator, stop_tokens=stops)
+
+
+def _check_levels(levels: Sequence[Level]) -> None:
+    if not levels:
+        raise SpecstackError("a stack needs at least one level; got an empty list")
+    if levels[-1].model is None:
+        raise SpecstackError("the top level must be a model (the target), not a model-free drafter")
+    for index, level in enumerate(levels):
+        if index > 0 and level.drafter is not None:
+            raise SpecstackError(f"level {index} has a drafter; only level 0 may be a model-free drafter")
+        if index > 0 and level.gamma is None:
+            raise SpecstackError(f"level {index} needs gamma (tokens drafted per round), an integer >= 1")
+        if level.vocab_size != levels[-1].vocab_size:
+            raise SpecstackError(f"level {index} has vocabulary size {level.vocab_size} but the target has {levels[-1].vocab_size}; all levels must share one vocabulary")
+        if level.model is not None:
+            _check_model(index, level, levels[-1].model)
+
+
+def _check_model(index: int, level: Level, target: CausalLM) -> None:
+    if level.model.tokenizer_id != target.tokenizer_id:
+        raise SpecstackError(f"level {index} uses tokenizer {level.model.tokenizer_id!r} but the target uses {target.tokenizer_id!r}; all levels must share the target's tokenizer")
+    missing = set(level.policy.requires) - set(level.model.capabilities)
+    if missing:
+        names = ", ".join(sorted(c.value for c in missing))
+        raise SpecstackError(f"cache policy '{level.policy.name}' at level {index} needs {names}, which its model does not provide")
+
+
+def _check_prompt(prompt: Sequence[int], target: CausalLM, max_new_tokens: int) -> list[int]:
+    prompt = [int(t) for t in prompt]
+    if not prompt:
+        raise SpecstackError("the prompt is empty; give at least one token")
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise SpecstackError(f"max_new_tokens {max_new_tokens!r} is not allowed; use an integer >= 1")
+    bad = [t for t in prompt if not 0 <= t < target.vocab_size]
+    if bad:
+        raise SpecstackError(f"prompt token {bad[0]} is outside the vocabulary [0, {target.vocab_size})")
+    check_window(target, len(prompt) + max_new_tokens, f"a {len(prompt)}-token prompt plus {max_new_tokens} new tokens")
+    return prompt
+
+
+def _delta(after: LevelStats, before: LevelStats) -> LevelStats:
+    counters = {f.name: getattr(after, f.name) - getattr(before, f.name) for f in attrs.fields(LevelStats) if f.name != "name"}
+    return LevelStats(name=after.name, **counters)

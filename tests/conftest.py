@@ -1,0 +1,28 @@
+import pytest
+from hypothesis import settings
+
+# Deterministic property tests: the same examples (and so the same seeds) on every run.
+settings.register_profile("specstack", derandomize=True, deadline=None, print_blob=True)
+settings.load_profile("specstack")
+
+
+@pytest.fixture
+def registry():
+    from specstack import Registry
+
+    return Registry.create(entry_points=False)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread_for_tiny_tensors(request):
+    """Synthetic models work on tensors of a few elements, where a second intra-op thread only adds
+    synchronisation (and on a busy 2-core machine costs 20x); real-model tests keep every core."""
+    import torch
+
+    if request.node.get_closest_marker("real_model"):
+        yield
+        return
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

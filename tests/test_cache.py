@@ -1,0 +1,89 @@
+"""Cache views: policies' contracts, O(1) rollback, rollback after eviction."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from specstack import CachedModel, CachePolicy, CacheState, FullCache, LevelStats, SpecstackError, StreamingLLM
+from specstack.policies import check_selection
+from specstack.synthetic import SyntheticLM, TokenCache
+
+
+@settings(max_examples=300)
+@given(st.integers(0, 8), st.integers(2, 32), st.integers(0, 64), st.integers(1, 8))
+def test_streaming_keeps_sinks_and_the_most_recent_within_budget(sinks, window, n, incoming) -> None:
+    policy = StreamingLLM(sinks=sinks, window=window)
+    capacity = policy.capacity(10_000)
+    if incoming > capacity:
+        return
+    state = CacheState(positions=torch.arange(n) * 2, capacity=capacity, incoming=incoming)
+    keep = check_selection(policy, policy.select(state), state)
+    assert keep.numel() <= capacity - incoming
+    assert keep.tolist() == sorted(set(keep.tolist()))
+    room = capacity - incoming
+    assert keep[: min(sinks, n, room)].tolist() == list(range(min(sinks, n, room)))
+    if n and keep.numel() > min(sinks, n):
+        assert keep[-1] == n - 1  # the newest slot is always kept
+
+
+def test_rollback_is_a_pointer_move() -> None:
+    cache = TokenCache(16)
+    for position in range(10):
+        cache.append(position + 100, position)
+    storage = cache.tokens.data_ptr()
+    cache.truncate(6)
+    assert len(cache) == 6 and cache.tokens.data_ptr() == storage
+    assert cache.tokens[7] == 107  # not erased: the rejected suffix is simply overwritten later
+
+
+def test_cached_model_matches_fresh_computation_after_rollbacks() -> None:
+    model = SyntheticLM(vocab_size=7, seed=3)
+    lm = CachedModel(model, FullCache(), LevelStats(name="t"))
+    rows = lm.logits([1, 2, 3, 4, 5], 2)
+    assert torch.equal(rows[1], model.logits_for([1, 2, 3, 4, 5]))
+    lm.logits([1, 2, 3, 6], 1)  # diverges at position 3: rolls back, feeds one token
+    assert lm.stats.forward_tokens == 5 + 1
+    assert torch.equal(lm.logits([1, 2, 3, 6, 0], 2)[0], model.logits_for([1, 2, 3, 6]))
+
+
+def test_rollback_after_an_eviction() -> None:
+    """Speculative tokens rejected after the policy evicted old ones roll back correctly."""
+    model = SyntheticLM(vocab_size=7, seed=3)
+    lm = CachedModel(model, StreamingLLM(sinks=2, window=6), LevelStats(name="t"))
+    sequence = [1, 2, 3, 4, 5, 6, 0, 1, 2, 3, 4]
+    lm.logits(sequence, 1)
+    assert len(lm.cache) <= 8
+    kept_before = lm.cache.positions.tolist()
+    lm.logits(sequence + [5, 6], 1)  # speculate two tokens (forcing another eviction)
+    row = lm.logits(sequence + [0], 1)[0]  # they are rejected; a different token follows
+    visible = [sequence[p] if p < len(sequence) else 0 for p in lm.cache.positions.tolist()]
+    assert lm.cache.positions.tolist()[-1] == len(sequence)
+    assert set(lm.cache.positions.tolist()[:2]) == {0, 1}  # sinks survived
+    assert torch.equal(row, model.logits_for(visible))
+    assert kept_before[0] == 0
+
+
+def test_prefill_longer_than_the_window_is_fed_in_chunks() -> None:
+    model = SyntheticLM(vocab_size=7, seed=3)
+    lm = CachedModel(model, StreamingLLM(sinks=1, window=8), LevelStats(name="t"))
+    lm.logits(list(range(7)) * 5, 3)
+    assert lm.stats.forward_calls > 1 and len(lm.cache) <= 9
+
+
+class Hoarder(CachePolicy):
+    name = "hoarder"
+
+    def capacity(self, max_length: int) -> int:
+        return 4
+
+    def select(self, state: CacheState) -> torch.Tensor:
+        return torch.arange(state.positions.shape[0])  # keeps everything: breaks the budget
+
+
+def test_a_policy_breaking_its_budget_is_named() -> None:
+    lm = CachedModel(SyntheticLM(vocab_size=5), Hoarder(), LevelStats(name="t"))
+    with pytest.raises(SpecstackError, match="cache policy 'hoarder' kept 4 slots but only 3 fit"):
+        lm.logits([0, 1, 2, 3, 4], 1)

@@ -1,0 +1,116 @@
+"""The output distribution of every stack is exactly the target's.
+
+Method: enumerate every continuation of a fixed prompt (``length`` tokens over a 3–5 token
+vocabulary, or shorter when it ends in the stop token) with its exact probability under the
+target's warped distribution; draw ``SAMPLES`` generations from the stack; Pearson's chi-square
+goodness-of-fit test (bins with expected count < 5 pooled; any observed impossible sequence fails
+outright). Each example fails at p < ``ALPHA``; with ``EXAMPLES`` derandomized examples the chance of
+a false alarm in this file is at most EXAMPLES × ALPHA = 0.25%, and since the seeds are fixed the
+outcome is the same on every run.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+
+from specstack import Level, SamplingConfig, SpeculationStack, Verifier
+from specstack.sampling import sample
+from specstack.synthetic import SyntheticLM, sequence_probabilities
+from specstack.testing import chi_square_pvalue
+from specstack.types import Verdict
+
+from .stacks import StackCase, stack_cases
+
+SAMPLES = 1500
+ALPHA = 1e-4
+EXAMPLES = 25
+PROMPT = [1, 2]
+LENGTH = 3
+
+
+def sampled_pvalue(stack: SpeculationStack, target: SyntheticLM, sampling: SamplingConfig, stops=(), samples: int = SAMPLES) -> float:
+    exact = sequence_probabilities(target, PROMPT, LENGTH, sampling, stop_tokens=stops)
+    drawn = [stack.generate(PROMPT, LENGTH).tokens for _ in range(samples)]
+    return chi_square_pvalue(drawn, exact)
+
+
+@settings(max_examples=EXAMPLES)
+@given(stack_cases())
+def test_stack_output_is_distributed_as_target(case: StackCase) -> None:
+    stops = () if case.stop_token is None else (case.stop_token,)
+    assert sampled_pvalue(case.stack(), case.target(), case.sampling, stops) > ALPHA
+
+
+class NoResidualVerifier(Verifier):
+    """Deliberately wrong: after a rejection it samples from p instead of normalize(max(p - q, 0))."""
+
+    name = "broken-no-residual"
+
+    def verify(self, draft, p, generator) -> Verdict:
+        rows = torch.arange(len(draft))
+        accept = (torch.rand(len(draft), generator=generator) * draft.probs[rows, draft.tokens] < p[rows, draft.tokens]).long()
+        m = int(accept.cumprod(0).sum())
+        return Verdict(accepted=tuple(range(m)), next_token=sample(p[m], generator), bonus=m == len(draft))
+
+
+class AlwaysAcceptVerifier(Verifier):
+    """Deliberately wrong: accepts every drafted token (outputs the draft's distribution)."""
+
+    name = "broken-always-accept"
+
+    def verify(self, draft, p, generator) -> Verdict:
+        return Verdict(accepted=tuple(range(len(draft))), next_token=sample(p[len(draft)], generator), bonus=True)
+
+
+@pytest.mark.parametrize("broken", [NoResidualVerifier(), AlwaysAcceptVerifier()], ids=lambda v: v.name)
+@pytest.mark.parametrize("seed", [3, 11])
+def test_the_distribution_test_catches_a_broken_verifier(broken: Verifier, seed: int) -> None:
+    """A test of the test: the same check rejects verifiers that are known to be lossy."""
+    sampling = SamplingConfig(temperature=1.0)
+    target = SyntheticLM(vocab_size=4, seed=seed, sharpness=1.5)
+    draft = SyntheticLM(vocab_size=4, seed=seed + 1, base=target, noise=2.0)
+    stack = SpeculationStack.build([Level(model=draft), Level(model=target, gamma=3)], sampling=sampling, verifier=broken, seed=seed)
+    assert sampled_pvalue(stack, target, sampling) < ALPHA
+    correct = SpeculationStack.build([Level(model=draft), Level(model=target, gamma=3)], sampling=sampling, seed=seed)
+    assert sampled_pvalue(correct, target, sampling) > ALPHA
+
+
+def test_identical_drafter_is_always_accepted() -> None:
+    target = SyntheticLM(vocab_size=5, seed=7)
+    stack = SpeculationStack.build([Level(model=target), Level(model=target, gamma=4)], sampling=SamplingConfig(temperature=1.0))
+    result = stack.generate(PROMPT, 40)
+    assert result.levels[-1].acceptance_rate == 1.0
+    assert sampled_pvalue(stack, target, SamplingConfig(temperature=1.0)) > ALPHA
+
+
+def test_disjoint_support_rejects_everything_and_stays_exact() -> None:
+    sampling = SamplingConfig(temperature=1.0)
+    target = SyntheticLM(vocab_size=4, seed=5, support=(2, 3))
+    draft = SyntheticLM(vocab_size=4, seed=6, support=(0, 1))
+    stack = SpeculationStack.build([Level(model=draft), Level(model=target, gamma=3)], sampling=sampling)
+    assert stack.generate(PROMPT, 30).levels[-1].accepted == 0
+    assert sampled_pvalue(stack, target, sampling) > ALPHA
+
+
+def test_one_hot_distributions_give_the_single_possible_output() -> None:
+    target = SyntheticLM(vocab_size=5, seed=8, sharpness=1e4)
+    draft = SyntheticLM(vocab_size=5, seed=9, sharpness=1e4)
+    sampling = SamplingConfig(temperature=1.0)
+    exact = sequence_probabilities(target, PROMPT, LENGTH, sampling)
+    assert max(exact.values()) == pytest.approx(1.0)
+    stack = SpeculationStack.build([Level(model=draft), Level(model=draft, gamma=2), Level(model=target, gamma=3)], sampling=sampling)
+    outputs = {stack.generate(PROMPT, LENGTH).tokens for _ in range(50)}
+    assert outputs == {max(exact, key=exact.get)}
+
+
+def test_stop_token_inside_a_draft_ends_generation_with_exact_distribution() -> None:
+    sampling = SamplingConfig(temperature=1.0)
+    target = SyntheticLM(vocab_size=3, seed=21)
+    draft = SyntheticLM(vocab_size=3, seed=22, base=target, noise=0.5)
+    stack = SpeculationStack.build([Level(model=draft), Level(model=target, gamma=5)], sampling=sampling, stop_tokens=(0,))
+    outputs = [stack.generate(PROMPT, LENGTH) for _ in range(200)]
+    assert any(r.stopped_by == "eos" and len(r.tokens) < LENGTH for r in outputs)
+    assert all(0 not in r.tokens[:-1] for r in outputs)
+    assert sampled_pvalue(stack, target, sampling, stops=(0,)) > ALPHA

@@ -1,0 +1,39 @@
+"""Bad input gets a one-line error naming the value and what is allowed."""
+
+from __future__ import annotations
+
+import pytest
+
+from specstack import Level, PromptLookupDrafter, SamplingConfig, SpecstackError, SpeculationStack, StreamingLLM
+from specstack.registry import Registry
+from specstack.synthetic import SyntheticLM
+
+target = SyntheticLM(vocab_size=6, seed=1, max_length=64)
+
+
+@pytest.mark.parametrize(
+    ("build", "message"),
+    [
+        (lambda: SpeculationStack.build([]), "a stack needs at least one level; got an empty list"),
+        (lambda: Level(model=target, gamma=0), "gamma 0 is not allowed; use an integer >= 1"),
+        (lambda: SpeculationStack.build([Level(model=target), Level(model=target)]), "level 1 needs gamma"),
+        (lambda: SpeculationStack.build([Level(model=SyntheticLM(vocab_size=7)), Level(model=target, gamma=2)]),
+         "level 0 has vocabulary size 7 but the target has 6"),
+        (lambda: SpeculationStack.build([Level(model=SyntheticLM(vocab_size=6, tokenizer_id="other")), Level(model=target, gamma=2)]),
+         "level 0 uses tokenizer 'other' but the target uses 'synthetic'"),
+        (lambda: SpeculationStack.build([Level(drafter=PromptLookupDrafter(vocab=6))]), "the top level must be a model"),
+        (lambda: SpeculationStack.build([Level(model=target)], sampling=SamplingConfig(temperature=1.0), verifier=Registry.create(entry_points=False).verifier("greedy")),
+         "verifier 'greedy' needs temperature 0, got 1.0"),
+        (lambda: StreamingLLM(window=0), "window 0 is not allowed; use an integer >= 2"),
+        (lambda: PromptLookupDrafter(vocab=6, min_ngram=3, max_ngram=2), "n-gram range 3..2 is not allowed"),
+        (lambda: SpeculationStack.build([Level(model=target)]).generate(list(range(6)) * 10, 10),
+         "a 60-token prompt plus 10 new tokens needs 70 positions but the model's window is 64"),
+        (lambda: SpeculationStack.build([Level(model=target)]).generate([], 10), "the prompt is empty"),
+        (lambda: SpeculationStack.build([Level(model=target)]).generate([1], 0), "max_new_tokens 0 is not allowed"),
+        (lambda: SpeculationStack.build([Level(model=target)]).generate([9], 3), r"prompt token 9 is outside the vocabulary \[0, 6\)"),
+    ],
+)
+def test_bad_input_is_reported_in_one_line(build, message) -> None:
+    with pytest.raises(SpecstackError, match=message) as error:
+        build()
+    assert "\n" not in str(error.value)
