@@ -9,8 +9,9 @@ from the top level. Components are found by name through a :class:`Registry`.
 from .drafters import Drafter, ModelDrafter, PromptLookupDrafter
 from .errors import SpecstackError
 from .model import CachedModel, CausalLM, KVCache
-from .policies import CachePolicy, CacheState, FullCache, StreamingLLM
+from .policies import CachePolicy, CacheState, EvictionPolicy, FullCache, GatheringPolicy, StreamingLLM
 from .recipes import StackRecipe
+from .retrieval import Retrieval
 from .registry import Kind, Registry
 from .sampling import SamplingConfig, sample, warp
 from .stack import Level, SpeculationStack, SpeculativeLevel
@@ -18,9 +19,9 @@ from .types import Capability, Draft, GenerationResult, LevelStats, Verdict
 from .verify import GreedyVerifier, SpeculativeSamplingVerifier, Verifier
 
 __all__ = [
-    "CachePolicy", "CacheState", "CachedModel", "Capability", "CausalLM", "Draft", "Drafter", "FullCache",
+    "CachePolicy", "CacheState", "EvictionPolicy", "GatheringPolicy", "CachedModel", "Capability", "CausalLM", "Draft", "Drafter", "FullCache",
     "GenerationResult", "GreedyVerifier", "KVCache", "Kind", "Level", "LevelStats", "ModelDrafter",
-    "PromptLookupDrafter", "Registry", "SamplingConfig", "SpecstackError", "SpeculationStack",
+    "PromptLookupDrafter", "Registry", "Retrieval", "SamplingConfig", "SpecstackError", "SpeculationStack",
     "SpeculativeLevel", "SpeculativeSamplingVerifier", "StackRecipe", "StreamingLLM", "Verdict", "Verifier",
     "sample", "warp",
 ]

@@ -5,6 +5,7 @@ from __future__ import annotations
 from .drafters import PromptLookupDrafter
 from .hookspecs import hookimpl
 from .policies import FullCache, StreamingLLM
+from .retrieval import Retrieval
 from .recipes import StackRecipe
 from .stack import Level
 from .verify import GreedyVerifier, SpeculativeSamplingVerifier
@@ -12,7 +13,7 @@ from .verify import GreedyVerifier, SpeculativeSamplingVerifier
 
 @hookimpl
 def specstack_cache_policies() -> list:
-    return [FullCache, StreamingLLM]
+    return [FullCache, StreamingLLM, Retrieval]
 
 
 @hookimpl

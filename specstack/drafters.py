@@ -46,6 +46,12 @@ class Drafter(abc.ABC):
     def reset(self) -> None:
         """Forget all cached state (called at the start of each generation)."""
 
+    def prefill(self, prompt: Sequence[int]) -> None:
+        """Process the prompt ahead of decoding (optional: drafting catches up lazily anyway)."""
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        """How the level above judged this drafter's last draft (used by refreshable caches)."""
+
 
 @attrs.define(eq=False, kw_only=True)
 class ModelDrafter(Drafter):
@@ -79,6 +85,12 @@ class ModelDrafter(Drafter):
 
     def reset(self) -> None:
         self.lm.reset()
+
+    def prefill(self, prompt: Sequence[int]) -> None:
+        self.lm.logits(prompt, 1)
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        self.lm.observe(drafted, accepted)
 
 
 @attrs.define(eq=False, kw_only=True)

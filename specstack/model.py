@@ -42,8 +42,9 @@ class CausalLM(Protocol):
     capabilities: frozenset[Capability]
     tokenizer_id: str | None  # identifies the tokenizer; levels of one stack must agree
 
-    def new_cache(self, capacity: int) -> KVCache:
-        """A fresh, empty cache with room for ``capacity`` slots."""
+    def new_cache(self, capacity: int, *, relative_positions: bool = False) -> KVCache:
+        """A fresh, empty cache with room for ``capacity`` slots; with ``relative_positions`` rotary
+        positions are slot indices (keys are re-rotated when slots move)."""
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, num_logits: int) -> torch.Tensor:
         """Append ``tokens`` [T] at ``positions`` [T] to ``cache`` and return the logits of the last
@@ -62,19 +63,39 @@ class CachedModel:
     model: CausalLM
     policy: CachePolicy
     stats: LevelStats
+    source: "CachedModel | None" = None  # the full-cache level a gathering policy reads from
     capacity: int = attrs.field(init=False)
     cache: KVCache = attrs.field(init=False)
     _fed: list[int] = attrs.field(init=False, factory=list)  # token at every position fed so far
+    _acceptance: float | None = attrs.field(init=False, default=None)  # rolling, of this level's drafts
 
     def __attrs_post_init__(self) -> None:
         self.capacity = self.policy.capacity(self.model.max_length)
-        self.cache = self.model.new_cache(self.capacity)
+        self.cache = self.model.new_cache(self.capacity, relative_positions=self.policy.relative_positions)
+        if self.policy.gathers_from_full:
+            if self.source is None:
+                raise SpecstackError(f"cache policy '{self.policy.name}' needs a full-cache level of the same model above it")
+            self.source.cache.records_queries = True
 
     def reset(self) -> None:
         self.cache.truncate(0)
         self._fed.clear()
+        self._acceptance = None
+
+    def observe(self, drafted: int, accepted: int, decay: float = 0.8) -> None:
+        """Record how the level above judged this level's draft (a rolling acceptance rate)."""
+        if drafted:
+            rate = accepted / drafted
+            self._acceptance = rate if self._acceptance is None else decay * self._acceptance + (1 - decay) * rate
+
+    def fed_prefix(self, tokens: Sequence[int]) -> int:
+        """How many leading ``tokens`` this level's cache has already seen."""
+        limit = min(len(self._fed), len(tokens))
+        return limit if self._fed[:limit] == list(tokens[:limit]) else _common_prefix(self._fed, tokens, limit)
 
     def logits(self, tokens: Sequence[int], num_logits: int) -> torch.Tensor:
+        if self.policy.gathers_from_full:
+            self._gather_if_due(tokens, num_logits)
         start = self._rollback(tokens, num_logits)
         rows = []
         while start < len(tokens):
@@ -86,11 +107,26 @@ class CachedModel:
 
     def _rollback(self, tokens: Sequence[int], num_logits: int) -> int:
         """Roll the cache back to the longest prefix of ``tokens`` it holds, leaving ``num_logits`` to feed."""
-        limit = min(len(self._fed), len(tokens) - num_logits)
-        start = limit if self._fed[:limit] == list(tokens[:limit]) else _common_prefix(self._fed, tokens, limit)
+        start = self.fed_prefix(tokens[: len(tokens) - num_logits])
         self.cache.truncate(start)
         del self._fed[start:]
         return start
+
+    def _gather_if_due(self, tokens: Sequence[int], num_logits: int) -> None:
+        """Rebuild this level's view from the source's full cache when the policy asks for it."""
+        context = tokens[: len(tokens) - num_logits]
+        appended = self.fed_prefix(context) - self.cache.horizon
+        stale = self.cache.horizon == 0 or appended < 0
+        if not stale and not self.policy.needs_refresh(appended, self._acceptance) and len(self.cache) + len(tokens) - self.fed_prefix(tokens) <= self.capacity:
+            return
+        horizon = self.source.fed_prefix(context)
+        if horizon < len(context) - 1 or horizon == 0:  # the source lags (e.g. at the prompt): let it catch up
+            self.source.logits(context, 1)
+            horizon = self.source.fed_prefix(context)
+        slots = self.policy.gather(self.source.cache.keys[:, :, :horizon], self.source.cache.last_queries)
+        self.cache.gather_from(self.source.cache, slots, horizon)
+        self._fed[:] = list(context[:horizon])
+        self.stats.gathers += 1
 
     def _chunk(self, remaining: int) -> int:
         if len(self.cache) + remaining <= self.capacity:

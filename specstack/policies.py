@@ -1,8 +1,13 @@
 """Cache policies: which KV positions a level attends to.
 
-A policy has one narrow method, :meth:`CachePolicy.select`. The cache (the KV store) owns the
-mechanics — writing, gathering, rolling back — and asks the policy which slots to keep whenever the
-next forward pass would not fit in the level's capacity.
+There are two kinds, each with one narrow method; the KV store and :class:`~specstack.model.CachedModel`
+own the mechanics (writing, gathering, copying, rolling back):
+
+* an :class:`EvictionPolicy` manages the level's own cache: ``select`` says which slots to keep
+  whenever the next forward pass would not fit (full, StreamingLLM, H2O);
+* a :class:`GatheringPolicy` builds the level's view out of the full cache of the same model one
+  level up: ``gather`` says which of its entries to copy, per layer and KV head (TriForce's
+  retrieval cache, the Top-K oracle). Tokens after the gather are appended behind the gathered ones.
 """
 
 from __future__ import annotations
@@ -42,30 +47,59 @@ class CachePolicy(abc.ABC):
     """Decides what a level attends to.
 
     Subclasses set ``name`` (the registry name) and may declare ``requires`` (capabilities the model
-    must provide). ``capacity(max_length)`` is the number of slots the level's cache holds;
-    ``select(state)`` returns the slots to keep ([K] long tensor, ascending, unique,
-    K <= ``state.room``). Rejected speculative tokens are rolled back by the cache, not the policy.
+    must provide). ``capacity(max_length)`` is the number of slots the level's cache holds.
+    ``relative_positions`` asks for rotary positions inside the cache rather than in the sequence.
+    Rejected speculative tokens are rolled back by the cache, never by the policy.
     """
 
     name: ClassVar[str]
     requires: ClassVar[frozenset[Capability]] = frozenset()
+    gathers_from_full: ClassVar[bool] = False
+    complete: ClassVar[bool] = False  # attends to every position (a valid source for gathering policies)
+    relative_positions: bool = False
 
     def capacity(self, max_length: int) -> int:
         return max_length
-
-    @abc.abstractmethod
-    def select(self, state: CacheState) -> torch.Tensor:
-        ...
 
     def describe(self) -> str:
         fields = ", ".join(f"{k}={v}" for k, v in vars(self).items() if not k.startswith("_"))
         return f"{self.name}({fields})"
 
 
-class FullCache(CachePolicy):
+class EvictionPolicy(CachePolicy):
+    """A policy over the level's own cache: ``select(state)`` returns the slots to keep
+    ([K] long tensor, ascending, unique, K <= ``state.room``)."""
+
+    @abc.abstractmethod
+    def select(self, state: CacheState) -> torch.Tensor:
+        ...
+
+
+class GatheringPolicy(CachePolicy):
+    """A view gathered from the full cache of the same model.
+
+    ``gather(keys, queries)`` gets the full cache's keys [L, H, h, D] for the h positions known to be
+    committed and the last query of each layer [L, Hq, D]; it returns source slots [L, H, K] (each
+    row ascending, unique). ``needs_refresh(appended, acceptance)`` says whether to gather again, given
+    the tokens appended since the last gather and the rolling acceptance of this level's drafts.
+    """
+
+    gathers_from_full = True
+    requires = frozenset({Capability.KEYS, Capability.QUERIES})
+
+    @abc.abstractmethod
+    def gather(self, keys: torch.Tensor, queries: torch.Tensor) -> torch.Tensor:
+        ...
+
+    def needs_refresh(self, appended: int, acceptance: float | None) -> bool:
+        return False
+
+
+class FullCache(EvictionPolicy):
     """Attend to everything: the target's own distribution."""
 
     name = "full"
+    complete = True
 
     def select(self, state: CacheState) -> torch.Tensor:
         return torch.arange(state.positions.shape[0])  # [n]; never evicts
@@ -77,18 +111,21 @@ def _positive_int(name: str, value: Any, minimum: int = 1) -> int:
     return value
 
 
-class StreamingLLM(CachePolicy):
+class StreamingLLM(EvictionPolicy):
     """Attention sinks plus a recent window (Xiao et al., 2024, "Efficient Streaming Language
     Models with Attention Sinks").
 
     Keeps the first ``sinks`` positions and the most recent ones, ``sinks + window`` slots in all.
+    With ``relative_positions`` (the default, as in the paper) rotary positions are positions inside
+    the cache, so a small draft never sees positions beyond its trained context.
     """
 
     name = "streaming"
 
-    def __init__(self, *, sinks: int = 16, window: int = 256) -> None:
+    def __init__(self, *, sinks: int = 16, window: int = 256, relative_positions: bool = True) -> None:
         self.sinks = _positive_int("sinks", sinks, minimum=0)
         self.window = _positive_int("window", window, minimum=2)
+        self.relative_positions = bool(relative_positions)
 
     def capacity(self, max_length: int) -> int:
         return min(max_length, self.sinks + self.window)
@@ -100,7 +137,7 @@ class StreamingLLM(CachePolicy):
         return torch.cat([torch.arange(sinks), torch.arange(max(sinks, n - recent), n)])  # [K]
 
 
-def check_selection(policy: CachePolicy, keep: torch.Tensor, state: CacheState) -> torch.Tensor:
+def check_selection(policy: EvictionPolicy, keep: torch.Tensor, state: CacheState) -> torch.Tensor:
     """Enforce the contract of :meth:`CachePolicy.select`; raise a one-line error naming the policy."""
     n = state.positions.shape[0]
     problem = None

@@ -73,6 +73,7 @@ class SpeculativeLevel(Drafter):
         verdict = self.verifier.verify(draft, p, self.generator)
         m = verdict.num_accepted
         self._count(len(draft), m)
+        self.drafter.observe(len(draft), m)
         return [*draft.tokens[:m].tolist(), verdict.next_token], p[: m + 1]
 
     def _count(self, drafted: int, accepted: int) -> None:
@@ -88,6 +89,13 @@ class SpeculativeLevel(Drafter):
     def reset(self) -> None:
         self.drafter.reset()
         self.lm.reset()
+
+    def prefill(self, prompt: Sequence[int]) -> None:
+        self.lm.logits(prompt, 1)  # top-down: a gathering level below reads this level's cache
+        self.drafter.prefill(prompt)
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        self.lm.observe(drafted, accepted)
 
 
 def _gamma(instance, attribute, value: int | None) -> None:
@@ -145,9 +153,9 @@ class SpeculationStack:
         verifier.check_sampling(sampling)
         generator = torch.Generator().manual_seed(seed)
         stops = frozenset(stop_tokens)
-        drafter = _base_drafter(levels[0], sampling, generator, stops)
-        for index, level in enumerate(levels[1:], start=1):
-            lm = CachedModel(level.model, level.policy, LevelStats(name=level.label(index)))
+        lms = _cached_models(levels)
+        drafter = levels[0].drafter or ModelDrafter(lm=lms[0], sampling=sampling, generator=generator, stop_tokens=stops)
+        for level, lm in zip(levels[1:], lms[1:]):
             drafter = SpeculativeLevel(
                 drafter=drafter, lm=lm, verifier=verifier, gamma=level.gamma, sampling=sampling,
                 generator=generator, stop_tokens=stops,
@@ -160,6 +168,9 @@ class SpeculationStack:
         if seed is not None:
             self.generator.manual_seed(seed)
         self.top.reset()
+        began = time.perf_counter()
+        self.top.prefill(prompt)
+        prefill_seconds = time.perf_counter() - began
         before = [attrs.evolve(s) for s in self.top.level_stats()]
         began = time.perf_counter()
         tokens: list[int] = []
@@ -170,14 +181,30 @@ class SpeculationStack:
         tokens = tokens[:max_new_tokens]
         stopped = "eos" if tokens and tokens[-1] in self.stop_tokens else "max_new_tokens"
         stats = tuple(_delta(after, b) for after, b in zip(self.top.level_stats(), before))
-        return GenerationResult(prompt_length=len(prompt), tokens=tuple(tokens), levels=stats, seconds=seconds, stopped_by=stopped)
+        return GenerationResult(
+            prompt_length=len(prompt), tokens=tuple(tokens), levels=stats, seconds=seconds,
+            prefill_seconds=prefill_seconds, stopped_by=stopped,
+        )
 
 
-def _base_drafter(level: Level, sampling: SamplingConfig, generator: torch.Generator, stops: frozenset[int]) -> Drafter:
-    if level.drafter is not None:
-        return level.drafter
-    lm = CachedModel(level.model, level.policy, LevelStats(name=level.label(0)))
-    return ModelDrafter(lm=lm, sampling=sampling, generator=generator, stop_tokens=stops)
+def _cached_models(levels: Sequence[Level]) -> list[CachedModel | None]:
+    """One cache view per model level, top first, so that a gathering level can read the full
+    cache of the same model above it."""
+    lms: list[CachedModel | None] = [None] * len(levels)
+    for index in reversed(range(len(levels))):
+        level = levels[index]
+        if level.model is None:
+            continue
+        source = _full_source(levels, lms, index) if level.policy.gathers_from_full else None
+        lms[index] = CachedModel(level.model, level.policy, LevelStats(name=level.label(index)), source=source)
+    return lms
+
+
+def _full_source(levels: Sequence[Level], lms: list, index: int) -> CachedModel:
+    for above in range(index + 1, len(levels)):
+        if levels[above].model is levels[index].model and levels[above].policy.complete:
+            return lms[above]
+    raise SpecstackError(f"cache policy '{levels[index].policy.name}' at level {index} needs a level above it with the same model and the full cache")
 
 
 def _check_levels(levels: Sequence[Level]) -> None:

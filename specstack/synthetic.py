@@ -89,8 +89,8 @@ class SyntheticLM:
             logits = logits + mask
         return logits
 
-    def new_cache(self, capacity: int) -> TokenCache:
-        return TokenCache(capacity)
+    def new_cache(self, capacity: int, *, relative_positions: bool = False) -> TokenCache:
+        return TokenCache(capacity)  # positions play no part in a synthetic model
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: TokenCache, num_logits: int) -> torch.Tensor:
         rows = []

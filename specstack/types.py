@@ -92,6 +92,7 @@ class LevelStats:
     forward_calls: int = 0
     forward_tokens: int = 0
     forward_seconds: float = 0.0
+    gathers: int = 0
 
     @property
     def acceptance_rate(self) -> float:
@@ -116,8 +117,9 @@ class GenerationResult:
 
     prompt_length: int
     tokens: tuple[int, ...]
-    levels: tuple[LevelStats, ...]
-    seconds: float
+    levels: tuple[LevelStats, ...]  # counters of the decoding phase, lowest level first
+    seconds: float  # decoding, after the prompt was processed
+    prefill_seconds: float
     stopped_by: str  # "eos" or "max_new_tokens"
 
     @property
@@ -129,6 +131,7 @@ class GenerationResult:
             "prompt_length": self.prompt_length,
             "tokens": list(self.tokens),
             "seconds": self.seconds,
+            "prefill_seconds": self.prefill_seconds,
             "tokens_per_second": self.tokens_per_second,
             "stopped_by": self.stopped_by,
             "levels": [level.as_dict() for level in self.levels],

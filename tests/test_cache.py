@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from specstack import CachedModel, CachePolicy, CacheState, FullCache, LevelStats, SpecstackError, StreamingLLM
+from specstack import CachedModel, CacheState, EvictionPolicy, FullCache, LevelStats, SpecstackError, StreamingLLM
 from specstack.policies import check_selection
 from specstack.synthetic import SyntheticLM, TokenCache
 
@@ -73,7 +73,7 @@ def test_prefill_longer_than_the_window_is_fed_in_chunks() -> None:
     assert lm.stats.forward_calls > 1 and len(lm.cache) <= 9
 
 
-class Hoarder(CachePolicy):
+class Hoarder(EvictionPolicy):
     name = "hoarder"
 
     def capacity(self, max_length: int) -> int:

@@ -6,13 +6,13 @@ import types
 
 import pytest
 
-from specstack import CachePolicy, Kind, Registry, SpecstackError, StreamingLLM
+from specstack import EvictionPolicy, Kind, Registry, SpecstackError, StreamingLLM
 from specstack.hookspecs import hookimpl
 from specstack.registry import PluginWarning
 
 
 def test_builtins_are_registered_through_hooks(registry) -> None:
-    assert registry.names(Kind.CACHE_POLICY) == ["full", "streaming"]
+    assert registry.names(Kind.CACHE_POLICY) == ["full", "retrieval", "streaming"]
     assert registry.names(Kind.VERIFIER) == ["greedy", "speculative"]
     assert {"autoregressive", "speculative", "prompt-lookup"} <= set(registry.names(Kind.STACK))
     assert registry.entry(Kind.CACHE_POLICY, "full").plugin == "specstack.builtins"
@@ -26,7 +26,7 @@ def test_an_empty_registry_has_nothing() -> None:
 
 
 def test_unknown_names_list_what_is_available(registry) -> None:
-    with pytest.raises(SpecstackError, match="unknown cache policy 'x'; available: full, streaming"):
+    with pytest.raises(SpecstackError, match="unknown cache policy 'x'; available: full, retrieval, streaming"):
         registry.cache_policy("x")
     with pytest.raises(SpecstackError, match="unknown verifier 'nope'; available: greedy, speculative"):
         registry.verifier("nope")
@@ -38,7 +38,7 @@ def test_parameters_are_checked(registry) -> None:
         registry.cache_policy("streaming", budget=3)
 
 
-class Recent(CachePolicy):
+class Recent(EvictionPolicy):
     name = "recent"
 
     def select(self, state):
@@ -70,7 +70,7 @@ def test_a_name_registered_twice_is_reported_and_the_first_kept() -> None:
 def test_a_misspelled_hook_is_reported_and_other_plugins_keep_working() -> None:
     with pytest.warns(PluginWarning, match="unknown hook 'specstack_cache_policys'"):
         registry = Registry.create(entry_points=False, plugins=[plugin_module(specstack_cache_policys=lambda: [Recent])])
-    assert registry.names(Kind.CACHE_POLICY) == ["full", "streaming"]
+    assert registry.names(Kind.CACHE_POLICY) == ["full", "retrieval", "streaming"]
     assert registry.problems[0].plugin == "thirdparty"
 
 

@@ -1,0 +1,114 @@
+"""Preallocated KV storage with O(1) rollback (a length pointer over static buffers, as in gpt-fast).
+
+Keys and values live in ``[layers, kv_heads, capacity, head_dim]`` buffers: grouped-query attention is
+stored with its KV heads only, never expanded. A forward pass writes its new tokens at slots
+``length … length+T`` of every layer (``update``), then ``commit`` moves the pointer. Rolling back a
+rejected draft is ``truncate``: the pointer moves back and the stale slots are overwritten later.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from .errors import SpecstackError
+
+Rerotate = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (keys [L, H, n, D], delta [n]) -> keys
+
+
+class KVStore:
+    """The KV cache of one level (also the transformers ``Cache`` the model writes into).
+
+    ``relative_positions``: rotary positions are slot indices rather than sequence positions (the
+    StreamingLLM way, for drafts whose trained context is shorter than the sequence); compaction then
+    re-rotates the moved keys by their change of slot with ``rerotate``.
+    """
+
+    def __init__(self, *, layers: int, kv_heads: int, head_dim: int, capacity: int, dtype: torch.dtype,
+                 device: torch.device | str = "cpu", relative_positions: bool = False, rerotate: Rerotate | None = None) -> None:
+        shape = (layers, kv_heads, capacity, head_dim)
+        self.keys = torch.zeros(shape, dtype=dtype, device=device)  # [L, H, C, D]
+        self.values = torch.zeros(shape, dtype=dtype, device=device)  # [L, H, C, D]
+        self.slot_positions = torch.zeros(capacity, dtype=torch.long)  # [C]
+        self.capacity = capacity
+        self.length = 0
+        self.relative_positions = relative_positions
+        self._rerotate = rerotate
+        self.horizon = 0  # positions below this were gathered from another store (per-head slots)
+        self.gathered = 0  # how many leading slots hold gathered entries
+        self.records_queries = False  # set by a level that scores this store's keys (retrieval)
+        self.last_queries: torch.Tensor | None = None  # [L, Hq, D] query of the last token fed, per layer
+
+    def __len__(self) -> int:
+        return self.length
+
+    @property
+    def positions(self) -> torch.Tensor:
+        return self.slot_positions[: self.length]  # [n]
+
+    def truncate(self, position: int) -> None:
+        if position < self.horizon:  # inside a gathered prefix: the view is stale, start over
+            self.length = self.gathered = self.horizon = 0
+            return
+        appended = self.slot_positions[self.gathered : self.length]  # [n - g]
+        self.length = self.gathered + int(torch.searchsorted(appended, position))
+
+    def gather_from(self, source: "KVStore", slots: torch.Tensor, horizon: int) -> None:
+        """Fill this store with ``source``'s entries at ``slots`` [L, H, K] (each row ascending, every
+        entry below ``horizon``): a retrieval view of a full cache. Later tokens are appended after them."""
+        k = slots.shape[-1]
+        index = slots[..., None].expand(-1, -1, -1, self.keys.shape[-1]).to(self.keys.device)  # [L, H, K, D]
+        self.keys[:, :, :k] = source.keys[:, :, :horizon].gather(2, index)
+        self.values[:, :, :k] = source.values[:, :, :horizon].gather(2, index)
+        self.slot_positions[:k] = -1  # per-head positions differ; all lie below the horizon
+        self.length = self.gathered = k
+        self.horizon = horizon
+
+    def keep(self, slots: torch.Tensor) -> None:
+        n = slots.shape[0]
+        self.keys[:, :, :n] = self.keys[:, :, slots]  # [L, H, n, D]
+        self.values[:, :, :n] = self.values[:, :, slots]
+        if self.relative_positions and self._rerotate is not None:
+            delta = torch.arange(n) - slots  # [n]; every kept slot moves down by this much
+            self.keys[:, :, :n] = self._rerotate(self.keys[:, :, :n], delta)
+        self.slot_positions[:n] = self.slot_positions[slots]
+        self.length = n
+
+    def rope_positions(self, positions: torch.Tensor) -> torch.Tensor:
+        """Rotary positions for new tokens at sequence ``positions`` [T]."""
+        if self.relative_positions:
+            return torch.arange(self.length, self.length + positions.shape[0])  # [T]
+        return positions
+
+    # -- the transformers Cache surface used during a forward pass ---------------------------
+
+    def begin(self, positions: torch.Tensor) -> None:
+        if self.length + positions.shape[0] > self.capacity:
+            raise SpecstackError(f"KV store full: {self.length} + {positions.shape[0]} tokens exceed its {self.capacity} slots")
+        self._incoming = positions
+
+    def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write the new tokens' key/value [1, H, T, D] of one layer; return the layer's view [1, H, n+T, D]."""
+        end = self.length + key.shape[2]
+        self.keys[layer_idx, :, self.length : end] = key[0]
+        self.values[layer_idx, :, self.length : end] = value[0]
+        return self.keys[layer_idx, :, :end][None], self.values[layer_idx, :, :end][None]
+
+    def record_query(self, layer_idx: int, query: torch.Tensor) -> None:
+        """Remember the last token's query [Hq, D] of a layer (retrieval scores chunks with it)."""
+        if self.last_queries is None:
+            self.last_queries = torch.zeros(self.keys.shape[0], *query.shape, dtype=query.dtype)
+        self.last_queries[layer_idx] = query
+
+    def commit(self) -> None:
+        n = self._incoming.shape[0]
+        self.slot_positions[self.length : self.length + n] = self._incoming
+        self.length += n
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.length
+
+    def layer_view(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Committed keys and values of one layer ([H, n, D] each)."""
+        return self.keys[layer, :, : self.length], self.values[layer, :, : self.length]
