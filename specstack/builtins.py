@@ -39,10 +39,58 @@ def _prompt_lookup(registry, *, target, gamma: int = 4, max_ngram: int = 3) -> l
     return [Level(drafter=lookup), Level(model=target, gamma=gamma, name="target")]
 
 
+# TriForce and its ablations (Sun et al., 2024). Defaults: the paper's γ1 = 2, γ2 = 6, chunks of 8,
+# a 16-sink + 256-token StreamingLLM draft cache; the retrieval budget is scaled from 4K of a 120K
+# context to the ~8K window of the embedded default.
+
+
+def _streaming_draft(draft, sinks: int, draft_window: int) -> Level:
+    return Level(model=draft, policy=StreamingLLM(sinks=sinks, window=draft_window), name="draft+streaming")
+
+
+def _retrieval_target(target, gamma: int, budget: int, chunk_size: int, stride: int) -> Level:
+    return Level(model=target, policy=Retrieval(budget=budget, chunk_size=chunk_size, stride=stride), gamma=gamma, name="target+retrieval")
+
+
+def _triforce(registry, *, target, draft, gamma1: int = 2, gamma2: int = 6, budget: int = 512, chunk_size: int = 8,
+              stride: int = 64, draft_window: int = 256, sinks: int = 16) -> list[Level]:
+    return [
+        _streaming_draft(draft, sinks, draft_window),
+        _retrieval_target(target, gamma1, budget, chunk_size, stride),
+        Level(model=target, gamma=gamma2, name="target"),
+    ]
+
+
+def _triforce_lookup(registry, *, target, gamma1: int = 4, gamma2: int = 6, budget: int = 512, chunk_size: int = 8,
+                     stride: int = 64, max_ngram: int = 3) -> list[Level]:
+    lookup = registry.drafter("prompt-lookup", vocab=target.vocab_size, max_ngram=max_ngram)
+    return [Level(drafter=lookup), _retrieval_target(target, gamma1, budget, chunk_size, stride), Level(model=target, gamma=gamma2, name="target")]
+
+
+def _retrieval_flat(registry, *, target, gamma: int = 6, budget: int = 512, chunk_size: int = 8, stride: int = 64) -> list[Level]:
+    retrieval = Level(model=target, policy=Retrieval(budget=budget, chunk_size=chunk_size, stride=stride), name="target+retrieval")
+    return [retrieval, Level(model=target, gamma=gamma, name="target")]
+
+
+def _streaming_hierarchy(registry, *, target, draft, gamma1: int = 2, gamma2: int = 6, window: int = 512, sinks: int = 16,
+                         draft_window: int = 256) -> list[Level]:
+    middle = Level(model=target, policy=StreamingLLM(sinks=sinks, window=window, relative_positions=False), gamma=gamma1, name="target+streaming")
+    return [_streaming_draft(draft, sinks, draft_window), middle, Level(model=target, gamma=gamma2, name="target")]
+
+
+def _naive(registry, *, target, draft, gamma: int = 4, draft_window: int = 256, sinks: int = 16) -> list[Level]:
+    return [_streaming_draft(draft, sinks, draft_window), Level(model=target, gamma=gamma, name="target")]
+
+
 @hookimpl
 def specstack_stacks() -> list:
     return [
         StackRecipe(name="autoregressive", description="the target alone, one token per forward pass", build=_autoregressive),
         StackRecipe(name="speculative", description="draft model -> target (classic speculative decoding)", build=_speculative, needs_draft=True),
         StackRecipe(name="prompt-lookup", description="n-gram prompt lookup -> target", build=_prompt_lookup),
+        StackRecipe(name="triforce", description="draft+StreamingLLM -> target+Retrieval -> target (TriForce)", build=_triforce, needs_draft=True),
+        StackRecipe(name="triforce-lookup", description="prompt lookup -> target+Retrieval -> target", build=_triforce_lookup),
+        StackRecipe(name="retrieval-flat", description="target+Retrieval -> target (retrieval without hierarchy)", build=_retrieval_flat),
+        StackRecipe(name="streaming-hierarchy", description="draft+StreamingLLM -> target+StreamingLLM -> target", build=_streaming_hierarchy, needs_draft=True),
+        StackRecipe(name="naive", description="draft+StreamingLLM -> target (the paper's naive policy)", build=_naive, needs_draft=True),
     ]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from typing import Sequence
 
@@ -28,14 +29,46 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specstack", description="Lossless hierarchical speculative decoding (TriForce and friends).")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+
     plugins = commands.add_parser("plugins", help="list every registered component by kind")
     plugins.set_defaults(run=_plugins)
-    demo = commands.add_parser("demo", help="run a speculation stack against autoregressive decoding")
+
+    prepare = commands.add_parser("prepare", help="convert the embedded default target (GGUF) into the local cache once")
+    prepare.set_defaults(run=_prepare)
+
+    generate = commands.add_parser("generate", help="generate text with a named stack")
+    source = generate.add_mutually_exclusive_group()
+    source.add_argument("--prompt", help="the prompt text")
+    source.add_argument("--prompt-file", help="read the prompt from this file ('-' for stdin, the default)")
+    source.add_argument("--book", help="use a shipped public-domain book as the prompt (see --prompt-tokens)")
+    generate.add_argument("--prompt-tokens", type=int, default=None, help="cut the prompt to exactly this many tokens")
+    _add_stack_options(generate, default_stack="triforce")
+    generate.add_argument("--json", action="store_true", help="print a JSON record instead of the text")
+    generate.set_defaults(run=_generate)
+
+    demo = commands.add_parser("demo", help="TriForce vs autoregressive decoding on the embedded default, one process")
+    demo.add_argument("--prompt-tokens", type=int, default=7000)
     demo.add_argument("--synthetic", action="store_true", help="use synthetic models (no weights needed)")
-    demo.add_argument("--max-new-tokens", type=int, default=64)
-    demo.add_argument("--seed", type=int, default=0)
+    _add_stack_options(demo, default_stack="triforce", max_new_tokens=128)
     demo.set_defaults(run=_demo)
+
+    distill = commands.add_parser("distill", help="train a small draft model on the target's outputs", add_help=False)
+    distill.add_argument("rest", nargs=argparse.REMAINDER)
+    distill.set_defaults(run=_distill)
     return parser
+
+
+def _add_stack_options(parser: argparse.ArgumentParser, *, default_stack: str, max_new_tokens: int = 64) -> None:
+    parser.add_argument("--stack", default=default_stack, help="a registered stack recipe (see `specstack plugins`)")
+    parser.add_argument("-o", "--option", action="append", default=[], metavar="KEY=VALUE", help="a stack option, e.g. -o budget=1024")
+    parser.add_argument("--target", help="target model: a transformers directory or .gguf file (default: embedded SmolLM2-135M)")
+    parser.add_argument("--draft", help="draft model for stacks that need one (default: the shipped distilled draft)")
+    parser.add_argument("--max-new-tokens", type=int, default=max_new_tokens)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=None)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
 
 
 def _plugins(args: argparse.Namespace) -> int:
@@ -51,11 +84,44 @@ def _plugins(args: argparse.Namespace) -> int:
     return 0
 
 
-def _demo(args: argparse.Namespace) -> int:
-    from .demo import synthetic_demo
+def _prepare(args: argparse.Namespace) -> int:
+    from .models import prepare_target
 
-    synthetic_demo(max_new_tokens=args.max_new_tokens, seed=args.seed)
+    print(f"default target ready at {prepare_target()}")
     return 0
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from . import run
+
+    session = run.Session.open(args)
+    prompt = session.prompt_tokens(prompt=args.prompt, prompt_file=args.prompt_file, book=args.book, length=args.prompt_tokens)
+    stack = session.stack(args.stack, args.option)
+    result = stack.generate(prompt, args.max_new_tokens, progress=run.progress_printer("decoding"))
+    text = session.tokenizer.decode(list(result.tokens))
+    if args.json:
+        print(json.dumps({"stack": args.stack, "text": text, **result.as_dict()}))
+    else:
+        print(text)
+        print(run.summary(result), file=sys.stderr)
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    if args.synthetic:
+        from .demo import synthetic_demo
+
+        synthetic_demo(max_new_tokens=args.max_new_tokens, seed=args.seed)
+        return 0
+    from .demo import triforce_demo
+
+    return triforce_demo(args)
+
+
+def _distill(args: argparse.Namespace) -> int:
+    from .distill import main as distill_main
+
+    return distill_main(args.rest) or 0
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -162,12 +162,19 @@ class SpeculationStack:
             )
         return cls(top=drafter, target=levels[-1].model, sampling=sampling, generator=generator, stop_tokens=stops, depth=len(levels))
 
-    def generate(self, prompt: Sequence[int], max_new_tokens: int, *, seed: int | None = None) -> GenerationResult:
-        """Decode up to ``max_new_tokens`` tokens after ``prompt``, stopping after a stop token."""
+    def generate(self, prompt: Sequence[int], max_new_tokens: int, *, seed: int | None = None, progress=None,
+                 reuse_cache: bool = False) -> GenerationResult:
+        """Decode up to ``max_new_tokens`` tokens after ``prompt``, stopping after a stop token.
+
+        ``progress(done, total)`` is called after each top-level round. Each call starts from empty
+        caches, so equal seeds give equal outputs; ``reuse_cache=True`` keeps whatever the caches hold
+        of this prompt from the previous call (much faster for many samples of one long prompt; still
+        lossless, but an evicting cache then starts from a history-dependent view)."""
         prompt = _check_prompt(prompt, self.target, max_new_tokens)
         if seed is not None:
             self.generator.manual_seed(seed)
-        self.top.reset()
+        if not reuse_cache:
+            self.top.reset()
         began = time.perf_counter()
         self.top.prefill(prompt)
         prefill_seconds = time.perf_counter() - began
@@ -177,6 +184,8 @@ class SpeculationStack:
         while len(tokens) < max_new_tokens and not (tokens and tokens[-1] in self.stop_tokens):
             draft = self.top.propose([*prompt, *tokens], min(self.top.step, max_new_tokens - len(tokens)))
             tokens += draft.tokens.tolist()
+            if progress is not None:
+                progress(min(len(tokens), max_new_tokens), max_new_tokens)
         seconds = time.perf_counter() - began
         tokens = tokens[:max_new_tokens]
         stopped = "eos" if tokens and tokens[-1] in self.stop_tokens else "max_new_tokens"
@@ -225,11 +234,18 @@ def _check_levels(levels: Sequence[Level]) -> None:
 
 def _check_model(index: int, level: Level, target: CausalLM) -> None:
     if level.model.tokenizer_id != target.tokenizer_id:
-        raise SpecstackError(f"level {index} uses tokenizer {level.model.tokenizer_id!r} but the target uses {target.tokenizer_id!r}; all levels must share the target's tokenizer")
+        raise SpecstackError(
+            f"level {index} ({_name(level.model)}) uses tokenizer {level.model.tokenizer_id!r} but the target ({_name(target)}) "
+            f"uses {target.tokenizer_id!r}; all levels must share the target's tokenizer"
+        )
     missing = set(level.policy.requires) - set(level.model.capabilities)
     if missing:
         names = ", ".join(sorted(c.value for c in missing))
         raise SpecstackError(f"cache policy '{level.policy.name}' at level {index} needs {names}, which its model does not provide")
+
+
+def _name(model: CausalLM) -> str:
+    return getattr(model, "name", type(model).__name__)
 
 
 def _check_prompt(prompt: Sequence[int], target: CausalLM, max_new_tokens: int) -> list[int]:

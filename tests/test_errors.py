@@ -20,7 +20,7 @@ target = SyntheticLM(vocab_size=6, seed=1, max_length=64)
         (lambda: SpeculationStack.build([Level(model=SyntheticLM(vocab_size=7)), Level(model=target, gamma=2)]),
          "level 0 has vocabulary size 7 but the target has 6"),
         (lambda: SpeculationStack.build([Level(model=SyntheticLM(vocab_size=6, tokenizer_id="other")), Level(model=target, gamma=2)]),
-         "level 0 uses tokenizer 'other' but the target uses 'synthetic'"),
+         r"level 0 \(SyntheticLM\) uses tokenizer .other. but the target \(SyntheticLM\) uses .synthetic."),
         (lambda: SpeculationStack.build([Level(drafter=PromptLookupDrafter(vocab=6))]), "the top level must be a model"),
         (lambda: SpeculationStack.build([Level(model=target)], sampling=SamplingConfig(temperature=1.0), verifier=Registry.create(entry_points=False).verifier("greedy")),
          "verifier 'greedy' needs temperature 0, got 1.0"),

@@ -1,0 +1,26 @@
+"""Public-domain books shipped with specstack (see SOURCES.md)."""
+
+from __future__ import annotations
+
+import lzma
+from importlib import resources
+
+from ..errors import SpecstackError
+
+BOOKS = ("prideprejudice", "sensesensibility", "mansfieldpark", "emma", "northangerabbey", "persuasion")
+DEFAULT_BOOK = "prideprejudice"
+
+
+def load_book(name: str = DEFAULT_BOOK) -> str:
+    """The full text of a shipped book."""
+    if name not in BOOKS:
+        raise SpecstackError(f"unknown book {name!r}; available: {', '.join(BOOKS)}")
+    return lzma.decompress(resources.files(__package__).joinpath(f"{name}.txt.xz").read_bytes()).decode("utf-8")
+
+
+def book_tokens(tokenizer, length: int, name: str = DEFAULT_BOOK, offset: int = 0) -> list[int]:
+    """Exactly ``length`` tokens of a book, starting ``offset`` tokens in."""
+    ids = tokenizer(load_book(name)).input_ids
+    if offset + length > len(ids):
+        raise SpecstackError(f"book {name!r} has {len(ids)} tokens; cannot cut {length} tokens at offset {offset}")
+    return ids[offset : offset + length]

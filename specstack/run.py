@@ -1,0 +1,121 @@
+"""Shared plumbing of the command line: models, prompts, stacks by name, progress and summaries."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Sequence
+
+import attrs
+import torch
+
+from .errors import SpecstackError
+from .registry import Registry
+from .sampling import SamplingConfig
+from .stack import SpeculationStack
+from .types import GenerationResult
+
+
+@attrs.define(eq=False, kw_only=True)
+class Session:
+    """Models, tokenizer, sampling and registry for one CLI invocation."""
+
+    registry: Registry
+    target: object
+    tokenizer: object
+    draft_path: str | None
+    sampling: SamplingConfig
+    seed: int
+    _draft: object = None
+
+    @classmethod
+    def open(cls, args) -> "Session":
+        from .hf import load_model
+        from .models import TARGET_NAME, prepare_target
+
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        sampling = SamplingConfig(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
+        _status("loading the target model")
+        target, tokenizer = load_model(args.target or prepare_target(), name=None if args.target else TARGET_NAME)
+        return cls(registry=Registry.create(), target=target, tokenizer=tokenizer, draft_path=args.draft, sampling=sampling, seed=args.seed)
+
+    @property
+    def draft(self):
+        if self._draft is None:
+            from .hf import load_model
+            from .models import draft_dir
+
+            _status("loading the draft model")
+            self._draft = load_model(self.draft_path or draft_dir(), name=None if self.draft_path else "smollm2-draft")[0]
+        return self._draft
+
+    def stack(self, name: str, options: Sequence[str]) -> SpeculationStack:
+        recipe = self.registry.stack_recipe(name)
+        draft = self.draft if recipe.needs_draft else None
+        stops = [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else []
+        return self.registry.stack(name, target=self.target, draft=draft, sampling=self.sampling, stop_tokens=stops, seed=self.seed, **parse_options(options))
+
+    def prompt_tokens(self, *, prompt: str | None, prompt_file: str | None, book: str | None, length: int | None) -> list[int]:
+        if book is not None:
+            from .data import book_tokens
+
+            return book_tokens(self.tokenizer, length or 7000, name=book)
+        text = prompt if prompt is not None else _read(prompt_file or "-")
+        ids = self.tokenizer(text).input_ids
+        if length is not None:
+            if length > len(ids):
+                raise SpecstackError(f"--prompt-tokens {length} is more than the prompt's {len(ids)} tokens")
+            ids = ids[-length:]
+        return ids
+
+
+def _read(path: str) -> str:
+    if path == "-":
+        return sys.stdin.read()
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except OSError as error:
+        raise SpecstackError(f"cannot read prompt file {path!r}: {error.strerror}") from None
+
+
+def parse_options(options: Sequence[str]) -> dict[str, object]:
+    """``["budget=1024", "gamma2=6"]`` -> ``{"budget": 1024, "gamma2": 6}``."""
+    parsed = {}
+    for option in options:
+        key, sep, value = option.partition("=")
+        if not sep or not key:
+            raise SpecstackError(f"stack option {option!r} is not KEY=VALUE")
+        parsed[key.replace("-", "_")] = _value(value)
+    return parsed
+
+
+def _value(text: str) -> object:
+    for convert in (int, float):
+        try:
+            return convert(text)
+        except ValueError:
+            pass
+    return {"true": True, "false": False}.get(text.lower(), text)
+
+
+def _status(message: str) -> None:
+    print(f"[specstack] {message}", file=sys.stderr, flush=True)
+
+
+def progress_printer(label: str):
+    """A ``progress(done, total)`` callback drawing one updating line on stderr."""
+    def show(done: int, total: int) -> None:
+        end = "\n" if done >= total else ""
+        print(f"\r[specstack] {label}: {done}/{total} tokens", end=end, file=sys.stderr, flush=True)
+
+    return show
+
+
+def summary(result: GenerationResult) -> str:
+    lines = [f"{len(result.tokens)} tokens in {result.seconds:.2f} s ({result.tokens_per_second:.2f} tokens/s), prompt {result.prompt_length} tokens processed in {result.prefill_seconds:.2f} s"]
+    for level in result.levels:
+        ms = 1000 * level.forward_seconds / max(level.forward_calls, 1)
+        accept = f"acceptance {level.acceptance_rate:.3f} ({level.accepted}/{level.drafted})" if level.rounds else f"drafted {level.drafted}"
+        lines.append(f"  {level.name:<20} {accept:<28} {level.forward_calls:>5} forwards, {ms:6.1f} ms each")
+    return "\n".join(lines)

@@ -1,0 +1,103 @@
+"""Oracle tests on the embedded default: SmolLM2-135M-Instruct (target) and the shipped distilled draft.
+
+Every stack's greedy output on a 2,048-token Pride and Prejudice prompt equals the target's own
+greedy decoding; sampled TriForce output follows the target's distribution on the first two
+generated positions. The model is prepared by `make setup` (`specstack prepare`).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specstack import Registry, SamplingConfig, SpecstackError, warp
+from specstack.data import book_tokens
+from specstack.testing import chi_square_pvalue
+
+pytestmark = pytest.mark.real_model
+
+PROMPT_TOKENS = 2048
+NEW_TOKENS = 40
+SMALL = {"budget": 256, "chunk_size": 8, "stride": 16}  # retrieval scaled to a 2K prompt
+
+
+@pytest.fixture(scope="module")
+def models():
+    from specstack.models import load_default
+
+    target, draft, tokenizer = load_default()
+    return target, draft, tokenizer
+
+
+@pytest.fixture(scope="module")
+def prompt(models):
+    return book_tokens(models[2], PROMPT_TOKENS)
+
+
+@pytest.fixture(scope="module")
+def reference(models, prompt):
+    return Registry.create().stack("autoregressive", target=models[0]).generate(prompt, NEW_TOKENS)
+
+
+@pytest.mark.parametrize(
+    ("name", "options"),
+    [
+        ("triforce", SMALL),
+        ("naive", {}),
+        ("retrieval-flat", SMALL),
+        ("streaming-hierarchy", {"window": 256}),
+        ("triforce-lookup", SMALL),
+        ("speculative", {"gamma": 4}),
+        ("prompt-lookup", {}),
+    ],
+)
+def test_greedy_output_equals_the_targets_own_greedy_decoding(models, prompt, reference, name, options) -> None:
+    target, draft, _ = models
+    registry = Registry.create()
+    extra = {"draft": draft} if registry.stack_recipe(name).needs_draft else {}
+    result = registry.stack(name, target=target, **extra, **options).generate(prompt, NEW_TOKENS)
+    assert result.tokens == reference.tokens
+    top = result.levels[-1]
+    assert top.rounds < NEW_TOKENS  # it really speculated: fewer target rounds than tokens
+
+
+def test_greedy_reference_matches_transformers_generate(models, prompt, reference) -> None:
+    target, _, _ = models
+    ids = torch.tensor([prompt[-512:]])
+    plain = target.module.generate(ids, max_new_tokens=8, do_sample=False)[0, 512:].tolist()
+    ours = Registry.create().stack("autoregressive", target=target).generate(prompt[-512:], 8)
+    assert list(ours.tokens) == plain
+
+
+def test_sampled_triforce_follows_the_target_distribution(models, prompt) -> None:
+    """Chi-square over (first, second) generated token pairs; exact probabilities from the target."""
+    target, draft, _ = models
+    sampling = SamplingConfig(temperature=0.8, top_k=4)
+    short = prompt[-640:]
+    stack = Registry.create().stack("triforce", target=target, draft=draft, sampling=sampling, seed=1, budget=128, stride=16)
+    samples = [stack.generate(short, 2, reuse_cache=True).tokens for _ in range(300)]
+    assert chi_square_pvalue(samples, _exact_pairs(target, short, sampling)) > 1e-4
+
+
+def _exact_pairs(target, prompt, sampling) -> dict[tuple[int, int], float]:
+    stack = Registry.create().stack("autoregressive", target=target)
+    first = warp(stack.top.lm.logits(prompt, 1)[0], sampling)  # [V]
+    exact = {}
+    for x1 in torch.nonzero(first).flatten().tolist():
+        second = warp(stack.top.lm.logits([*prompt, x1], 1)[0], sampling)  # [V]
+        for x2 in torch.nonzero(second).flatten().tolist():
+            exact[(x1, x2)] = float(first[x1] * second[x2])
+    return exact
+
+
+def test_retrieval_budget_larger_than_the_context_is_named(models, prompt) -> None:
+    target, draft, _ = models
+    stack = Registry.create().stack("triforce", target=target, draft=draft, budget=4096)
+    with pytest.raises(SpecstackError, match="retrieval budget 4096 is larger than the 2047-token context"):
+        stack.generate(prompt, 4)
+
+
+def test_a_prompt_longer_than_the_window_is_named(models) -> None:
+    target = models[0]
+    with pytest.raises(SpecstackError, match="needs 8200 positions but the model's window is 8192"):
+        Registry.create().stack("autoregressive", target=target).generate([1] * 8190, 10)
