@@ -12,6 +12,9 @@ from .registry import Kind, Registry
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["distill"]:  # its own argument parser
+        return _distill(argv[1:])
     parser = _parser()
     args = parser.parse_args(argv)
     if not hasattr(args, "run"):
@@ -52,9 +55,7 @@ def _parser() -> argparse.ArgumentParser:
     _add_stack_options(demo, default_stack="triforce", max_new_tokens=128)
     demo.set_defaults(run=_demo)
 
-    distill = commands.add_parser("distill", help="train a small draft model on the target's outputs", add_help=False)
-    distill.add_argument("rest", nargs=argparse.REMAINDER)
-    distill.set_defaults(run=_distill)
+    commands.add_parser("distill", help="train a small draft model on the target's outputs (see `specstack distill --help`)")
     return parser
 
 
@@ -69,6 +70,7 @@ def _add_stack_options(parser: argparse.ArgumentParser, *, default_stack: str, m
     parser.add_argument("--top-k", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="weights and KV cache dtype")
 
 
 def _plugins(args: argparse.Namespace) -> int:
@@ -118,10 +120,14 @@ def _demo(args: argparse.Namespace) -> int:
     return triforce_demo(args)
 
 
-def _distill(args: argparse.Namespace) -> int:
+def _distill(argv: list[str]) -> int:
     from .distill import main as distill_main
 
-    return distill_main(args.rest) or 0
+    try:
+        return distill_main(argv) or 0
+    except SpecstackError as error:
+        print(f"specstack distill: error: {error}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":  # pragma: no cover

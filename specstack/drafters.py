@@ -54,11 +54,8 @@ class Drafter(abc.ABC):
 
 
 @attrs.define(eq=False, kw_only=True)
-class ModelDrafter(Drafter):
-    """Autoregressive sampling from a model over its cache view: level 0 of most stacks, and the
-    whole of a depth-1 (plain autoregressive) stack."""
-
-    name: ClassVar[str] = "model"
+class ModelLevel(Drafter):
+    """A drafter backed by a model over its own cache view, sampling with the stack's settings."""
 
     lm: CachedModel
     sampling: SamplingConfig
@@ -68,6 +65,17 @@ class ModelDrafter(Drafter):
     @property
     def vocab_size(self) -> int:
         return self.lm.model.vocab_size
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        self.lm.observe(drafted, accepted)
+
+
+@attrs.define(eq=False, kw_only=True)
+class ModelDrafter(ModelLevel):
+    """Autoregressive sampling from a model over its cache view: level 0 of most stacks, and the
+    whole of a depth-1 (plain autoregressive) stack."""
+
+    name: ClassVar[str] = "model"
 
     def propose(self, prefix: Sequence[int], n: int) -> Draft:
         context, rows = list(prefix), []
@@ -88,9 +96,6 @@ class ModelDrafter(Drafter):
 
     def prefill(self, prompt: Sequence[int]) -> None:
         self.lm.logits(prompt, 1)
-
-    def observe(self, drafted: int, accepted: int) -> None:
-        self.lm.observe(drafted, accepted)
 
 
 @attrs.define(eq=False, kw_only=True)

@@ -26,6 +26,7 @@ class Session:
     draft_path: str | None
     sampling: SamplingConfig
     seed: int
+    dtype: torch.dtype = torch.float32
     _draft: object = None
 
     @classmethod
@@ -33,12 +34,16 @@ class Session:
         from .hf import load_model
         from .models import TARGET_NAME, prepare_target
 
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # our own progress lines are enough
         if args.threads:
             torch.set_num_threads(args.threads)
         sampling = SamplingConfig(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
         _status("loading the target model")
-        target, tokenizer = load_model(args.target or prepare_target(), name=None if args.target else TARGET_NAME)
-        return cls(registry=Registry.create(), target=target, tokenizer=tokenizer, draft_path=args.draft, sampling=sampling, seed=args.seed)
+        dtype = getattr(torch, args.dtype)
+        target, tokenizer = load_model(args.target or prepare_target(), dtype=dtype, name=None if args.target else TARGET_NAME)
+        return cls(registry=Registry.create(), target=target, tokenizer=tokenizer, draft_path=args.draft, sampling=sampling, seed=args.seed, dtype=dtype)
 
     @property
     def draft(self):
@@ -47,7 +52,7 @@ class Session:
             from .models import draft_dir
 
             _status("loading the draft model")
-            self._draft = load_model(self.draft_path or draft_dir(), name=None if self.draft_path else "smollm2-draft")[0]
+            self._draft = load_model(self.draft_path or draft_dir(), dtype=self.dtype, name=None if self.draft_path else "smollm2-draft")[0]
         return self._draft
 
     def stack(self, name: str, options: Sequence[str]) -> SpeculationStack:

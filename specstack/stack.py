@@ -21,32 +21,24 @@ from typing import Sequence
 import attrs
 import torch
 
-from .drafters import Drafter, ModelDrafter
+from .drafters import Drafter, ModelDrafter, ModelLevel
 from .errors import SpecstackError
 from .model import CachedModel, CausalLM, check_window
 from .policies import CachePolicy, FullCache
 from .sampling import SamplingConfig, warp
-from .types import Capability, Draft, GenerationResult, LevelStats
+from .types import Draft, GenerationResult, LevelStats
 from .verify import SpeculativeSamplingVerifier, Verifier, GreedyVerifier
 
 
 @attrs.define(eq=False, kw_only=True)
-class SpeculativeLevel(Drafter):
+class SpeculativeLevel(ModelLevel):
     """One verifying level: ``drafter`` below, ``lm`` (a model over its cache view) here."""
 
     name = "speculative-level"
 
     drafter: Drafter
-    lm: CachedModel
     verifier: Verifier
     gamma: int
-    sampling: SamplingConfig
-    generator: torch.Generator
-    stop_tokens: frozenset[int] = frozenset()
-
-    @property
-    def vocab_size(self) -> int:
-        return self.lm.model.vocab_size
 
     @property
     def step(self) -> int:
@@ -93,9 +85,6 @@ class SpeculativeLevel(Drafter):
     def prefill(self, prompt: Sequence[int]) -> None:
         self.lm.logits(prompt, 1)  # top-down: a gathering level below reads this level's cache
         self.drafter.prefill(prompt)
-
-    def observe(self, drafted: int, accepted: int) -> None:
-        self.lm.observe(drafted, accepted)
 
 
 def _gamma(instance, attribute, value: int | None) -> None:

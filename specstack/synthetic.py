@@ -8,7 +8,6 @@ is made correlated with a target through ``base``; ``support`` restricts the tok
 
 from __future__ import annotations
 
-import itertools
 from typing import Sequence
 
 import attrs
@@ -128,6 +127,3 @@ def sequence_probabilities(
         result = grown
     return {**result, **finished}
 
-
-def all_sequences(vocab_size: int, length: int) -> list[tuple[int, ...]]:
-    return list(itertools.product(range(vocab_size), repeat=length))

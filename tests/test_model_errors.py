@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from specstack import Level, SpecstackError, SpeculationStack
 from specstack.cli import main

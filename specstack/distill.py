@@ -1,0 +1,411 @@
+"""Distil a small draft model from a Llama-family target model on CPU.
+
+The student is a standard ``LlamaForCausalLM`` (so the rest of specstack can
+load it with ``AutoModelForCausalLM.from_pretrained``) that shares the target's
+tokenizer and vocabulary but has a narrower residual stream and fewer layers.
+
+Initialisation ("projected copy" of the target):
+  * Take the top-``hidden`` right singular vectors ``P`` [D, d] of the target's
+    tied embedding ``E`` [V, D]. The student's tied embedding is ``E @ P``.
+  * The student's decoder layers are copies of chosen target layers, with the
+    RMSNorm gains folded into the following projections and every matrix that
+    reads or writes the residual stream projected through ``P``; attention
+    heads / MLP channels beyond the student's sizes are dropped.
+
+Training: knowledge distillation on the given texts. The target runs (in
+bfloat16, for speed) over fresh chunks and its top-k log-probabilities are
+kept in a replay buffer; the student minimises the cross-entropy to the
+renormalised top-k teacher distribution (temperature 1), optionally plus a
+small next-token cross-entropy term. The learning-rate schedule is driven by
+wall-clock time, so ``minutes`` fixes the training budget. The checkpoint with
+the best held-out greedy agreement is kept.
+
+CLI::
+
+    python -m specstack.distill --target DIR --text a.txt --text b.txt \\
+        --eval-text held_out.txt --out OUT_DIR --minutes 60
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import os
+import shutil
+import time
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from safetensors.torch import save_file
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+DEFAULTS = dict(
+    hidden=576,  # student residual width d (576 = the target's: embedding copied exactly)
+    layers=(0,),  # target layers copied into the student, in order
+    heads=9,  # query heads (head_dim is the target's)
+    kv_heads=3,  # key/value heads
+    intermediate=448,  # MLP width (kept target channels with the largest output norms)
+    seq_len=256,  # tokens per training chunk
+    batch=4,  # chunks per optimiser step
+    top_k=64,  # teacher log-probs kept per position
+    replay=3,  # student steps per freshly labelled teacher batch
+    lr=3e-3,  # peak learning rate for decoder layers and norms
+    emb_lr=0.0,  # learning rate for the tied embedding (0 = frozen)
+    ce_weight=0.0,  # weight of the next-token cross-entropy term
+    warmup=0.03,  # fraction of the budget spent warming up the LR
+    weight_decay=0.0,
+    eval_positions=20480,  # held-out positions for greedy agreement
+    eval_every=5.0,  # minutes between held-out evaluations
+    teacher_bf16=True,  # label with a bfloat16 copy of the target (2x faster on CPU)
+    autocast=True,  # bfloat16 autocast for the student's forward/backward
+    threads=1,  # torch intra-op threads
+)
+
+
+# ----------------------------------------------------------------------------
+# Data
+# ----------------------------------------------------------------------------
+
+
+def encode(tokenizer, texts: list[str]) -> list[np.ndarray]:
+    """Tokenise each text without special tokens -> list of int64 arrays."""
+    return [np.asarray(tokenizer(t, add_special_tokens=False)["input_ids"], dtype=np.int64) for t in texts]
+
+
+def chunk(token_arrays: list[np.ndarray], seq_len: int) -> torch.Tensor:
+    """Cut every array into non-overlapping chunks of seq_len tokens -> [N, T]."""
+    rows = [a[: len(a) // seq_len * seq_len].reshape(-1, seq_len) for a in token_arrays]
+    return torch.from_numpy(np.concatenate(rows))  # [N, T]
+
+
+# ----------------------------------------------------------------------------
+# Student construction
+# ----------------------------------------------------------------------------
+
+
+def student_config(teacher_cfg: LlamaConfig, hp: dict) -> LlamaConfig:
+    """Target config with the student's widths and depth."""
+    cfg = copy.deepcopy(teacher_cfg)
+    cfg.hidden_size = hp["hidden"]
+    cfg.num_hidden_layers = len(hp["layers"])
+    cfg.num_attention_heads = hp["heads"]
+    cfg.num_key_value_heads = hp["kv_heads"]
+    cfg.intermediate_size = hp["intermediate"]
+    cfg.head_dim = teacher_cfg.head_dim
+    cfg.tie_word_embeddings = True
+    cfg.dtype = "bfloat16"
+    cfg.architectures = ["LlamaForCausalLM"]
+    return cfg
+
+
+def embedding_basis(emb: torch.Tensor, d: int) -> torch.Tensor:
+    """Top-d right singular vectors of the target embedding -> [D, d] (identity if d == D)."""
+    if d == emb.shape[1]:
+        return torch.eye(d)
+    _, _, vh = torch.linalg.svd(emb.double(), full_matrices=False)  # vh: [D, D]
+    return vh[:d].T.float()  # [D, d]
+
+
+def _select_heads(w: torch.Tensor, n: int, head_dim: int) -> torch.Tensor:
+    """Keep the first n heads of a [H*hd, D] projection -> [n*hd, D]."""
+    return w[: n * head_dim]
+
+
+def project_layer(src, dst, P: torch.Tensor, head_dim: int) -> None:
+    """Copy target decoder layer `src` into student layer `dst` through basis P [D, d]."""
+    D, d = P.shape
+    scale = math.sqrt(D / d)  # RMS over d dims vs D dims
+    a_in = src.input_layernorm.weight[:, None] * P * scale  # [D, d]: fold norm gain + projection
+    m_in = src.post_attention_layernorm.weight[:, None] * P * scale  # [D, d]
+    sa, ta = src.self_attn, dst.self_attn
+    nq, nkv = ta.config.num_attention_heads, ta.config.num_key_value_heads
+    ta.q_proj.weight.copy_(_select_heads(sa.q_proj.weight, nq, head_dim) @ a_in)  # [nq*hd, d]
+    ta.k_proj.weight.copy_(_select_heads(sa.k_proj.weight, nkv, head_dim) @ a_in)  # [nkv*hd, d]
+    ta.v_proj.weight.copy_(_select_heads(sa.v_proj.weight, nkv, head_dim) @ a_in)  # [nkv*hd, d]
+    ta.o_proj.weight.copy_(P.T @ sa.o_proj.weight[:, : nq * head_dim])  # [d, nq*hd]
+    keep = src.mlp.down_proj.weight.norm(dim=0).argsort(descending=True)[: dst.mlp.up_proj.out_features]
+    dst.mlp.gate_proj.weight.copy_(src.mlp.gate_proj.weight[keep] @ m_in)  # [I, d]
+    dst.mlp.up_proj.weight.copy_(src.mlp.up_proj.weight[keep] @ m_in)  # [I, d]
+    dst.mlp.down_proj.weight.copy_(P.T @ src.mlp.down_proj.weight[:, keep])  # [d, I]
+    dst.input_layernorm.weight.fill_(1.0)
+    dst.post_attention_layernorm.weight.fill_(1.0)
+
+
+@torch.no_grad()
+def build_student(teacher: LlamaForCausalLM, hp: dict) -> LlamaForCausalLM:
+    """Projected copy of the target (see module docstring), fp32."""
+    cfg = student_config(teacher.config, hp)
+    student = LlamaForCausalLM(cfg).float()
+    E = teacher.model.embed_tokens.weight.float()  # [V, D]
+    P = embedding_basis(E, hp["hidden"])  # [D, d]
+    student.model.embed_tokens.weight.copy_(E @ P)  # [V, d]
+    for dst, i in zip(student.model.layers, hp["layers"]):
+        project_layer(teacher.model.layers[i], dst, P, teacher.config.head_dim)
+    g = teacher.model.norm.weight.float()  # [D]
+    student.model.norm.weight.copy_((P * P * g[:, None]).sum(0) * math.sqrt(teacher.config.hidden_size / hp["hidden"]))
+    student.tie_weights()
+    return student
+
+
+# ----------------------------------------------------------------------------
+# Teacher labels and losses
+# ----------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def teacher_topk(teacher, ids: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k teacher log-probs and token ids -> ([B, T, k] fp16, [B, T, k] int32)."""
+    logits = teacher(input_ids=ids).logits.float()  # [B, T, V]
+    logp = torch.log_softmax(logits, dim=-1)  # [B, T, V]
+    vals, idx = logp.topk(k, dim=-1)  # [B, T, k]
+    return vals.half(), idx.int()
+
+
+def distill_loss(student_logits, ids, t_vals, t_idx, ce_weight: float) -> torch.Tensor:
+    """Soft cross-entropy to the renormalised top-k teacher distribution (+ CE)."""
+    logp = torch.log_softmax(student_logits.float(), dim=-1)  # [B, T, V]
+    q = torch.softmax(t_vals.float(), dim=-1)  # [B, T, k] renormalised teacher probs
+    soft = -(q * logp.gather(-1, t_idx.long())).sum(-1).mean()
+    if ce_weight == 0:
+        return soft
+    ce = F.nll_loss(logp[:, :-1].reshape(-1, logp.size(-1)), ids[:, 1:].reshape(-1))
+    return soft + ce_weight * ce
+
+
+# ----------------------------------------------------------------------------
+# Evaluation
+# ----------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def argmax_predictions(model, token_ids: torch.Tensor, positions: int, seq_len: int = 512, batch: int = 4):
+    """Teacher-forced argmax over the first `positions` tokens -> [positions] int64."""
+    n = positions // seq_len + (positions % seq_len > 0)
+    rows = token_ids[: n * seq_len].reshape(n, seq_len)  # [N, T]
+    preds = [model(input_ids=rows[i : i + batch]).logits.argmax(-1) for i in range(0, n, batch)]  # [b, T]
+    return torch.cat(preds).reshape(-1)[:positions]
+
+
+def greedy_agreement(student, teacher, token_ids, *, positions: int, teacher_preds=None) -> float:
+    """Fraction of teacher-forced positions where student argmax == teacher argmax.
+
+    `token_ids` is a 1-D sequence of held-out tokens (at least `positions` long),
+    scored in independent 512-token windows. `teacher_preds` may carry cached
+    teacher argmaxes (from `argmax_predictions`) to skip the teacher pass.
+    """
+    token_ids = torch.as_tensor(token_ids, dtype=torch.long).reshape(-1)
+    if token_ids.numel() < positions:
+        raise ValueError(f"need {positions} held-out tokens, got {token_ids.numel()}")
+    if teacher_preds is None:
+        teacher_preds = argmax_predictions(teacher, token_ids, positions)
+    was_training = student.training
+    student.eval()
+    s = argmax_predictions(student, token_ids, positions)
+    student.train(was_training)
+    return (s == teacher_preds).float().mean().item()
+
+
+# ----------------------------------------------------------------------------
+# Training
+# ----------------------------------------------------------------------------
+
+
+def lr_factor(frac: float, warmup: float) -> float:
+    """Linear warm-up then cosine decay to 5%, as a function of elapsed budget fraction."""
+    if frac < warmup:
+        return frac / warmup
+    p = min(1.0, (frac - warmup) / max(1e-9, 1 - warmup))
+    return 0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * p))
+
+
+@torch.no_grad()
+def calibrate_final_norm(student, ids, t_vals, t_idx, scales=(1.0, 0.5, 0.35, 0.25, 0.18, 0.12)) -> float:
+    """Rescale the copied final-norm gain to the value (from a grid) with the lowest distillation loss."""
+    w = student.model.norm.weight.clone()  # [d]
+    losses = []
+    for s in scales:
+        student.model.norm.weight.copy_(w * s)
+        losses.append(distill_loss(student(input_ids=ids).logits, ids, t_vals, t_idx, 0.0).item())
+    best = scales[int(np.argmin(losses))]
+    student.model.norm.weight.copy_(w * best)
+    return best
+
+
+def make_optimizer(student, hp: dict) -> torch.optim.Optimizer:
+    emb = student.model.embed_tokens.weight
+    emb.requires_grad_(hp["emb_lr"] > 0)
+    rest = [p for n, p in student.named_parameters() if p is not emb]
+    groups = [dict(params=rest, lr=hp["lr"], base_lr=hp["lr"])]
+    if hp["emb_lr"] > 0:
+        groups.append(dict(params=[emb], lr=hp["emb_lr"], base_lr=hp["emb_lr"]))
+    return torch.optim.AdamW(groups, betas=(0.9, 0.98), weight_decay=hp["weight_decay"])
+
+
+def train_step(student, opt, ids, t_vals, t_idx, hp) -> float:
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=hp["autocast"]):
+        logits = student(input_ids=ids).logits  # [B, T, V]
+    loss = distill_loss(logits, ids, t_vals, t_idx, hp["ce_weight"])
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(student.parameters(), 1.0)
+    opt.step()
+    return loss.item()
+
+
+class ReplayBuffer:
+    """Teacher-labelled chunks: ids [N, T], top-k log-probs and token ids [N, T, k]."""
+
+    def __init__(self):
+        self.ids, self.vals, self.idx = [], [], []
+
+    def add(self, ids, vals, idx):
+        self.ids += list(ids)
+        self.vals += list(vals)
+        self.idx += list(idx)
+
+    def sample(self, gen: torch.Generator, batch: int):
+        pick = torch.randint(len(self.ids), (batch,), generator=gen).tolist()
+        return tuple(torch.stack([xs[i] for i in pick]) for xs in (self.ids, self.vals, self.idx))
+
+
+def train(student, teacher, chunks: torch.Tensor, hp: dict, seconds: float, evaluate, log) -> dict:
+    """Interleave teacher labelling and student updates for `seconds` of wall clock."""
+    gen = torch.Generator().manual_seed(hp["seed"])
+    order = chunks[torch.randperm(len(chunks), generator=gen)]  # [N, T]
+    opt, buf = make_optimizer(student, hp), ReplayBuffer()
+    best = dict(agreement=-1.0, state=None, minute=0.0)
+    start, next_eval, cursor, step, losses = time.time(), hp["eval_every"] * 60, 0, 0, []
+    while (elapsed := time.time() - start) < seconds:
+        if cursor < len(order):  # label a fresh batch, train on it first
+            ids = order[cursor : cursor + hp["batch"]]  # [B, T]
+            vals, idx = teacher_topk(teacher, ids, hp["top_k"])  # [B, T, k] x2
+            if cursor == 0:
+                log(f"final-norm scale {calibrate_final_norm(student, ids, vals, idx)}")
+            buf.add(ids, vals, idx)
+            cursor += len(ids)
+            batches = [(ids, vals, idx)] + [buf.sample(gen, hp["batch"]) for _ in range(hp["replay"] - 1)]
+        else:  # data exhausted: keep replaying
+            batches = [buf.sample(gen, hp["batch"])]
+        for b in batches:
+            f = lr_factor(elapsed / seconds, hp["warmup"])
+            for g in opt.param_groups:
+                g["lr"] = g["base_lr"] * f
+            losses.append(train_step(student, opt, *b, hp))
+            step += 1
+        if time.time() - start >= next_eval or time.time() - start >= seconds:
+            next_eval += hp["eval_every"] * 60
+            agree = evaluate(student)
+            minute = (time.time() - start) / 60
+            log(f"min {minute:6.1f} step {step:6d} labelled {cursor * chunks.shape[1]:8d} tok "
+                f"loss {np.mean(losses[-50:]):.4f} agreement {agree:.4f}")
+            if agree > best["agreement"]:
+                best = dict(agreement=agree, state=copy.deepcopy(student.state_dict()), minute=minute)
+    if best["state"] is not None:
+        student.load_state_dict(best["state"])
+    return dict(steps=step, labelled_tokens=cursor * chunks.shape[1], best_agreement=best["agreement"],
+                best_minute=best["minute"], final_loss=float(np.mean(losses[-50:])) if losses else None)
+
+
+# ----------------------------------------------------------------------------
+# Saving
+# ----------------------------------------------------------------------------
+
+
+def save_student(student: LlamaForCausalLM, target_dir: str, out_dir: str) -> None:
+    """Write config.json, bf16 model.safetensors and the target's tokenizer files."""
+    os.makedirs(out_dir, exist_ok=True)
+    student.config.dtype = "bfloat16"
+    student.config.save_pretrained(out_dir)
+    state = {k: v.detach().to(torch.bfloat16).contiguous() for k, v in student.state_dict().items()
+             if k != "lm_head.weight"}  # tied to model.embed_tokens.weight
+    save_file(state, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+    for name in os.listdir(target_dir):
+        src, dst = os.path.join(target_dir, name), os.path.join(out_dir, name)
+        if name == "tokenizer.json":  # same content, without indentation (~2 MB smaller)
+            with open(src, encoding="utf-8") as f, open(dst, "w", encoding="utf-8") as g:
+                json.dump(json.load(f), g, ensure_ascii=False, separators=(",", ":"))
+        elif name.startswith(("tokenizer", "special_tokens", "chat_template", "vocab", "merges", "generation_config")):
+            shutil.copy(src, dst)
+
+
+# ----------------------------------------------------------------------------
+# Entry points
+# ----------------------------------------------------------------------------
+
+
+def distill(*, target_dir: str, texts: list[str], out_dir: str, minutes: float, seed: int = 0,
+            eval_text: str | None = None, log=print, **hyperparams) -> dict:
+    """Build, train (for `minutes` of wall clock) and save a draft model; return metrics."""
+    unknown = set(hyperparams) - set(DEFAULTS)
+    if unknown:
+        raise ValueError(f"unknown hyperparameters: {sorted(unknown)}")
+    hp = {**DEFAULTS, **hyperparams, "seed": seed}
+    torch.set_num_threads(hp["threads"])
+    torch.manual_seed(seed)
+    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    teacher = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    student = build_student(teacher, hp).train()
+    chunks = chunk(encode(tokenizer, texts), hp["seq_len"])  # [N, T]
+    evaluate, eval_ids, t_preds = (lambda s: float("nan")), None, None
+    if eval_text is not None:
+        eval_ids = torch.from_numpy(encode(tokenizer, [eval_text])[0])  # [L]
+        positions = min(hp["eval_positions"], eval_ids.numel())
+        t_preds = argmax_predictions(teacher, eval_ids, positions)  # fp32 teacher, cached
+        evaluate = lambda s: greedy_agreement(s, None, eval_ids, positions=positions, teacher_preds=t_preds)
+    if hp["teacher_bf16"]:
+        teacher = teacher.to(torch.bfloat16)
+    t0 = time.time()
+    metrics = train(student, teacher, chunks, hp, minutes * 60, evaluate, log)
+    metrics.update(train_minutes=(time.time() - t0) / 60, train_tokens=int(chunks.numel()),
+                   params=sum(p.numel() for p in student.parameters()),
+                   hyperparams={k: (list(v) if isinstance(v, tuple) else v) for k, v in hp.items()})
+    save_student(student, target_dir, out_dir)
+    if eval_text is not None:
+        metrics["eval_positions"] = positions
+    with open(os.path.join(out_dir, "distill_metrics.json"), "w") as f:
+        json.dump(metrics, f, indent=2)
+    return metrics
+
+
+def _read(path: str) -> str:
+    """A text file, or the name of a book shipped in specstack.data (e.g. ``emma``)."""
+    from .data import BOOKS, load_book
+
+    if path in BOOKS and not os.path.exists(path):
+        return load_book(path)
+    if not os.path.isfile(path):
+        raise SystemExit(f"specstack distill: no such file or shipped book: {path}; books: {', '.join(BOOKS)}")
+    with open(path, encoding="utf-8") as f:
+        return f.read()
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="specstack distill", description="Distil a draft model from a target model.")
+    ap.add_argument("--target", default=None, help="target model directory (default: the embedded SmolLM2-135M)")
+    ap.add_argument("--text", action="append", required=True, help="training text file or shipped book name (repeatable)")
+    ap.add_argument("--out", required=True, help="output directory for the draft model")
+    ap.add_argument("--minutes", type=float, default=60.0, help="wall-clock training budget")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--eval-text", help="held-out text file or shipped book for greedy-agreement evaluation")
+    args = ap.parse_args(argv)
+    if args.target is None:
+        from .models import prepare_target
+
+        args.target = str(prepare_target())
+    if not os.path.isfile(os.path.join(args.target, "config.json")):
+        raise SystemExit(f"specstack distill: not a model directory: {args.target}")
+    if args.minutes <= 0:
+        raise SystemExit("specstack distill: --minutes must be positive")
+    texts = [_read(p) for p in args.text]
+    eval_text = _read(args.eval_text) if args.eval_text else None
+    m = distill(target_dir=args.target, texts=texts, out_dir=args.out, minutes=args.minutes,
+                seed=args.seed, eval_text=eval_text, log=lambda s: print(s, flush=True))
+    print(json.dumps({k: v for k, v in m.items() if k != "hyperparams"}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
