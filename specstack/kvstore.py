@@ -35,6 +35,7 @@ class KVStore:
         self.length = 0
         self.relative_positions = relative_positions
         self._rerotate = rerotate
+        self._incoming = torch.empty(0, dtype=torch.long)  # positions of the tokens being written
         self.horizon = 0  # positions below this were gathered from another store (per-head slots)
         self.gathered = 0  # how many leading slots hold gathered entries
         self.records_queries = False  # set by a level that scores this store's keys (retrieval)
