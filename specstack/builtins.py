@@ -67,8 +67,10 @@ def _triforce_lookup(registry, *, target, gamma1: int = 4, gamma2: int = 6, budg
     return [Level(drafter=lookup), _retrieval_target(target, gamma1, budget, chunk_size, stride), Level(model=target, gamma=gamma2, name="target")]
 
 
-def _retrieval_flat(registry, *, target, gamma: int = 6, budget: int = 512, chunk_size: int = 8, stride: int = 64) -> list[Level]:
-    retrieval = Level(model=target, policy=Retrieval(budget=budget, chunk_size=chunk_size, stride=stride), name="target+retrieval")
+def _retrieval_flat(registry, *, target, gamma: int = 6, budget: int = 512, chunk_size: int = 8, stride: int = 64,
+                    refresh_below: float = 0.0) -> list[Level]:
+    policy = Retrieval(budget=budget, chunk_size=chunk_size, stride=stride, refresh_below=refresh_below)
+    retrieval = Level(model=target, policy=policy, name="target+retrieval")
     return [retrieval, Level(model=target, gamma=gamma, name="target")]
 
 

@@ -63,6 +63,14 @@ def test_greedy_output_equals_the_targets_own_greedy_decoding(models, prompt, re
         assert any(level.gathers for level in result.levels)
 
 
+def test_retrieval_is_gathered_again_when_acceptance_drops(models, prompt, reference) -> None:
+    target = models[0]
+    stack = Registry.create().stack("retrieval-flat", target=target, budget=256, stride=4096, refresh_below=0.99)
+    result = stack.generate(prompt, NEW_TOKENS)
+    assert result.tokens == reference.tokens
+    assert result.levels[0].gathers >= 1  # no stride refresh can happen in 40 tokens: the acceptance drop did it
+
+
 def test_greedy_reference_matches_transformers_generate(models, prompt, reference) -> None:
     target, _, _ = models
     ids = torch.tensor([prompt[-512:]])
