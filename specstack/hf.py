@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from .errors import SpecstackError
-from .kvstore import KVStore
+from .kvstore import KVStore, causal_mask
 from .types import Capability
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
@@ -31,7 +31,7 @@ def grouped_attention(module, query, key, value, attention_mask, scaling=None, d
     read once per KV head instead of being repeated. New tokens are the last T of the n keys, and
     each attends to every cached slot and to the new tokens up to itself.
     """
-    store: KVStore | None = kwargs.get("specstack_store")
+    store: KVStore | None = kwargs.get("specstack_store")  # None when transformers drives the model (generate)
     if store is not None and store.records_queries:
         store.record_query(module.layer_idx, query[0, :, -1])
     _, hq, t, d = query.shape
@@ -43,8 +43,7 @@ def grouped_attention(module, query, key, value, attention_mask, scaling=None, d
     q = query.reshape(1, hkv, group * t, d)  # [1, Hkv, G*T, D]
     mask = None
     if t > 1:
-        causal = torch.ones(t, n, dtype=torch.bool, device=query.device).tril(diagonal=n - t)  # [T, n]
-        mask = causal.repeat(group, 1)  # [G*T, n]
+        mask = store.causal_mask(group) if store is not None else causal_mask(t, n, group, query.device)  # [G*T, n]
     out = F.scaled_dot_product_attention(q, key, value, attn_mask=mask, scale=scaling)  # [1, Hkv, G*T, D]
     return out.reshape(1, hq, t, d).transpose(1, 2), None  # [1, T, Hq, D]
 

@@ -17,6 +17,12 @@ from .errors import SpecstackError
 Rerotate = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (keys [L, H, n, D], delta [n]) -> keys
 
 
+def causal_mask(t: int, n: int, group: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """[group*T, n] boolean mask for T new tokens at the end of n keys, rows repeated per query head."""
+    causal = torch.ones(t, n, dtype=torch.bool, device=device).tril(diagonal=n - t)  # [T, n]
+    return causal.repeat(group, 1)  # [G*T, n]
+
+
 class KVStore:
     """The KV cache of one level (also the transformers ``Cache`` the model writes into).
 
@@ -36,6 +42,7 @@ class KVStore:
         self.relative_positions = relative_positions
         self._rerotate = rerotate
         self._incoming = torch.empty(0, dtype=torch.long)  # positions of the tokens being written
+        self._mask: torch.Tensor | None = None  # the current forward's causal mask, built once for all layers
         self.horizon = 0  # positions below this were gathered from another store (per-head slots)
         self.gathered = 0  # how many leading slots hold gathered entries
         self.records_queries = False  # set by a level that scores this store's keys (retrieval)
@@ -88,6 +95,15 @@ class KVStore:
         if self.length + positions.shape[0] > self.capacity:
             raise SpecstackError(f"KV store full: {self.length} + {positions.shape[0]} tokens exceed its {self.capacity} slots")
         self._incoming = positions
+        self._mask = None
+
+    def causal_mask(self, group: int) -> torch.Tensor:
+        """[group*T, n+T] mask of the current forward: every cached slot, then new tokens up to each
+        query's own; rows repeat per query head of a GQA group. Built once, shared by every layer."""
+        if self._mask is None:
+            t = self._incoming.shape[0]
+            self._mask = causal_mask(t, self.length + t, group, self.keys.device)
+        return self._mask
 
     def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
         """Write the new tokens' key/value [1, H, T, D] of one layer; return the layer's view [1, H, n+T, D]."""
@@ -109,7 +125,3 @@ class KVStore:
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.length
-
-    def layer_view(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Committed keys and values of one layer ([H, n, D] each)."""
-        return self.keys[layer, :, : self.length], self.values[layer, :, : self.length]

@@ -115,9 +115,11 @@ class CachedModel:
     def _gather_if_due(self, tokens: Sequence[int], num_logits: int) -> None:
         """Rebuild this level's view from the source's full cache when the policy asks for it."""
         context = tokens[: len(tokens) - num_logits]
-        appended = self.fed_prefix(context) - self.cache.horizon
+        seen = self.fed_prefix(tokens)  # one comparison serves all three checks below
+        appended = min(seen, len(context)) - self.cache.horizon
         stale = self.cache.horizon == 0 or appended < 0
-        if not stale and not self.policy.needs_refresh(appended, self._acceptance) and len(self.cache) + len(tokens) - self.fed_prefix(tokens) <= self.capacity:
+        out_of_room = len(self.cache) + len(tokens) - seen > self.capacity
+        if not (stale or out_of_room or self.policy.needs_refresh(appended, self._acceptance)):
             return
         horizon = self.source.fed_prefix(context)
         if horizon < len(context) - 1 or horizon == 0:  # the source lags (e.g. at the prompt): let it catch up

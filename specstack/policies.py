@@ -61,10 +61,6 @@ class CachePolicy(abc.ABC):
     def capacity(self, max_length: int) -> int:
         return max_length
 
-    def describe(self) -> str:
-        fields = ", ".join(f"{k}={v}" for k, v in vars(self).items() if not k.startswith("_"))
-        return f"{self.name}({fields})"
-
 
 class EvictionPolicy(CachePolicy):
     """A policy over the level's own cache: ``select(state)`` returns the slots to keep
