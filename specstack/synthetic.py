@@ -4,6 +4,11 @@ A :class:`SyntheticLM` maps the tokens it can see to a fixed pseudo-random logit
 visible context always gives the same distribution, so the exact probability of any continuation
 can be computed (:func:`sequence_probabilities`) and compared with what a stack generates. A draft
 is made correlated with a target through ``base``; ``support`` restricts the tokens a model can emit.
+
+Its cache is the real :class:`~specstack.kvstore.KVStore` (one layer, one head): keys are fixed
+random token embeddings and each value carries its token id, so every cache policy (eviction,
+per-head eviction, gathering, attention-weighted, sparse attention) runs on it exactly as on a
+transformer, and what a token "sees" is the set of slots its attention may reach.
 """
 
 from __future__ import annotations
@@ -13,49 +18,10 @@ from typing import Sequence
 import attrs
 import torch
 
-from .errors import SpecstackError
+from .attention import attention_weights
+from .kvstore import KVStore
 from .sampling import SamplingConfig, warp
 from .types import Capability
-
-
-@attrs.define(eq=False)
-class TokenCache:
-    """The synthetic model's "KV" store: the token at each occupied slot, behind a length pointer."""
-
-    capacity: int
-    tokens: torch.Tensor = attrs.field(init=False)  # [capacity]
-    slot_positions: torch.Tensor = attrs.field(init=False)  # [capacity]
-    length: int = attrs.field(init=False, default=0)
-
-    def __attrs_post_init__(self) -> None:
-        self.tokens = torch.zeros(self.capacity, dtype=torch.long)
-        self.slot_positions = torch.zeros(self.capacity, dtype=torch.long)
-
-    def __len__(self) -> int:
-        return self.length
-
-    @property
-    def positions(self) -> torch.Tensor:
-        return self.slot_positions[: self.length]  # [n]
-
-    def truncate(self, position: int) -> None:
-        self.length = int(torch.searchsorted(self.positions, position))
-
-    def keep(self, slots: torch.Tensor) -> None:
-        n = slots.shape[0]
-        self.tokens[:n] = self.tokens[slots]
-        self.slot_positions[:n] = self.slot_positions[slots]
-        self.length = n
-
-    def append(self, token: int, position: int) -> None:
-        if self.length == self.capacity:
-            raise SpecstackError(f"cache full: capacity {self.capacity} slots")
-        self.tokens[self.length] = token
-        self.slot_positions[self.length] = position
-        self.length += 1
-
-    def visible(self) -> list[int]:
-        return self.tokens[: self.length].tolist()
 
 
 @attrs.define(eq=False, kw_only=True)
@@ -75,7 +41,13 @@ class SyntheticLM:
     support: tuple[int, ...] | None = None
     max_length: int = 4096
     tokenizer_id: str | None = "synthetic"
-    capabilities: frozenset[Capability] = frozenset()
+    capabilities: frozenset[Capability] = frozenset(Capability) - {Capability.HIDDEN_STATES, Capability.TREE_ATTENTION}
+    head_dim: int = 4
+    _embeddings: torch.Tensor = attrs.field(init=False)  # [2, V, D]: key and query embedding of each token
+
+    def __attrs_post_init__(self) -> None:
+        generator = torch.Generator().manual_seed(self.seed)
+        self._embeddings = torch.randn(2, self.vocab_size, self.head_dim, generator=generator)  # [2, V, D]
 
     def logits_for(self, context: Sequence[int]) -> torch.Tensor:
         generator = torch.Generator().manual_seed(hash((self.seed, *context)) & 0x7FFF_FFFF_FFFF_FFFF)
@@ -88,17 +60,34 @@ class SyntheticLM:
             logits = logits + mask
         return logits
 
-    def new_cache(self, capacity: int, *, relative_positions: bool = False) -> TokenCache:
-        return TokenCache(capacity)  # positions play no part in a synthetic model
+    def new_cache(self, capacity: int, *, relative_positions: bool = False) -> KVStore:
+        # positions play no part in a synthetic model, so cache-relative ones need no re-rotation
+        return KVStore(layers=1, kv_heads=1, head_dim=self.head_dim, capacity=capacity, dtype=torch.float32)
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: TokenCache, num_logits: int) -> torch.Tensor:
-        rows = []
-        for i, (token, position) in enumerate(zip(tokens.tolist(), positions.tolist())):
-            cache.append(token, position)
-            if i >= len(tokens) - num_logits:
-                rows.append(self.logits_for(cache.visible()))
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVStore, num_logits: int) -> torch.Tensor:
+        cache.begin(positions)
+        keys, queries = self._embeddings[:, tokens]  # [T, D] each
+        values = tokens.float()[:, None].expand(-1, self.head_dim)  # [T, D]; the token id rides along
+        keys, values = cache.update(keys[None, None], values[None, None], 0)  # [1, 1, n+T, D]
+        seen = self._visible(queries, keys[0], cache)  # [T, n+T]
+        cache.commit()
+        ids = values[0, 0, :, 0].long()  # [n+T]
+        t = tokens.shape[0]
+        rows = [self.logits_for(ids[seen[i]].tolist()) for i in range(t - num_logits, t)]
         return torch.stack(rows) if rows else torch.empty(0, self.vocab_size)  # [num_logits, V]
 
+    def _visible(self, queries: torch.Tensor, keys: torch.Tensor, cache: KVStore) -> torch.Tensor:
+        """Which slots each new token attends to ([T, n+T] bool): all before it, unless the level's
+        policy restricts attention; the weights are recorded for policies that read them."""
+        causal = cache.causal_mask(1)  # [T, n+T]
+        if cache.records_queries:
+            cache.record_query(0, queries[-1:])  # [1, D]
+        if not (cache.records_attention or cache.attention_filter is not None):
+            return causal
+        weights = attention_weights(queries[None], keys, causal, self.head_dim**-0.5, 1, cache.attention_filter)  # [1, T, n+T]
+        if cache.records_attention:
+            cache.accumulate_attention(0, weights.sum(1))  # [1, n+T]
+        return weights[0] > 0
 
 def greedy_decode(model: SyntheticLM, prompt: Sequence[int], max_new_tokens: int, stop_tokens: Sequence[int] = ()) -> list[int]:
     """Plain argmax decoding with the full context: the reference for greedy losslessness."""

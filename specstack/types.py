@@ -24,7 +24,8 @@ import torch
 class Capability(str, enum.Enum):
     """Data a component may need from a model, declared up front and checked when a stack is built."""
 
-    ATTENTION_WEIGHTS = "attention_weights"
+    ATTENTION_WEIGHTS = "attention_weights"  # accumulated attention mass per cached slot (H2O)
+    SPARSE_ATTENTION = "sparse_attention"  # a policy restricts each query to slots it picks (Top-K oracle)
     QUERIES = "queries"
     KEYS = "keys"
     HIDDEN_STATES = "hidden_states"

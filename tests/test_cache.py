@@ -8,8 +8,9 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from specstack import CachedModel, CacheState, EvictionPolicy, FullCache, LevelStats, SpecstackError, StreamingLLM
+from specstack.kvstore import KVStore
 from specstack.policies import check_selection
-from specstack.synthetic import SyntheticLM, TokenCache
+from specstack.synthetic import SyntheticLM
 
 
 @settings(max_examples=300)
@@ -29,13 +30,13 @@ def test_streaming_keeps_sinks_and_the_most_recent_within_budget(sinks, window, 
 
 
 def test_rollback_is_a_pointer_move() -> None:
-    cache = TokenCache(16)
-    for position in range(10):
-        cache.append(position + 100, position)
-    storage = cache.tokens.data_ptr()
+    model = SyntheticLM(vocab_size=120, seed=1)
+    cache = model.new_cache(16)
+    model.forward(torch.arange(100, 110), torch.arange(10), cache, 1)
+    storage = cache.keys.data_ptr()
     cache.truncate(6)
-    assert len(cache) == 6 and cache.tokens.data_ptr() == storage
-    assert cache.tokens[7] == 107  # not erased: the rejected suffix is simply overwritten later
+    assert len(cache) == 6 and cache.keys.data_ptr() == storage
+    assert cache.values[0, 0, 7, 0] == 107  # not erased: the rejected suffix is simply overwritten later
 
 
 def test_cached_model_matches_fresh_computation_after_rollbacks() -> None:
@@ -86,3 +87,38 @@ def test_a_policy_breaking_its_budget_is_named() -> None:
     lm = CachedModel(SyntheticLM(vocab_size=5), Hoarder(), LevelStats(name="t"))
     with pytest.raises(SpecstackError, match="cache policy 'hoarder' kept 4 slots but only 3 fit"):
         lm.logits([0, 1, 2, 3, 4], 1)
+
+
+def _filled_store(length: int) -> KVStore:
+    """Two layers, three KV heads; every key and value encodes (layer, head, position)."""
+    store = KVStore(layers=2, kv_heads=3, head_dim=1, capacity=16, dtype=torch.float32)
+    store.records_attention = True
+    store.begin(torch.arange(length))
+    for layer in range(2):
+        code = 100 * layer + 10 * torch.arange(3)[:, None] + torch.arange(length)  # [H, T]
+        store.update(code[None, :, :, None].float(), code[None, :, :, None].float(), layer)
+        store.accumulate_attention(layer, code.float())
+    store.commit()
+    return store
+
+
+def test_per_head_eviction_keeps_each_heads_slots_and_rolls_back_over_the_shared_tail() -> None:
+    store = _filled_store(10)
+    heavy = torch.tensor([[[0, 2], [1, 3], [0, 4]], [[5, 6], [0, 1], [2, 6]]])  # [L, H, 2]: differs per head
+    slots = torch.cat([heavy, torch.tensor([7, 8, 9]).expand(2, 3, 3)], dim=-1)  # [L, H, 5]
+    store.keep(slots)
+    expected = 100 * torch.arange(2)[:, None, None] + 10 * torch.arange(3)[None, :, None] + slots  # [L, H, 5]
+    assert torch.equal(store.keys[:, :, :5, 0], expected.float())
+    assert torch.equal(store.attention_mass(), expected.float())  # the scores moved with their slots
+    assert store.positions.tolist() == [-1, -1, 7, 8, 9] and store.horizon == 7
+    store.truncate(9)  # reject the newest token: a pointer move over the shared tail
+    assert len(store) == 4
+    store.truncate(5)  # inside the per-head part: the view must start over
+    assert len(store) == 0
+
+
+def test_per_head_selections_are_checked_row_by_row() -> None:
+    state = CacheState(positions=torch.arange(10), capacity=8, incoming=2)
+    unsorted = torch.tensor([[[0, 1, 9], [1, 0, 9]]])  # [1, 2, 3]; the second row is not ascending
+    with pytest.raises(SpecstackError, match="not strictly ascending"):
+        check_selection(FullCache(), unsorted, state)

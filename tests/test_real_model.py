@@ -49,6 +49,9 @@ def reference(models, prompt):
         ("triforce-lookup", SMALL),
         ("speculative", {"gamma": 4}),
         ("prompt-lookup", {}),
+        ("self-speculative", {"policy": "h2o", "budget": 256}),  # the plugins at level 1
+        ("self-speculative", {"policy": "topk-oracle", "budget": 256}),
+        ("hierarchical", {"policy": "h2o", "budget": 256}),
     ],
 )
 def test_greedy_output_equals_the_targets_own_greedy_decoding(models, prompt, reference, name, options) -> None:
@@ -59,7 +62,7 @@ def test_greedy_output_equals_the_targets_own_greedy_decoding(models, prompt, re
     assert result.tokens == reference.tokens
     top = result.levels[-1]
     assert top.rounds < NEW_TOKENS  # it really speculated: fewer target rounds than tokens
-    if "budget" in options:  # the retrieval view was gathered again during decoding (stride 16)
+    if "stride" in options:  # the retrieval view was gathered again during decoding (stride 16)
         assert any(level.gathers for level in result.levels)
 
 

@@ -34,8 +34,8 @@ def test_unknown_names_list_what_is_available(registry) -> None:
 
 def test_parameters_are_checked(registry) -> None:
     assert isinstance(registry.cache_policy("streaming", sinks=4, window=64), StreamingLLM)
-    with pytest.raises(SpecstackError, match="cache policy 'streaming' has no parameter 'budget'; parameters: sinks, window"):
-        registry.cache_policy("streaming", budget=3)
+    with pytest.raises(SpecstackError, match="cache policy 'streaming' has no parameter 'size'; parameters: sinks, window, budget"):
+        registry.cache_policy("streaming", size=3)
 
 
 class Recent(EvictionPolicy):

@@ -1,4 +1,8 @@
-"""Statistical helpers for testing losslessness (exported for plugin authors).
+"""Testing aids exported for plugin authors.
+
+* :mod:`specstack.testing.conformance`: the conformance suite every registered component passes;
+  run it on your installed plugin with ``pytest --pyargs specstack.testing.conformance -k <name>``.
+* Statistical helpers for testing losslessness (below).
 
 :func:`chi_square_pvalue` compares sampled outcomes with their exact probabilities. Bins whose
 expected count is below 5 are pooled (the usual validity rule), and an outcome with exact

@@ -1,0 +1,162 @@
+"""``run_grid``: expand a grid, run what ``results.jsonl`` does not hold yet, rebuild the outputs."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any, Iterator, Mapping, TextIO
+
+import attrs
+
+from ..errors import SpecstackError
+from ..registry import Registry
+from . import report
+from .executors import make_executor
+from .grid import Grid, expand
+from .models import model_source
+from .runner import Job, pending_in
+from .stacks import Catalog
+
+RESULTS = "results.jsonl"
+
+
+@attrs.define(eq=False, kw_only=True)
+class ResultsFile:
+    """``results.jsonl``: one record per finished run, appended and flushed as each run ends."""
+
+    path: Path
+
+    def read(self) -> list[dict]:
+        """Every record, the last one of each id winning; a torn last line (a killed run) is skipped."""
+        if not self.path.exists():
+            return []
+        records: dict[str, dict] = {}
+        for number, line in enumerate(self.path.read_text(encoding="utf-8").splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                print(f"[specstack bench] skipping unreadable line {number} of {self.path}", file=sys.stderr)
+                continue
+            if isinstance(record, dict) and "id" in record:
+                records[record["id"]] = record
+        return list(records.values())
+
+    def append(self, record: dict) -> None:
+        with self.path.open("a+b") as handle:
+            torn = handle.tell() > 0 and not _ends_with_newline(handle)
+            handle.write((("\n" if torn else "") + json.dumps(record) + "\n").encode("utf-8"))
+            handle.flush()
+
+
+def _ends_with_newline(handle) -> bool:
+    handle.seek(-1, 2)
+    return handle.read(1) == b"\n"
+
+
+@attrs.define(eq=False, kw_only=True)
+class Progress:
+    """One line per finished run on stderr: count, elapsed time, ETA and what just finished."""
+
+    total: int
+    enabled: bool = True
+    stream: TextIO = sys.stderr
+    done: int = 0
+    began: float = attrs.field(factory=time.perf_counter)
+
+    def start(self, skipped: int) -> None:
+        self._say(f"{self.total} runs to do" + (f" ({skipped} already in {RESULTS})" if skipped else ""))
+
+    def advance(self, record: dict) -> None:
+        self.done += 1
+        elapsed = time.perf_counter() - self.began
+        eta = elapsed / self.done * (self.total - self.done)
+        outcome = f"{record['tokens_per_second']:.1f} tok/s" if record["status"] == "ok" and record.get("tokens_per_second") else record["status"]
+        self._say(f"{self.done}/{self.total} runs, {_clock(elapsed)} elapsed, ETA {_clock(eta)} | {record['label']} "
+                  f"{record['task']} ctx={record['context_length']} T={record['temperature']} seed={record['seed']}: {outcome}")
+
+    def _say(self, text: str) -> None:
+        if self.enabled:
+            print(f"[specstack bench] {text}", file=self.stream, flush=True)
+
+
+def _clock(seconds: float) -> str:
+    minutes, secs = divmod(int(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}"
+
+
+@attrs.frozen(kw_only=True)
+class Table:
+    """What :func:`run_grid` returns: every record of the output directory, and how many runs this call executed."""
+
+    rows: list[dict]
+    out: Path
+    executed: int
+
+    @property
+    def ok(self) -> list[dict]:
+        return report.ok(self.rows)
+
+    @property
+    def errors(self) -> list[dict]:
+        return [r for r in self.rows if r.get("status") != "ok"]
+
+    def to_markdown(self) -> str:
+        return report.summary_markdown(self.rows)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __iter__(self) -> Iterator[dict]:
+        return iter(self.rows)
+
+    def _repr_markdown_(self) -> str:  # notebooks render the table
+        return self.to_markdown()
+
+
+def run_grid(grid: Grid | Mapping[str, Any], out: str | Path, *, models: Any = None, registry: Registry | None = None,
+             executor: str = "local", ray_address: str | None = None, num_cpus: int | None = None, progress: bool = True) -> Table:
+    """Run every point of ``grid`` not yet in ``out/results.jsonl``; rebuild CSV, report and plots.
+
+    ``models``: ``None`` loads the embedded default in ``grid.dtype``; or ``(target, draft,
+    tokenizer)``; or a model source such as :class:`~specstack.bench.models.SyntheticModels`.
+    """
+    grid = grid if isinstance(grid, Grid) else Grid.from_mapping(grid)
+    runner = make_executor(executor, address=ray_address, num_cpus=num_cpus)
+    source = model_source(models, grid.dtype)
+    groups = expand(grid, Catalog(registry=registry or Registry.create()), source.label)
+    results = ResultsFile(path=_out_dir(out) / RESULTS)
+    done = {r["id"]: r for r in results.read()}
+    pending = pending_in(groups, done)
+    bar = Progress(total=len(pending), enabled=progress)
+    bar.start(skipped=sum(len(g) for g in groups) - len(pending))
+
+    def sink(record: dict) -> None:
+        results.append(record)
+        bar.advance(record)
+
+    job = Job(models=source, warmup=grid.warmup, threads=grid.threads, entry_points=registry is None)
+    runner.run(job, [g for g in groups if any(p.id in pending for p in g)], pending, sink, registry=registry)
+    return Table(rows=write_outputs(results.path.parent), out=results.path.parent, executed=bar.done)
+
+
+def write_outputs(out: str | Path) -> list[dict]:
+    """Rebuild ``results.csv``, ``report.md`` and the plots from every record in ``out``."""
+    out = Path(out)
+    records = ResultsFile(path=out / RESULTS).read()
+    report.write_csv(records, out / "results.csv")
+    report.write_report(records, out / "report.md", report.draw_plots(records, out))
+    return records
+
+
+def _out_dir(out: str | Path) -> Path:
+    path = Path(out)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise SpecstackError(f"cannot create output directory {str(path)!r}: {error.strerror}") from None
+    return path

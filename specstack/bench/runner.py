@@ -1,0 +1,260 @@
+"""Running the points of a group in one process, and turning each run into a JSON record.
+
+A group shares one prompt, sampling setup and seed. Its baselines (``autoregressive`` for the
+recipes, ``hf-generate`` for the HF baselines) run first and their measurements are kept for the
+group, so every speedup compares two runs of this process on identical input. A baseline whose
+record already exists is measured again (and not recorded twice) when the group still has work.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import platform
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Iterable, Iterator, Mapping
+
+import attrs
+import torch
+
+from ..errors import SpecstackError
+from ..model import check_window
+from ..registry import Registry
+from ..sampling import SamplingConfig
+from .grid import Point
+from .models import ModelSource, Models
+from .stacks import Catalog, Measurement, RunSetup
+from .tasks import Books, Prompt, task_by_name
+
+
+@attrs.frozen(kw_only=True)
+class Job:
+    """What a process needs to run groups; picklable, so a Ray worker can build its own runner."""
+
+    models: ModelSource
+    warmup: bool = True
+    threads: int | None = None
+    entry_points: bool = True  # load plugin stack recipes in workers too
+
+
+@attrs.frozen(kw_only=True)
+class Failure:
+    """A run that did not produce a measurement: one line, and whether the input was at fault."""
+
+    error: str
+    kind: str  # "input" (a SpecstackError) or "crash" (anything else)
+
+    @classmethod
+    def of(cls, error: Exception) -> "Failure":
+        if isinstance(error, SpecstackError):
+            return cls(error=_one_line(str(error)), kind="input")
+        return cls(error=_one_line(f"{type(error).__name__}: {error}"), kind="crash")
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())[:500]
+
+
+@attrs.define(eq=False, kw_only=True)
+class Runner:
+    """Models, stacks, tokenized books and the environment of this process."""
+
+    models: Models
+    catalog: Catalog
+    books: Books
+    environment: dict[str, Any]
+    warmup: bool = True
+    _warm: set[str] = attrs.field(factory=set)
+
+    @classmethod
+    def open(cls, job: Job, registry: Registry | None = None) -> "Runner":
+        models = job.models.load()
+        catalog = Catalog(registry=registry or Registry.create(entry_points=job.entry_points))
+        return cls(models=models, catalog=catalog, books=Books(models.tokenizer), environment=environment(models), warmup=job.warmup)
+
+    def run_group(self, points: list[Point], pending: set[str]) -> Iterator[dict]:
+        """A record for every pending point of the group, in order (baselines first)."""
+        todo = [p for p in points if p.id in pending]
+        if not todo:
+            return
+        prompt = self._prompt(todo[0])
+        needed = {p.baseline for p in todo if p.baseline}
+        measured: dict[str, Measurement | Failure] = {}
+        for point in points:
+            if point.id not in pending and not (point.stack in needed and not point.options):
+                continue
+            outcome = prompt if isinstance(prompt, Failure) else self._measure(point, prompt)
+            if point.stack in needed and not point.options:
+                measured[point.stack] = outcome
+            if point.id in pending:
+                yield self._record(point, prompt, outcome, measured.get(point.baseline))
+
+    def _prompt(self, point: Point) -> Prompt | Failure:
+        try:
+            return task_by_name(point.task.name).prompt(self.books, point.context_length, point.seed, dict(point.task.options))
+        except Exception as error:  # noqa: BLE001 - recorded, the grid goes on
+            return Failure.of(error)
+
+    def _measure(self, point: Point, prompt: Prompt) -> Measurement | Failure:
+        try:
+            stack = self.catalog.get(point.stack)
+            _check_point(point, self.models.target)
+            run = self._setup(point, prompt)
+            self._warm_up(stack, run)
+            _reset_cuda_peak()
+            return stack.measure(run, dict(point.options))
+        except Exception as error:  # noqa: BLE001 - recorded, the grid goes on
+            return Failure.of(error)
+
+    def _setup(self, point: Point, prompt: Prompt) -> RunSetup:
+        sampling = SamplingConfig(temperature=point.temperature, top_p=point.top_p, top_k=point.top_k)
+        stops = self.models.stop_tokens if point.stop_at_eos else ()
+        return RunSetup(models=self.models, registry=self.catalog.registry, sampling=sampling, stop_tokens=stops,
+                        prompt=prompt.tokens, max_new_tokens=point.max_new_tokens, seed=point.seed)
+
+    def _warm_up(self, stack, run: RunSetup) -> None:
+        """One short untimed run per stack family, so no timed run pays for first-call set-up."""
+        if not self.warmup or stack.family in self._warm:
+            return
+        self._warm.add(stack.family)
+        try:
+            stack.warm(run.short())
+        except Exception:  # noqa: BLE001 - the timed run will report the problem
+            pass
+
+    def _record(self, point: Point, prompt: Prompt | Failure, outcome: Measurement | Failure,
+                reference: Measurement | Failure | None) -> dict:
+        head = {"id": point.id, "group": point.group, "label": point.label, **point.config(), "baseline": point.baseline}
+        tail = {"environment": self.environment, "git_revision": self.environment["git_revision"]}
+        if isinstance(outcome, Failure):
+            return {**head, "status": "error", "error": outcome.error, "error_kind": outcome.kind, **tail}
+        return {**head, "status": "ok", **metrics(outcome, reference, prompt, self.books, greedy=point.temperature == 0), **tail}
+
+
+def _check_point(point: Point, target: Any) -> None:
+    """Failures known before any forward pass: a budget beyond the context, a window too small."""
+    budget = dict(point.options).get("budget")
+    if isinstance(budget, int) and budget > point.context_length:
+        raise SpecstackError(f"budget {budget} is larger than the {point.context_length}-token context; use a budget of at most {point.context_length}")
+    check_window(target, point.context_length + point.max_new_tokens,
+                 f"a {point.context_length}-token context plus {point.max_new_tokens} new tokens")
+
+
+# -- metrics ------------------------------------------------------------------------------------
+
+
+def metrics(run: Measurement, reference: Measurement | Failure | None, prompt: Prompt, books: Books, *, greedy: bool) -> dict[str, Any]:
+    """The numbers of one successful run (see docs/bench.md for each field)."""
+    n = len(run.tokens)
+    text = books.decode(run.tokens)
+    return {
+        "new_tokens": n,
+        "decode_seconds": run.decode_seconds,
+        "prefill_seconds": run.prefill_seconds,
+        "total_seconds": run.total_seconds,
+        "timing": run.timing,
+        "tokens_per_second": n / run.timed_seconds if run.timed_seconds > 0 else None,
+        "speedup": _speedup(run, reference),
+        "identical_to_baseline": _identical(run, reference) if greedy else None,
+        "levels": [level.as_dict() for level in run.levels],
+        "time_split": _time_split(run),
+        **_memory(),
+        "accuracy": prompt.score(text),
+        "task_info": dict(prompt.info),
+        "notes": dict(run.notes),
+        "text": text,
+        "tokens": list(run.tokens),
+    }
+
+
+def _speedup(run: Measurement, reference: Measurement | Failure | None) -> float | None:
+    """Baseline seconds per token / this run's seconds per token, on the same kind of timing."""
+    if not isinstance(reference, Measurement) or reference.timing != run.timing or not run.tokens or not reference.tokens:
+        return None
+    mine = run.timed_seconds / len(run.tokens)
+    theirs = reference.timed_seconds / len(reference.tokens)
+    return theirs / mine if mine > 0 else None
+
+
+def _identical(run: Measurement, reference: Measurement | Failure | None) -> bool | None:
+    """Is the output token for token the baseline's? (asked of greedy runs only)"""
+    if not isinstance(reference, Measurement):
+        return None
+    return run.tokens == reference.tokens
+
+
+def _time_split(run: Measurement) -> dict[str, float] | None:
+    """Decode seconds spent drafting (forwards of every level below the top), verifying (the top
+    level's forwards) and on the rest: cache maintenance (gathers, rollback, eviction) and overhead."""
+    if not run.levels or run.decode_seconds is None:
+        return None
+    drafting = sum(level.forward_seconds for level in run.levels[:-1])
+    verifying = run.levels[-1].forward_seconds
+    return {"drafting_seconds": drafting, "verifying_seconds": verifying,
+            "cache_maintenance_seconds": max(0.0, run.decode_seconds - drafting - verifying)}
+
+
+def _memory() -> dict[str, float | None]:
+    try:
+        import resource  # Unix only
+    except ImportError:
+        rss_mb = None
+    else:
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+        rss_mb = round(rss / 2**20 if sys.platform == "darwin" else rss / 2**10, 1)
+    cuda = torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    return {"peak_rss_mb": rss_mb, "peak_cuda_mb": None if cuda is None else round(cuda, 1)}
+
+
+def _reset_cuda_peak() -> None:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.reset_peak_memory_stats()
+
+
+# -- environment --------------------------------------------------------------------------------
+
+
+def environment(models: Models) -> dict[str, Any]:
+    target = models.target
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": _version("transformers"),
+        "specstack": _version("specstack"),
+        "platform": platform.platform(),
+        "machine": platform.processor() or platform.machine(),
+        "threads": torch.get_num_threads(),
+        "dtype": str(getattr(target, "dtype", None) or "n/a").removeprefix("torch."),
+        "device": str(getattr(target, "device", None) or "cpu"),
+        "target": str(getattr(target, "name", None) or type(target).__name__),
+        "git_revision": git_revision(),
+    }
+
+
+def _version(distribution: str) -> str | None:
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def git_revision() -> str | None:
+    """``git rev-parse HEAD`` of the checkout specstack runs from, or ``None`` outside one."""
+    try:
+        done = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return done.stdout.strip() or None if done.returncode == 0 else None
+
+
+def run_groups(job: Job, groups: Iterable[list[Point]], pending: set[str]) -> list[dict]:
+    """Run groups in a fresh runner and return their records (the body of one Ray task)."""
+    if job.threads:
+        torch.set_num_threads(job.threads)
+    runner = Runner.open(job)
+    return [record for group in groups for record in runner.run_group(group, pending)]
+
+
+def pending_in(groups: Iterable[list[Point]], done: Mapping[str, Any]) -> set[str]:
+    return {p.id for group in groups for p in group if p.id not in done}

@@ -1,0 +1,250 @@
+"""What the harness can run by name: the registry's stack recipes and the transformers baselines.
+
+Both are *bench stacks*: ``options()`` (the tunable parameters, for crossing grid axes),
+``baseline`` (the stack whose run in the same group a speedup is measured against), ``warm`` (a
+short untimed run before the first timed one in a process) and ``measure`` (one timed run).
+
+Timing differs, and every record says which was used (``timing``):
+
+* recipes report decode seconds (prefill excluded) and compare with ``autoregressive``;
+* the HF baselines cannot separate prefill from decoding inside ``generate``; they report total
+  seconds and compare with ``hf-generate`` run on the same prompt, seed and sampling.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Any, Callable, Iterator, Mapping, Protocol
+
+import attrs
+import torch
+
+from ..errors import SpecstackError
+from ..registry import Kind, Registry
+from ..sampling import SamplingConfig
+from ..types import LevelStats
+from .models import Models
+
+WARMUP_PROMPT = 32
+WARMUP_TOKENS = 4
+
+
+@attrs.frozen(kw_only=True, eq=False)
+class RunSetup:
+    """What one timed run needs."""
+
+    models: Models
+    registry: Registry
+    sampling: SamplingConfig
+    stop_tokens: tuple[int, ...]
+    prompt: tuple[int, ...]
+    max_new_tokens: int
+    seed: int
+
+    def short(self) -> "RunSetup":
+        """The same run on a short prompt and a few tokens (warm-up)."""
+        return attrs.evolve(self, prompt=self.prompt[:WARMUP_PROMPT], max_new_tokens=WARMUP_TOKENS)
+
+
+@attrs.frozen(kw_only=True, eq=False)
+class Measurement:
+    """One timed run. ``decode_seconds``/``prefill_seconds`` are ``None`` when they cannot be
+    separated; ``timing`` says which seconds a speedup compares: ``"decode"`` or ``"total"``."""
+
+    tokens: tuple[int, ...]
+    levels: tuple[LevelStats, ...]  # lowest level first; empty for the HF baselines
+    decode_seconds: float | None
+    prefill_seconds: float | None
+    total_seconds: float
+    timing: str
+    notes: Mapping[str, Any] = attrs.field(factory=dict)
+
+    @property
+    def timed_seconds(self) -> float:
+        return self.decode_seconds if self.timing == "decode" else self.total_seconds
+
+
+class BenchStack(Protocol):
+    name: str
+    baseline: str
+    family: str  # stacks of one family share a warm-up
+
+    def options(self) -> dict[str, Any]: ...
+
+    def warm(self, run: RunSetup) -> None: ...
+
+    def measure(self, run: RunSetup, options: Mapping[str, Any]) -> Measurement: ...
+
+
+@attrs.frozen(kw_only=True)
+class RecipeStack:
+    """A registered stack recipe, built into a :class:`~specstack.stack.SpeculationStack` per run."""
+
+    recipe: Any
+    baseline: str = "autoregressive"
+    family: str = "specstack"
+
+    @property
+    def name(self) -> str:
+        return self.recipe.name
+
+    def options(self) -> dict[str, Any]:
+        return self.recipe.options()
+
+    def warm(self, run: RunSetup) -> None:
+        for model in (run.models.target, run.models.draft):
+            if model is not None:
+                run.registry.stack("autoregressive", target=model).generate(list(run.prompt), run.max_new_tokens)
+
+    def measure(self, run: RunSetup, options: Mapping[str, Any]) -> Measurement:
+        draft = run.models.draft if self.recipe.needs_draft else None
+        stack = run.registry.stack(self.recipe.name, target=run.models.target, draft=draft, sampling=run.sampling,
+                                   stop_tokens=run.stop_tokens, seed=run.seed, **options)
+        result = stack.generate(list(run.prompt), run.max_new_tokens, seed=run.seed)
+        return Measurement(tokens=result.tokens, levels=result.levels, decode_seconds=result.seconds, prefill_seconds=result.prefill_seconds,
+                           total_seconds=result.seconds + result.prefill_seconds, timing="decode")
+
+
+# -- transformers baselines ---------------------------------------------------------------------
+
+
+@attrs.frozen(kw_only=True)
+class Baseline:
+    """``transformers`` ``generate`` with the target's module, plus ``extra(models, options)`` kwargs."""
+
+    name: str
+    description: str
+    defaults: Mapping[str, Any]
+    extra: Callable[[Models, Mapping[str, Any]], dict]
+    baseline: str = "hf-generate"
+    family: str = "transformers"
+
+    def options(self) -> dict[str, Any]:
+        return {"attn_implementation": "sdpa", **self.defaults}
+
+    def warm(self, run: RunSetup) -> None:
+        self.measure(run, {})
+
+    def measure(self, run: RunSetup, options: Mapping[str, Any]) -> Measurement:
+        options = self._with_defaults(options)
+        module = _module(run.models.target, "target")
+        kwargs = {**_sampling_kwargs(run), **self.extra(run.models, options)}
+        modules = [module, *([kwargs["assistant_model"]] if "assistant_model" in kwargs else [])]
+        with _attention(modules, options["attn_implementation"]):
+            tokens, seconds = _timed_generate(module, run, kwargs)
+        return Measurement(tokens=tokens, levels=(), decode_seconds=None, prefill_seconds=None, total_seconds=seconds, timing="total",
+                           notes={"attn_implementation": options["attn_implementation"]})
+
+    def _with_defaults(self, options: Mapping[str, Any]) -> dict[str, Any]:
+        allowed = self.options()
+        unknown = sorted(set(options) - set(allowed))
+        if unknown:
+            raise SpecstackError(f"stack '{self.name}' has no option '{unknown[0]}'; options: {', '.join(allowed)}")
+        return {**allowed, **options}
+
+
+def _module(model: Any, role: str) -> torch.nn.Module:
+    module = getattr(model, "module", None)
+    if not isinstance(module, torch.nn.Module) or not hasattr(module, "generate"):
+        raise SpecstackError(f"the transformers baselines need a transformers {role} (HFCausalLM); got {type(model).__name__}")
+    return module
+
+
+def _sampling_kwargs(run: RunSetup) -> dict[str, Any]:
+    sampling = run.sampling
+    stop = run.stop_tokens[0] if run.stop_tokens else None
+    common = {"max_new_tokens": run.max_new_tokens, "eos_token_id": stop, "pad_token_id": stop if stop is not None else 0}
+    if sampling.greedy:
+        return {**common, "do_sample": False}
+    return {**common, "do_sample": True, "temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k or 0}
+
+
+@contextlib.contextmanager
+def _attention(modules: list[torch.nn.Module], name: str) -> Iterator[None]:
+    """Switch the modules' attention implementation for the run and restore it afterwards."""
+    before = [m.config._attn_implementation for m in modules]
+    try:
+        for module in modules:
+            module.set_attn_implementation(name)
+    except (ValueError, ImportError) as error:
+        for module, old in zip(modules, before):
+            module.set_attn_implementation(old)
+        raise SpecstackError(f"attn_implementation {name!r} is not available: {str(error).splitlines()[0][:200]}") from None
+    try:
+        yield
+    finally:
+        for module, old in zip(modules, before):
+            module.set_attn_implementation(old)
+
+
+def _timed_generate(module: torch.nn.Module, run: RunSetup, kwargs: dict[str, Any]) -> tuple[tuple[int, ...], float]:
+    device = next(module.parameters()).device
+    ids = torch.tensor([run.prompt], device=device)  # [1, T]
+    devices = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices), torch.inference_mode():  # generate samples from the global RNG
+        torch.manual_seed(run.seed)
+        began = time.perf_counter()
+        out = module.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)  # [1, T + new]
+        _synchronize(device)
+        seconds = time.perf_counter() - began
+    return tuple(out[0, len(run.prompt) :].tolist()), seconds
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _no_extra(models: Models, options: Mapping[str, Any]) -> dict:
+    return {}
+
+
+def _assisted(models: Models, options: Mapping[str, Any]) -> dict:
+    return {"assistant_model": _module(models.draft, "draft"), "num_assistant_tokens": options["num_assistant_tokens"],
+            "num_assistant_tokens_schedule": options["schedule"]}
+
+
+def _prompt_lookup(models: Models, options: Mapping[str, Any]) -> dict:
+    return {"prompt_lookup_num_tokens": options["num_tokens"], "max_matching_ngram_size": options["max_ngram"]}
+
+
+BASELINES = (
+    Baseline(name="hf-generate", description="transformers generate() with the target", defaults={}, extra=_no_extra),
+    Baseline(name="hf-assisted", description="transformers assisted generation, the draft as assistant_model",
+             defaults={"num_assistant_tokens": 20, "schedule": "heuristic"}, extra=_assisted),
+    Baseline(name="hf-prompt-lookup", description="transformers prompt lookup decoding",
+             defaults={"num_tokens": 10, "max_ngram": 2}, extra=_prompt_lookup),
+)
+
+
+@attrs.frozen(kw_only=True, eq=False)
+class Catalog:
+    """Bench stacks by name: the registry's stack recipes first, then the HF baselines."""
+
+    registry: Registry
+    baselines: tuple[Baseline, ...] = BASELINES
+
+    def get(self, name: str) -> BenchStack:
+        if name in self.registry.entries[Kind.STACK]:
+            return RecipeStack(recipe=self.registry.stack_recipe(name))
+        for baseline in self.baselines:
+            if baseline.name == name:
+                return baseline
+        raise SpecstackError(f"unknown stack {name!r}; available: {', '.join(self.names())}")
+
+    def names(self) -> list[str]:
+        return [*self.registry.names(Kind.STACK), *(b.name for b in self.baselines)]
+
+    def options_of(self, name: str) -> dict[str, Any]:
+        """The stack's options, or none for an unknown name (its run records the error)."""
+        try:
+            return self.get(name).options()
+        except SpecstackError:
+            return {}
+
+    def baseline_of(self, name: str) -> str | None:
+        try:
+            return self.get(name).baseline
+        except SpecstackError:
+            return None

@@ -1,0 +1,267 @@
+"""The comparison harness (``specstack bench``): grids, tasks, records, resumption and outputs.
+
+Most tests run synthetic models over bytes (no weights); one runs a tiny grid on the embedded
+default, one runs the Ray executor on a local one-CPU cluster.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+from pathlib import Path
+
+import pytest
+
+from specstack import SpecstackError
+from specstack.bench import ByteTokenizer, Catalog, Grid, SyntheticModels, expand, load_grid, run_grid
+from specstack.bench.cli import add_bench_parser, run_bench
+from specstack.bench.tasks import Books, task_by_name
+
+SYNTHETIC = SyntheticModels(max_length=1024)
+SMALL = dict(context_lengths=[256], max_new_tokens=12)
+
+
+def points_by_stack(groups) -> dict[str, list[dict]]:
+    found: dict[str, list[dict]] = {}
+    for group in groups:
+        for point in group:
+            found.setdefault(point.stack, []).append(dict(point.options))
+    return found
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+# -- grid -----------------------------------------------------------------------------------------
+
+
+def test_axes_are_crossed_only_for_stacks_whose_recipe_has_the_option(registry) -> None:
+    grid = Grid(stacks=["autoregressive", "speculative", "triforce:budget=64", "nope"], budgets=[64, 128], gammas=[2, 3],
+                gamma2s=[4, 6], **SMALL)
+    found = points_by_stack(expand(grid, Catalog(registry=registry), "synthetic"))
+    assert found["autoregressive"] == [{}]  # no option axis applies: one run, not 2*2*2
+    assert found["speculative"] == [{"gamma": 2}, {"gamma": 3}]
+    assert found["triforce"] == [{"budget": 64, "gamma2": 4}, {"budget": 64, "gamma2": 6}]  # the fixed budget is not crossed
+    assert found["nope"] == [{}]  # unknown: nothing crossed, its run records the error
+
+
+def test_groups_cross_task_axes_and_lead_with_their_baselines(registry) -> None:
+    grid = Grid(stacks=["naive", "hf-assisted", "autoregressive"], temperatures=[0, 0.5], seeds=[0, 1], tasks=["prose", "needle"], **SMALL)
+    groups = expand(grid, Catalog(registry=registry), "synthetic")
+    assert len(groups) == 2 * 2 * 2
+    for group in groups:
+        assert [p.stack for p in group] == ["autoregressive", "hf-generate", "naive", "hf-assisted"]  # no duplicate autoregressive
+        assert len({p.group for p in group}) == 1
+    ids = [p.id for group in groups for p in group]
+    assert len(ids) == len(set(ids))
+
+
+def test_point_ids_are_stable_and_follow_the_configuration(registry) -> None:
+    catalog = Catalog(registry=registry)
+    ids = lambda grid: [p.id for group in expand(grid, catalog, "synthetic") for p in group]  # noqa: E731
+    assert ids(Grid(stacks=["naive"], **SMALL)) == ids(Grid(stacks=["naive"], **SMALL))
+    assert set(ids(Grid(stacks=["naive"], **SMALL))).isdisjoint(ids(Grid(stacks=["naive"], context_lengths=[256], max_new_tokens=13)))
+
+
+def test_a_toml_grid_file_with_flag_overrides(tmp_path) -> None:
+    path = tmp_path / "grid.toml"
+    path.write_text('stacks = ["triforce:budget=1024,gamma2=6", "naive"]\nbudgets = [256, 512]\ntemperatures = [0, 0.6]\n'
+                    'context_lengths = [2048]\ntasks = ["prose", "needle:depth=0.25"]\nmax_new_tokens = 32\n')
+    grid = load_grid(path, {"seeds": [1, 2], "max_new_tokens": None})
+    assert [s.text for s in grid.stacks] == ["triforce:budget=1024,gamma2=6", "naive"]
+    assert grid.temperatures == (0.0, 0.6) and grid.seeds == (1, 2) and grid.max_new_tokens == 32
+    assert [t.text for t in grid.tasks] == ["prose", "needle:depth=0.25"]
+
+
+def test_a_yaml_grid_file(tmp_path) -> None:
+    pytest.importorskip("yaml")
+    path = tmp_path / "grid.yaml"
+    path.write_text("stacks: [naive]\ncontext_lengths: [512]\n")
+    assert load_grid(path).context_lengths == (512,)
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ('stacks = ["naive"]\nbudget = [256]\n', "unknown grid key 'budget'"),
+        ('stacks = ["naive"]\nbudgets = ["big"]\n', "grid key 'budgets' must be a non-empty list of integers >= 1"),
+        ('stacks = ["naive"]\nmax_new_tokens = "lots"\n', "grid key 'max_new_tokens' must be an integer >= 1"),
+        ('stacks = ["naive"]\ntasks = ["summaries"]\n', "unknown task 'summaries'; available: prose, needle"),
+        ('stacks = ["naive"]\ntasks = ["needle:depth=2"]\n', "task option depth 2 is not allowed"),
+        ('stacks = ["naive"]\ncontext_lengths = []\n', "grid key 'context_lengths' must be a non-empty list"),
+        ('stacks = []\n', "grid key 'stacks' must be a non-empty list"),
+        ('budgets = [256]\n', "has no 'stacks'"),
+        ('stacks = ["naive:budget"]\n', "stack option 'budget' is not KEY=VALUE"),
+        ('stacks = ["naive"\n', "is not valid TOML"),
+    ],
+)
+def test_a_malformed_grid_file_fails_in_one_line_before_anything_runs(tmp_path, text, message) -> None:
+    path = tmp_path / "grid.toml"
+    path.write_text(text)
+    args = bench_args(["--grid", str(path), "--out", str(tmp_path / "out"), "--synthetic", "--quiet"])
+    with pytest.raises(SpecstackError, match=message) as caught:
+        run_bench(args)
+    assert "\n" not in str(caught.value)
+    assert not (tmp_path / "out").exists()
+
+
+# -- tasks ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("length", [200, 333, 1000])
+@pytest.mark.parametrize("depth", [0.0, 0.37, 1.0])
+def test_needle_prompts_have_the_exact_length_and_keep_needle_and_question(length, depth) -> None:
+    books = Books(ByteTokenizer())
+    prompt = task_by_name("needle").prompt(books, length, 7, {"depth": depth})
+    text = books.decode(prompt.tokens)
+    assert len(prompt.tokens) == length
+    assert f"The pass key is {prompt.answer}. Remember it." in text
+    assert text.endswith("What is the pass key? The pass key is")
+    assert prompt.score(f" {prompt.answer}.") == 1.0 and prompt.score(" 12.") == 0.0
+    assert task_by_name("needle").prompt(books, length, 7, {"depth": depth}) == prompt  # deterministic in the seed
+    assert task_by_name("needle").prompt(books, length, 8, {"depth": depth}).answer != prompt.answer
+
+
+def test_prose_prompts_are_book_text_of_the_exact_length() -> None:
+    books = Books(ByteTokenizer())
+    prompt = task_by_name("prose").prompt(books, 300, 0, {"offset": 1000})
+    assert len(prompt.tokens) == 300 and prompt.answer is None
+    with pytest.raises(SpecstackError, match="cannot cut 10000000 tokens at offset 0"):
+        task_by_name("prose").prompt(books, 10_000_000, 0, {})
+
+
+def test_a_needle_task_too_short_for_the_needle_says_how_long_it_must_be() -> None:
+    with pytest.raises(SpecstackError, match="too short for the needle task; use at least"):
+        task_by_name("needle").prompt(Books(ByteTokenizer()), 40, 0, {})
+
+
+# -- runs -----------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory):
+    """One synthetic grid with good and bad points, run once for the tests below."""
+    out = tmp_path_factory.mktemp("bench")
+    grid = Grid(stacks=["naive", "speculative", "streaming-hierarchy", "nope", "triforce:budget=4096", "hf-generate"],
+                gamma2s=[4, 6], temperatures=[0, 0.8], context_lengths=[256, 1024], tasks=["prose", "needle"], max_new_tokens=12)
+    from specstack import Registry
+
+    table = run_grid(grid, out, models=SYNTHETIC, registry=Registry.create(entry_points=False), progress=False)
+    return grid, out, table
+
+
+def test_bad_points_become_error_records_and_the_rest_of_the_grid_runs(finished) -> None:
+    _, _, table = finished
+    errors = {(r["stack"], r["context_length"]): r["error"] for r in table.errors}
+    assert errors[("nope", 256)].startswith("unknown stack 'nope'; available: ")
+    assert errors[("triforce", 256)] == "budget 4096 is larger than the 256-token context; use a budget of at most 256"
+    assert "needs 1036 positions but the model's window is 1024" in errors[("naive", 1024)]
+    assert errors[("hf-generate", 256)] == "the transformers baselines need a transformers target (HFCausalLM); got SyntheticLM"
+    assert all("\n" not in e for e in errors.values())
+    ok_stacks = {r["stack"] for r in table.ok}
+    assert ok_stacks == {"autoregressive", "naive", "speculative", "streaming-hierarchy"}
+    assert {r["status"] for r in table.rows} == {"ok", "error"}
+    assert len(table.ok) == 2 * 2 * (1 + 1 + 1 + 2)  # tasks x temperatures x (ar, naive, speculative, 2 gamma2) at 256
+
+
+def test_numbers_are_in_their_ranges(finished) -> None:
+    _, _, table = finished
+    for record in table.ok:
+        assert record["new_tokens"] == 12 and record["tokens_per_second"] > 0 and record["speedup"] > 0
+        assert record["timing"] == "decode" and record["prefill_seconds"] >= 0 and record["peak_rss_mb"] > 0
+        assert all(v >= 0 for v in record["time_split"].values())
+        for level in record["levels"]:
+            assert 0 <= level["acceptance_rate"] <= 1 and level["accepted"] <= level["drafted"] or not level["rounds"]
+        if record["temperature"] == 0:
+            assert record["identical_to_baseline"] is True  # lossless
+        else:
+            assert record["identical_to_baseline"] is None
+        assert (record["accuracy"] in (0.0, 1.0)) if record["task"] == "needle" else record["accuracy"] is None
+        assert record["environment"]["python"] and "torch" in record["environment"] and "git_revision" in record
+    baseline = [r for r in table.ok if r["stack"] == "autoregressive"]
+    assert all(r["speedup"] == 1.0 for r in baseline)
+
+
+def test_outputs_are_written(finished) -> None:
+    _, out, table = finished
+    assert len(read_jsonl(out / "results.jsonl")) == len(table.rows)
+    rows = list(csv.DictReader((out / "results.csv").open()))
+    assert len(rows) == len(table.rows) and {"speedup", "level1_acceptance_rate", "option_gamma2"} <= set(rows[0])
+    report = (out / "report.md").read_text()
+    assert "| `naive` | prose | 256 | 0.00 |" in report and "unknown stack 'nope'" in report
+    assert "- budget ablation: not drawn; no successful run has a retrieval budget." in report
+    assert "- acceptance vs context length: not drawn; only one context length (256)." in report  # the 1024-token runs failed
+    assert table.to_markdown().startswith("| stack | task |")
+
+
+def test_a_plot_is_drawn_for_an_axis_with_several_values(finished) -> None:
+    _, out, _ = finished
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert "- speedup vs temperature: not drawn; matplotlib is not installed" in (out / "report.md").read_text()
+        pytest.skip("matplotlib is not installed: the report says the plot is missing")
+    assert "![speedup vs temperature](speedup_vs_temperature.png)" in (out / "report.md").read_text()
+    assert (out / "speedup_vs_temperature.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert sorted(p.name for p in out.glob("*.png")) == ["speedup_vs_temperature.png"]
+
+
+def test_a_second_run_skips_every_finished_point_and_a_lost_one_is_run_again(tmp_path, registry) -> None:
+    grid = Grid(stacks=["naive", "speculative"], temperatures=[0, 1.0], **SMALL)
+    first = run_grid(grid, tmp_path, models=SYNTHETIC, registry=registry, progress=False)
+    assert first.executed == 2 * 3 and len(first.ok) == 6
+    second = run_grid(grid, tmp_path, models=SYNTHETIC, registry=registry, progress=False)
+    assert second.executed == 0 and len(second.rows) == 6
+    lines = (tmp_path / "results.jsonl").read_text().splitlines()
+    (tmp_path / "results.jsonl").write_text("\n".join(lines[:-1]) + "\n" + lines[-1][:20])  # the last run lost, its line torn
+    third = run_grid(grid, tmp_path, models=SYNTHETIC, registry=registry, progress=False)
+    assert third.executed == 1 and len(third.ok) == 6
+    assert next(r for r in third.rows if r["id"] == json.loads(lines[-1])["id"])["speedup"] > 0  # baseline measured again
+
+
+def test_the_cli_runs_a_synthetic_grid(tmp_path, capsys) -> None:
+    args = bench_args(["--stacks", "naive", "speculative:gamma=3", "--context-lengths", "256", "--max-new-tokens", "8",
+                       "--temperatures", "0", "--synthetic", "--out", str(tmp_path), "--quiet"])
+    assert run_bench(args) == 0
+    out = capsys.readouterr().out
+    assert "| `speculative:gamma=3` | prose | 256 |" in out and "3 runs executed" in out
+
+
+def bench_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="specstack")
+    add_bench_parser(parser.add_subparsers(dest="command"))
+    return parser.parse_args(["bench", *argv])
+
+
+# -- Ray ------------------------------------------------------------------------------------------
+
+
+def test_the_ray_executor_runs_groups_on_a_local_cluster(tmp_path) -> None:
+    pytest.importorskip("ray")
+    grid = Grid(stacks=["naive"], temperatures=[0, 1.0], context_lengths=[256], max_new_tokens=8, threads=1)
+    table = run_grid(grid, tmp_path, models=SYNTHETIC, executor="ray", num_cpus=1, progress=False)
+    assert table.executed == 4 and {r["status"] for r in table.rows} == {"ok"}
+    assert all(r["speedup"] > 0 for r in table.rows)
+
+
+# -- the embedded default -------------------------------------------------------------------------
+
+
+@pytest.mark.real_model
+def test_a_tiny_grid_on_the_embedded_default(tmp_path) -> None:
+    grid = Grid(stacks=["autoregressive", "retrieval-flat:budget=256", "hf-generate"], context_lengths=[512], max_new_tokens=8,
+                tasks=["prose", "needle"])
+    table = run_grid(grid, tmp_path, progress=False)
+    assert table.executed == 6 and not table.errors
+    for record in table.ok:
+        assert record["new_tokens"] == 8 and record["speedup"] > 0 and record["identical_to_baseline"] is True
+        assert record["environment"]["target"] == "smollm2-135m-instruct"
+    flat = [r for r in table.ok if r["stack"] == "retrieval-flat"]
+    assert all(0 <= r["levels"][-1]["acceptance_rate"] <= 1 and r["time_split"]["drafting_seconds"] > 0 for r in flat)
+    hf = [r for r in table.ok if r["stack"] == "hf-generate"]
+    assert all(r["timing"] == "total" and r["baseline"] == "hf-generate" for r in hf)
+    needle = [r for r in table.ok if r["task"] == "needle"]
+    assert all(r["accuracy"] == 1.0 for r in needle)  # the 135M model finds a pass key in 512 tokens
+    assert (tmp_path / "report.md").exists() and (tmp_path / "results.csv").exists()
