@@ -73,6 +73,7 @@ class SpeculativeLevel(ModelLevel):
         stats.rounds += 1
         stats.drafted += drafted
         stats.accepted += accepted
+        stats.rejected += accepted < drafted
         stats.emitted += accepted + 1
 
     def level_stats(self) -> list[LevelStats]:

@@ -89,6 +89,7 @@ class LevelStats:
     rounds: int = 0
     drafted: int = 0
     accepted: int = 0
+    rejected: int = 0  # rounds that ended in a rejection (the rest accepted their whole draft)
     emitted: int = 0
     forward_calls: int = 0
     forward_tokens: int = 0
@@ -101,6 +102,14 @@ class LevelStats:
         return self.accepted / self.drafted if self.drafted else 0.0
 
     @property
+    def token_acceptance_rate(self) -> float:
+        """Accepted / examined tokens: a drafted token after the first rejection of its round is never
+        examined. This estimates α, the probability that a draft token is accepted (Leviathan et al.,
+        2023), which is what the TriForce paper reports as acceptance rate."""
+        examined = self.accepted + self.rejected
+        return self.accepted / examined if examined else 0.0
+
+    @property
     def mean_accepted_per_round(self) -> float:
         return self.accepted / self.rounds if self.rounds else 0.0
 
@@ -108,6 +117,7 @@ class LevelStats:
         return {
             **attrs.asdict(self),
             "acceptance_rate": self.acceptance_rate,
+            "token_acceptance_rate": self.token_acceptance_rate,
             "mean_accepted_per_round": self.mean_accepted_per_round,
         }
 

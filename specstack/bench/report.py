@@ -26,7 +26,8 @@ SCALARS = (
     "git_revision", "group",
 )
 LEGEND_ROWS = 24  # legend entries per column under a plot
-LEVEL_FIELDS = ("name", "rounds", "drafted", "accepted", "acceptance_rate", "mean_accepted_per_round", "forward_calls", "forward_seconds", "gathers")
+LEVEL_FIELDS = ("name", "rounds", "drafted", "accepted", "rejected", "acceptance_rate", "token_acceptance_rate", "mean_accepted_per_round",
+                "forward_calls", "forward_seconds", "gathers")
 
 
 # -- records ------------------------------------------------------------------------------------
