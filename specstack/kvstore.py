@@ -13,7 +13,6 @@ from typing import Callable
 import torch
 
 from .attention import Select
-
 from .errors import SpecstackError
 
 Rerotate = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (keys [L, H, n, D], delta [n]) -> keys
