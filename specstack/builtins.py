@@ -31,12 +31,22 @@ def _autoregressive(registry, *, target) -> list[Level]:
 
 
 def _speculative(registry, *, target, draft, gamma: int = 4) -> list[Level]:
-    return [Level(model=draft, name="draft"), Level(model=target, gamma=gamma, name="target")]
+    return [Level(model=draft, name="draft"), _full(target, gamma)]
 
 
 def _prompt_lookup(registry, *, target, gamma: int = 4, max_ngram: int = 3) -> list[Level]:
     lookup = registry.drafter("prompt-lookup", vocab=target.vocab_size, max_ngram=max_ngram)
-    return [Level(drafter=lookup), Level(model=target, gamma=gamma, name="target")]
+    return [Level(drafter=lookup), _full(target, gamma)]
+
+
+def _full(target, gamma: int) -> Level:
+    """The target over its full cache: the top level of every speculative stack."""
+    return Level(model=target, gamma=gamma, name="target")
+
+
+def _view(target, policy, gamma: int | None = None) -> Level:
+    """The target over a partial view of its KV cache chosen by ``policy``."""
+    return Level(model=target, policy=policy, gamma=gamma, name=f"target+{policy.name}")
 
 
 # TriForce and its ablations (Sun et al., 2024). Defaults: the paper's γ1 = 2, γ2 = 6, chunks of 8,
@@ -48,51 +58,43 @@ def _streaming_draft(draft, sinks: int, draft_window: int) -> Level:
     return Level(model=draft, policy=StreamingLLM(sinks=sinks, window=draft_window), name="draft+streaming")
 
 
-def _retrieval_target(target, gamma: int, budget: int, chunk_size: int, stride: int) -> Level:
-    return Level(model=target, policy=Retrieval(budget=budget, chunk_size=chunk_size, stride=stride), gamma=gamma, name="target+retrieval")
-
-
 def _triforce(registry, *, target, draft, gamma1: int = 2, gamma2: int = 6, budget: int = 512, chunk_size: int = 8,
               stride: int = 64, draft_window: int = 256, sinks: int = 16) -> list[Level]:
-    return [
-        _streaming_draft(draft, sinks, draft_window),
-        _retrieval_target(target, gamma1, budget, chunk_size, stride),
-        Level(model=target, gamma=gamma2, name="target"),
-    ]
+    retrieval = Retrieval(budget=budget, chunk_size=chunk_size, stride=stride)
+    return [_streaming_draft(draft, sinks, draft_window), _view(target, retrieval, gamma1), _full(target, gamma2)]
 
 
 def _triforce_lookup(registry, *, target, gamma1: int = 4, gamma2: int = 6, budget: int = 512, chunk_size: int = 8,
                      stride: int = 64, max_ngram: int = 3) -> list[Level]:
     lookup = registry.drafter("prompt-lookup", vocab=target.vocab_size, max_ngram=max_ngram)
-    return [Level(drafter=lookup), _retrieval_target(target, gamma1, budget, chunk_size, stride), Level(model=target, gamma=gamma2, name="target")]
+    retrieval = Retrieval(budget=budget, chunk_size=chunk_size, stride=stride)
+    return [Level(drafter=lookup), _view(target, retrieval, gamma1), _full(target, gamma2)]
 
 
 def _retrieval_flat(registry, *, target, gamma: int = 6, budget: int = 512, chunk_size: int = 8, stride: int = 64,
                     refresh_below: float = 0.0) -> list[Level]:
-    policy = Retrieval(budget=budget, chunk_size=chunk_size, stride=stride, refresh_below=refresh_below)
-    retrieval = Level(model=target, policy=policy, name="target+retrieval")
-    return [retrieval, Level(model=target, gamma=gamma, name="target")]
+    retrieval = Retrieval(budget=budget, chunk_size=chunk_size, stride=stride, refresh_below=refresh_below)
+    return [_view(target, retrieval), _full(target, gamma)]
 
 
 def _self_speculative(registry, *, target, policy: str = "retrieval", budget: int = 512, gamma: int = 6) -> list[Level]:
-    view = registry.cache_policy(policy, budget=budget)
-    return [Level(model=target, policy=view, name=f"target+{policy}"), Level(model=target, gamma=gamma, name="target")]
+    return [_view(target, registry.cache_policy(policy, budget=budget)), _full(target, gamma)]
 
 
 def _hierarchical(registry, *, target, draft, policy: str = "retrieval", budget: int = 512, gamma1: int = 2, gamma2: int = 6,
                   draft_window: int = 256, sinks: int = 16) -> list[Level]:
-    middle = Level(model=target, policy=registry.cache_policy(policy, budget=budget), gamma=gamma1, name=f"target+{policy}")
-    return [_streaming_draft(draft, sinks, draft_window), middle, Level(model=target, gamma=gamma2, name="target")]
+    middle = _view(target, registry.cache_policy(policy, budget=budget), gamma1)
+    return [_streaming_draft(draft, sinks, draft_window), middle, _full(target, gamma2)]
 
 
 def _streaming_hierarchy(registry, *, target, draft, gamma1: int = 2, gamma2: int = 6, window: int = 512, sinks: int = 16,
                          draft_window: int = 256) -> list[Level]:
-    middle = Level(model=target, policy=StreamingLLM(sinks=sinks, window=window, relative_positions=False), gamma=gamma1, name="target+streaming")
-    return [_streaming_draft(draft, sinks, draft_window), middle, Level(model=target, gamma=gamma2, name="target")]
+    middle = _view(target, StreamingLLM(sinks=sinks, window=window, relative_positions=False), gamma1)
+    return [_streaming_draft(draft, sinks, draft_window), middle, _full(target, gamma2)]
 
 
 def _naive(registry, *, target, draft, gamma: int = 4, draft_window: int = 256, sinks: int = 16) -> list[Level]:
-    return [_streaming_draft(draft, sinks, draft_window), Level(model=target, gamma=gamma, name="target")]
+    return [_streaming_draft(draft, sinks, draft_window), _full(target, gamma)]
 
 
 @hookimpl

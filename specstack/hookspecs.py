@@ -22,7 +22,10 @@ hookimpl = pluggy.HookimplMarker("specstack")
 @hookspec
 def specstack_cache_policies() -> list:
     """Return :class:`~specstack.policies.CachePolicy` subclasses. Each is instantiated with keyword
-    parameters from configuration or the CLI, and declares in ``requires`` the model capabilities it needs."""
+    parameters from configuration or the CLI (its defaults must be valid; a bad value raises a one-line
+    ``SpecstackError``), and declares in ``requires`` the model capabilities it needs. A policy that
+    does not keep everything takes ``budget=`` (KV entries per layer and head), so that stacks such as
+    ``self-speculative`` can use any policy by name. :mod:`specstack.testing.conformance` checks this."""
 
 
 @hookspec

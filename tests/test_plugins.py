@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from specstack import CacheState, Draft, EvictionPolicy, Registry, StreamingLLM
+from specstack import CacheState, Draft, EvictionPolicy, Kind, Registry, StreamingLLM
 from specstack.testing import conformance
 from specstack.verify import SpeculativeSamplingVerifier
 
@@ -188,8 +188,6 @@ def test_the_suite_catches_a_biased_verifier() -> None:
 
 def test_the_plugins_are_installed_distributions_not_part_of_specstack() -> None:
     registry = Registry.create()
-    from specstack.registry import Kind
-
     assert registry.entry(Kind.CACHE_POLICY, "h2o").distribution == "specstack-h2o"
     assert registry.entry(Kind.CACHE_POLICY, "topk-oracle").distribution == "specstack-topk-oracle"
     source = Path(__file__).parents[1] / "specstack"

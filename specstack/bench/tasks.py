@@ -17,7 +17,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import attrs
 
-from ..data import BOOKS, DEFAULT_BOOK, load_book
+from ..data import BOOKS, DEFAULT_BOOK, cut, load_book
 from ..errors import SpecstackError
 
 NEEDLE = " The pass key is {key}. Remember it. {key} is the pass key. "
@@ -49,10 +49,7 @@ class Books:
         """Exactly ``length`` tokens of book ``name`` from ``offset`` on (as :func:`specstack.data.book_tokens`)."""
         if name not in self._ids:
             self._ids[name] = list(self.tokenizer(load_book(name)).input_ids)
-        ids = self._ids[name]
-        if offset + length > len(ids):
-            raise SpecstackError(f"book {name!r} has {len(ids)} tokens; cannot cut {length} tokens at offset {offset}")
-        return ids[offset : offset + length]
+        return cut(self._ids[name], length, name=name, offset=offset)
 
     def encode(self, text: str) -> list[int]:
         """``text`` without special tokens (it goes inside a prompt)."""

@@ -20,7 +20,11 @@ def load_book(name: str = DEFAULT_BOOK) -> str:
 
 def book_tokens(tokenizer, length: int, name: str = DEFAULT_BOOK, offset: int = 0) -> list[int]:
     """Exactly ``length`` tokens of a book, starting ``offset`` tokens in."""
-    ids = tokenizer(load_book(name)).input_ids
+    return cut(tokenizer(load_book(name)).input_ids, length, name=name, offset=offset)
+
+
+def cut(ids, length: int, *, name: str, offset: int = 0) -> list[int]:
+    """Exactly ``length`` of a book's token ``ids``, starting ``offset`` tokens in."""
     if offset + length > len(ids):
         raise SpecstackError(f"book {name!r} has {len(ids)} tokens; cannot cut {length} tokens at offset {offset}")
-    return ids[offset : offset + length]
+    return list(ids[offset : offset + length])

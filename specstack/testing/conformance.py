@@ -92,7 +92,7 @@ def test_eviction_keeps_the_contract(policy_class, over, incoming, seed) -> None
     policy = small(policy_class)
     capacity = policy.capacity(4096)
     assume(incoming <= capacity)
-    n = max(0, capacity - incoming + over)  # the core asks for a selection only when the cache is full
+    n = capacity - incoming + over  # the core asks for a selection only when the cache is full
     generator = torch.Generator().manual_seed(seed)
     attention = torch.rand(2, 3, n, generator=generator) if Capability.ATTENTION_WEIGHTS in policy.requires else None  # [L, H, n]
     state = CacheState(positions=torch.arange(n), capacity=capacity, incoming=incoming, attention=attention)
