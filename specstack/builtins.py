@@ -8,7 +8,7 @@ from .policies import FullCache, StreamingLLM
 from .retrieval import Retrieval
 from .recipes import StackRecipe
 from .stack import Level
-from .verify import GreedyVerifier, SpeculativeSamplingVerifier
+from .verify import GreedyVerifier, SequoiaVerifier, SpecInferVerifier, SpeculativeSamplingVerifier, TokenTreeVerifier
 
 
 @hookimpl
@@ -23,7 +23,7 @@ def specstack_drafters() -> list:
 
 @hookimpl
 def specstack_verifiers() -> list:
-    return [GreedyVerifier, SpeculativeSamplingVerifier]
+    return [GreedyVerifier, SpeculativeSamplingVerifier, SequoiaVerifier, SpecInferVerifier, TokenTreeVerifier]
 
 
 def _autoregressive(registry, *, target) -> list[Level]:

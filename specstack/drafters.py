@@ -17,7 +17,7 @@ import torch
 from .errors import SpecstackError
 from .model import CachedModel
 from .sampling import SamplingConfig, sample, warp
-from .types import Capability, Draft, LevelStats
+from .types import Capability, Draft, DraftKind, LevelStats
 
 
 class Drafter(abc.ABC):
@@ -26,10 +26,16 @@ class Drafter(abc.ABC):
     ``propose(prefix, n)`` returns a :class:`Draft` of (about) ``n`` tokens continuing ``prefix``, each
     with the distribution it was drawn from; fewer when a stop token was drafted or nothing could be
     proposed. ``step`` is the number of tokens the drafter naturally produces per call.
+
+    ``draft_kind`` says how its drafts are drawn (a chain, or a token tree with or without
+    replacement, or a deterministic one; :class:`~specstack.types.DraftKind`): the stack picks a
+    verifier that verifies that kind losslessly. A tree drafter's ``propose(prefix, n)`` returns a tree
+    of depth at most ``n``. ``requires`` lists what the *verifying* level's model must provide.
     """
 
     name: ClassVar[str]
     requires: ClassVar[frozenset[Capability]] = frozenset()
+    draft_kind: DraftKind = DraftKind.CHAIN
     step: int = 1
 
     @property

@@ -2,8 +2,14 @@
 
 Keys and values live in ``[layers, kv_heads, capacity, head_dim]`` buffers: grouped-query attention is
 stored with its KV heads only, never expanded. A forward pass writes its new tokens at slots
-``length … length+T`` of every layer (``update``), then ``commit`` moves the pointer. Rolling back a
+``length … length+T`` of every layer (``write``), then ``commit`` moves the pointer. Rolling back a
 rejected draft is ``truncate``: the pointer moves back and the stale slots are overwritten later.
+After a token tree was scored, ``keep_path`` moves the accepted path's entries behind the committed
+ones (O(depth)) and drops the other branches (O(1)).
+
+The store holds storage only: masks are built by :class:`~specstack.batch.TokenBatch`, queries are
+logged by :class:`~specstack.channels.QueryLog`, and the transformers ``Cache`` surface is an adapter
+in :mod:`specstack.hf`.
 """
 
 from __future__ import annotations
@@ -12,20 +18,13 @@ from typing import Callable
 
 import torch
 
-from .attention import Select
 from .errors import SpecstackError
 
 Rerotate = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (keys [L, H, n, D], delta [n]) -> keys
 
 
-def causal_mask(t: int, n: int, group: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """[group*T, n] boolean mask for T new tokens at the end of n keys, rows repeated per query head."""
-    causal = torch.ones(t, n, dtype=torch.bool, device=device).tril(diagonal=n - t)  # [T, n]
-    return causal.repeat(group, 1)  # [G*T, n]
-
-
 class KVStore:
-    """The KV cache of one level (also the transformers ``Cache`` the model writes into).
+    """The KV cache of one level.
 
     ``relative_positions``: rotary positions are slot indices rather than sequence positions (the
     StreamingLLM way, for drafts whose trained context is shorter than the sequence); compaction then
@@ -43,14 +42,9 @@ class KVStore:
         self.relative_positions = relative_positions
         self._rerotate = rerotate
         self._incoming = torch.empty(0, dtype=torch.long)  # positions of the tokens being written
-        self._mask: torch.Tensor | None = None  # the current forward's causal mask, built once for all layers
         self.horizon = 0  # positions below this were gathered from another store (per-head slots)
         self.gathered = 0  # how many leading slots hold gathered entries
-        self.records_queries = False  # set by a level that scores this store's keys (retrieval)
-        self.last_queries: torch.Tensor | None = None  # [L, Hq, D] query of the last token fed, per layer
-        self.records_attention = False  # set by a level whose policy reads accumulated attention (H2O)
-        self.attention: torch.Tensor | None = None  # [L, H, C] attention mass received by each slot
-        self.attention_filter: Select | None = None  # set by a level whose policy restricts each query (Top-K)
+        self.attention: torch.Tensor | None = None  # [L, H, C] attention mass received by each slot (H2O)
 
     def __len__(self) -> int:
         return self.length
@@ -122,46 +116,52 @@ class KVStore:
         if self.attention is not None:
             self.attention[:, :, :n] = self.attention.gather(2, slots.to(self.attention.device))
 
+    def keys_before(self, horizon: int) -> torch.Tensor:
+        """[L, H, horizon, D]: the keys of the first ``horizon`` slots (what a gathering level scores)."""
+        return self.keys[:, :, :horizon]
+
+    def keep_path(self, base: int, path: list[int]) -> None:
+        """After a tree of tokens was written from slot ``base`` on: keep the nodes ``path`` (indices
+        into the tree, root first), moved to slots ``base, base+1, …``, and drop every other node.
+        Relative rotary positions need no re-rotation: a node at depth d was rotated for slot base+d."""
+        if self.length < base + (max(path) + 1 if path else 0):
+            raise SpecstackError(f"tree path {path} is not in the store (tree written from slot {base}, length {self.length})")
+        source = torch.tensor(path, dtype=torch.long) + base  # [m]
+        m = len(path)
+        self.keys[:, :, base : base + m] = self.keys[:, :, source]
+        self.values[:, :, base : base + m] = self.values[:, :, source]
+        if self.attention is not None:
+            self.attention[:, :, base : base + m] = self.attention[:, :, source]
+        if m:
+            first = int(self.slot_positions[base])  # the nodes at depth 0 hold the first tree position
+            self.slot_positions[base : base + m] = torch.arange(first, first + m)
+        self.length = base + m
+
     def rope_positions(self, positions: torch.Tensor) -> torch.Tensor:
-        """Rotary positions for new tokens at sequence ``positions`` [T]."""
+        """Rotary positions for new tokens at sequence ``positions`` [T] (a chain, or a tail and a tree)."""
         if self.relative_positions:
-            return torch.arange(self.length, self.length + positions.shape[0])  # [T]
+            return positions - int(positions[0]) + self.length  # [T]; slot of the first new token onwards
         return positions
 
-    # -- the transformers Cache surface used during a forward pass ---------------------------
+    # -- one forward pass -------------------------------------------------------------------------
 
     def begin(self, positions: torch.Tensor) -> None:
         if self.length + positions.shape[0] > self.capacity:
             raise SpecstackError(f"KV store full: {self.length} + {positions.shape[0]} tokens exceed its {self.capacity} slots")
         self._incoming = positions
-        self._mask = None
 
-    def causal_mask(self, group: int) -> torch.Tensor:
-        """[group*T, n+T] mask of the current forward: every cached slot, then new tokens up to each
-        query's own; rows repeat per query head of a GQA group. Built once, shared by every layer."""
-        if self._mask is None:
-            t = self._incoming.shape[0]
-            self._mask = causal_mask(t, self.length + t, group, self.keys.device)
-        return self._mask
+    def write(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write the new tokens' key/value [H, T, D] of one layer; return the layer's view [H, n+T, D]."""
+        end = self.length + key.shape[1]
+        self.keys[layer, :, self.length : end] = key
+        self.values[layer, :, self.length : end] = value
+        if self.attention is not None:
+            self.attention[layer, :, self.length : end] = 0.0
+        return self.keys[layer, :, :end], self.values[layer, :, :end]
 
-    def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write the new tokens' key/value [1, H, T, D] of one layer; return the layer's view [1, H, n+T, D]."""
-        end = self.length + key.shape[2]
-        self.keys[layer_idx, :, self.length : end] = key[0]
-        self.values[layer_idx, :, self.length : end] = value[0]
-        if self.records_attention:
-            self._attention()[layer_idx, :, self.length : end] = 0.0
-        return self.keys[layer_idx, :, :end][None], self.values[layer_idx, :, :end][None]
-
-    def record_query(self, layer_idx: int, query: torch.Tensor) -> None:
-        """Remember the last token's query [Hq, D] of a layer (retrieval scores chunks with it)."""
-        if self.last_queries is None:
-            self.last_queries = torch.zeros(self.keys.shape[0], *query.shape, dtype=query.dtype)
-        self.last_queries[layer_idx] = query
-
-    def accumulate_attention(self, layer_idx: int, mass: torch.Tensor) -> None:
+    def accumulate_attention(self, layer: int, mass: torch.Tensor) -> None:
         """Add the attention mass [H, n+T] the new tokens gave each slot of a layer (H2O's score)."""
-        self._attention()[layer_idx, :, : mass.shape[-1]] += mass
+        self._attention()[layer, :, : mass.shape[-1]] += mass
 
     def attention_mass(self) -> torch.Tensor:
         """[L, H, n]: the attention each occupied slot has received since it was written."""
@@ -177,9 +177,6 @@ class KVStore:
         n = self._incoming.shape[0]
         self.slot_positions[self.length : self.length + n] = self._incoming
         self.length += n
-
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return self.length
 
 
 def _shared_suffix(slots: torch.Tensor) -> int:

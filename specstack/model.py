@@ -13,29 +13,40 @@ from typing import Protocol, Sequence, runtime_checkable
 import attrs
 import torch
 
+from .batch import TokenBatch
+from .channels import FullCacheChannel, QueryLog
 from .errors import SpecstackError
 from .policies import CachePolicy, CacheState, check_selection
-from .types import Capability, LevelStats
+from .types import Capability, Draft, LevelStats
 
 
 @runtime_checkable
 class KVCache(Protocol):
     """Preallocated per-level storage. Slots hold ascending sequence positions."""
 
-    positions: torch.Tensor  # [n] positions of the occupied slots
-    records_attention: bool  # accumulate attention mass per slot (Capability.ATTENTION_WEIGHTS)
-    attention_filter: object  # None, or the policy's ``attend`` (Capability.SPARSE_ATTENTION)
+    positions: torch.Tensor  # [n] positions of the occupied slots (-1 where they differ per head)
+    horizon: int  # positions below this were gathered from another cache (0: none)
 
     def __len__(self) -> int: ...
-
-    def attention_mass(self) -> torch.Tensor:
-        """[L, H, n]: attention received by each occupied slot since it was written."""
 
     def truncate(self, position: int) -> None:
         """Drop every slot whose position is >= ``position`` (O(1): moves a length pointer)."""
 
     def keep(self, slots: torch.Tensor) -> None:
-        """Keep only ``slots`` (ascending), moving them to the front."""
+        """Keep only ``slots`` ([K], or [L, H, K] per layer and KV head; ascending), moved to the front."""
+
+    def keep_path(self, base: int, path: list[int]) -> None:
+        """After a token tree was written from slot ``base``: keep the nodes ``path``, drop the rest."""
+
+    def attention_mass(self) -> torch.Tensor:
+        """[L, H, n]: attention received by each occupied slot since it was written."""
+
+    # what a gathering level reads of a full cache, through a FullCacheChannel
+    def keys_before(self, horizon: int) -> torch.Tensor:
+        """[L, H, horizon, D]: the keys of the first ``horizon`` slots."""
+
+    def gather_from(self, source: "KVCache", slots: torch.Tensor, horizon: int) -> None:
+        """Fill this cache with ``source``'s entries at ``slots`` ([K] or [L, H, K]), all below ``horizon``."""
 
 
 @runtime_checkable
@@ -51,9 +62,10 @@ class CausalLM(Protocol):
         """A fresh, empty cache with room for ``capacity`` slots; with ``relative_positions`` rotary
         positions are slot indices (keys are re-rotated when slots move)."""
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, num_logits: int) -> torch.Tensor:
-        """Append ``tokens`` [T] at ``positions`` [T] to ``cache`` and return the logits of the last
-        ``num_logits`` of them ([num_logits, V]); each token attends to the cache and the tokens before it."""
+    def forward(self, batch: TokenBatch, cache: KVCache) -> torch.Tensor:
+        """Append ``batch``'s tokens to ``cache`` and return the logits of its last ``batch.num_logits``
+        tokens ([num_logits, V]); each token attends to the cache and to the new tokens ``batch.sees``
+        allows (a chain, or a token tree with ``Capability.TREE_ATTENTION``)."""
 
 
 @attrs.define(eq=False)
@@ -62,32 +74,36 @@ class CachedModel:
 
     ``logits(tokens, n)`` returns the logits predicting the last ``n`` positions of ``tokens``. The
     cache is first rolled back to the longest prefix it already holds (a pointer move), then the
-    remaining tokens are fed, in chunks when the policy has to evict on the way.
+    remaining tokens are fed, in chunks when the policy has to evict on the way. ``tree_logits``
+    scores a token tree in one forward pass; ``accept_path`` then keeps the accepted path.
     """
 
     model: CausalLM
     policy: CachePolicy
     stats: LevelStats
-    source: "CachedModel | None" = None  # the full-cache level a gathering policy reads from
+    channel: FullCacheChannel | None = None  # the full-cache level a gathering policy reads from
     capacity: int = attrs.field(init=False)
     cache: KVCache = attrs.field(init=False)
+    _queries: QueryLog | None = attrs.field(init=False, default=None)  # logged for a gathering level below
     _fed: list[int] = attrs.field(init=False, factory=list)  # token at every position fed so far
+    _tree: tuple[int, list[int]] | None = attrs.field(init=False, default=None)  # (first slot, tokens) of a scored tree
     _acceptance: float | None = attrs.field(init=False, default=None)  # rolling, of this level's drafts
 
     def __attrs_post_init__(self) -> None:
         self.capacity = self.policy.capacity(self.model.max_length)
         self.cache = self.model.new_cache(self.capacity, relative_positions=self.policy.relative_positions)
-        self.cache.records_attention = Capability.ATTENTION_WEIGHTS in self.policy.requires
-        if Capability.SPARSE_ATTENTION in self.policy.requires:
-            self.cache.attention_filter = self.policy.attend
-        if self.policy.gathers_from_full:
-            if self.source is None:
-                raise SpecstackError(f"cache policy '{self.policy.name}' needs a full-cache level of the same model above it")
-            self.source.cache.records_queries = True
+        if self.policy.gathers_from_full and self.channel is None:
+            raise SpecstackError(f"cache policy '{self.policy.name}' needs a full-cache level of the same model above it")
+
+    def open_channel(self) -> FullCacheChannel:
+        """The channel through which a gathering level of the same model below reads this level."""
+        self._queries = self._queries or QueryLog()
+        return FullCacheChannel(self, self._queries)
 
     def reset(self) -> None:
         self.cache.truncate(0)
         self._fed.clear()
+        self._tree = None
         self._acceptance = None
 
     def observe(self, drafted: int, accepted: int, decay: float = 0.8) -> None:
@@ -102,16 +118,48 @@ class CachedModel:
         return limit if self._fed[:limit] == list(tokens[:limit]) else _common_prefix(self._fed, tokens, limit)
 
     def logits(self, tokens: Sequence[int], num_logits: int) -> torch.Tensor:
+        self._drop_tree()
         if self.policy.gathers_from_full:
-            self._gather_if_due(tokens, num_logits)
+            self._gather_if_due(tokens, num_logits, incoming=0)
         start = self._rollback(tokens, num_logits)
         rows = []
         while start < len(tokens):
             size = self._chunk(len(tokens) - start)
             wanted = max(0, min(size, num_logits - (len(tokens) - start - size)))
-            rows.append(self._forward(tokens[start : start + size], start, wanted))
+            rows.append(self._forward(TokenBatch.chain(tokens[start : start + size], start, wanted)))
             start += size
         return torch.cat([r for r in rows if r.shape[0]])  # [num_logits, V]
+
+    def tree_logits(self, prefix: Sequence[int], draft: Draft) -> torch.Tensor:
+        """[k+1, V]: the logits after ``prefix`` (row 0) and after each node of ``draft``'s token tree
+        (row i+1), from one forward pass over the tokens of ``prefix`` not yet cached and the tree.
+        Call :meth:`accept_path` before the next forward."""
+        self._drop_tree()
+        if self.policy.gathers_from_full:
+            self._gather_if_due(prefix, 1, incoming=len(draft))
+        start = self._rollback(prefix, 1)
+        if len(self.cache) + len(prefix) - start + len(draft) > self.capacity and len(prefix) - start > 1:
+            self.logits(prefix[:-1], 1)  # a long uncached tail: feed it in chunks first, then the tree
+            start = self._rollback(prefix, 1)
+        batch = TokenBatch.tree(prefix[start:], start, draft)
+        if len(batch) > self.capacity:
+            raise SpecstackError(f"a tree of {len(draft)} tokens does not fit level '{self.stats.name}', whose cache holds {self.capacity} slots; use a smaller tree or a larger budget")
+        self._make_room(len(batch))
+        self._tree = (len(self.cache) + len(prefix) - start, draft.tokens.tolist())
+        return self._forward(batch)
+
+    def accept_path(self, path: Sequence[int]) -> None:
+        """Keep the accepted root path ``path`` (indices into the last scored tree), drop the rest."""
+        base, tokens = self._tree
+        self.cache.keep_path(base, list(path))
+        self._fed.extend(tokens[i] for i in path)
+        self._tree = None
+
+    def _drop_tree(self) -> None:
+        """A tree scored but never resolved (the round was abandoned): forget all of it."""
+        if self._tree is not None:
+            self.cache.keep_path(self._tree[0], [])
+            self._tree = None
 
     def _rollback(self, tokens: Sequence[int], num_logits: int) -> int:
         """Roll the cache back to the longest prefix of ``tokens`` it holds, leaving ``num_logits`` to feed."""
@@ -122,21 +170,19 @@ class CachedModel:
         del self._fed[start:]
         return start
 
-    def _gather_if_due(self, tokens: Sequence[int], num_logits: int) -> None:
-        """Rebuild this level's view from the source's full cache when the policy asks for it."""
+    def _gather_if_due(self, tokens: Sequence[int], num_logits: int, incoming: int) -> None:
+        """Rebuild this level's view through the channel when the policy asks for it; ``incoming``
+        tree nodes will follow ``tokens``."""
         context = tokens[: len(tokens) - num_logits]
         seen = self.fed_prefix(tokens)  # one comparison serves all three checks below
         appended = min(seen, len(context)) - self.cache.horizon
         stale = self.cache.horizon == 0 or appended < 0
-        out_of_room = len(self.cache) + len(tokens) - seen > self.capacity
+        out_of_room = len(self.cache) + len(tokens) - seen + incoming > self.capacity
         if not (stale or out_of_room or self.policy.needs_refresh(appended, self._acceptance)):
             return
-        horizon = self.source.fed_prefix(context)
-        if horizon < len(context) - 1 or horizon == 0:  # the source lags (e.g. at the prompt): let it catch up
-            self.source.logits(context, 1)
-            horizon = self.source.fed_prefix(context)
-        slots = self.policy.gather(self.source.cache.keys[:, :, :horizon], self.source.cache.last_queries)
-        self.cache.gather_from(self.source.cache, slots, horizon)
+        horizon = self.channel.horizon(context)
+        slots = self.policy.gather(self.channel.keys(horizon), self.channel.queries.queries)
+        self.channel.copy_into(self.cache, slots, horizon)
         self._fed[:] = list(context[:horizon])
         self.stats.gathers += 1
 
@@ -145,22 +191,23 @@ class CachedModel:
             return remaining
         return max(1, min(remaining, self.capacity // 4))
 
-    def _forward(self, tokens: Sequence[int], start: int, num_logits: int) -> torch.Tensor:
-        self._make_room(len(tokens))
+    def _forward(self, batch: TokenBatch) -> torch.Tensor:
+        self._make_room(len(batch))
+        batch.queries = self._queries
+        batch.record_attention = Capability.ATTENTION_WEIGHTS in self.policy.requires
+        batch.attend = self.policy.attend if Capability.SPARSE_ATTENTION in self.policy.requires else None
         began = time.perf_counter()
-        ids = torch.tensor(tokens, dtype=torch.long)  # [T]
-        positions = torch.arange(start, start + len(tokens))  # [T]
-        out = self.model.forward(ids, positions, self.cache, num_logits)  # [num_logits, V]
-        self._fed.extend(tokens)
+        out = self.model.forward(batch, self.cache)  # [num_logits, V]
+        self._fed.extend(batch.chain_tokens())
         self.stats.forward_calls += 1
-        self.stats.forward_tokens += len(tokens)
+        self.stats.forward_tokens += len(batch)
         self.stats.forward_seconds += time.perf_counter() - began
         return out
 
     def _make_room(self, incoming: int) -> None:
         if len(self.cache) + incoming <= self.capacity:
             return
-        attention = self.cache.attention_mass() if self.cache.records_attention else None  # [L, H, n]
+        attention = self.cache.attention_mass() if Capability.ATTENTION_WEIGHTS in self.policy.requires else None  # [L, H, n]
         state = CacheState(positions=self.cache.positions, capacity=self.capacity, incoming=incoming, attention=attention)
         self.cache.keep(check_selection(self.policy, self.policy.select(state), state))
 

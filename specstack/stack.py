@@ -16,7 +16,7 @@ emits tokens distributed as the target's ``warp(logits)``.
 from __future__ import annotations
 
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 import attrs
 import torch
@@ -26,8 +26,8 @@ from .errors import SpecstackError
 from .model import CachedModel, CausalLM, check_window
 from .policies import CachePolicy, FullCache
 from .sampling import SamplingConfig, warp
-from .types import Draft, GenerationResult, LevelStats
-from .verify import SpeculativeSamplingVerifier, Verifier, GreedyVerifier
+from .types import Capability, Draft, DraftKind, GenerationResult, LevelStats
+from .verify import Verifier, check_verdict, default_verifier
 
 
 @attrs.define(eq=False, kw_only=True)
@@ -56,17 +56,21 @@ class SpeculativeLevel(ModelLevel):
         return Draft(tokens=torch.tensor(tokens[:cut], dtype=torch.long), probs=torch.cat(rows)[:cut])
 
     def round(self, prefix: list[int], k: int) -> tuple[list[int], torch.Tensor]:
-        """One round: draft ``k`` tokens below, verify them here. Returns the emitted tokens and this
-        level's distribution at each of them ([m+1, V])."""
-        draft = self.drafter.propose(prefix, k).head(k)  # a lower level may overshoot by one token
-        if draft.parents is not None:
-            raise SpecstackError(f"level '{self.lm.stats.name}' verifies chains; a tree draft needs a tree-verifying level")
-        p = warp(self.lm.logits([*prefix, *draft.tokens.tolist()], len(draft) + 1), self.sampling)  # [k+1, V]
-        verdict = self.verifier.verify(draft, p, self.generator)
+        """One round: draft ``k`` tokens below (a chain, or a tree of depth ``k``), verify them here.
+        Returns the emitted tokens and this level's distribution at each of them ([m+1, V])."""
+        draft = self.drafter.propose(prefix, k).head(k).stop_at(self.stop_tokens)  # a lower level may overshoot by one
+        if draft.is_tree:
+            logits = self.lm.tree_logits(prefix, draft)  # [k+1, V]
+        else:
+            logits = self.lm.logits([*prefix, *draft.tokens.tolist()], len(draft) + 1)  # [k+1, V]
+        p = warp(logits, self.sampling)  # [k+1, V]
+        verdict = check_verdict(self.verifier.verify(draft, p, self.generator), draft, self.vocab_size, self.verifier.name)
+        if draft.is_tree:
+            self.lm.accept_path(verdict.accepted)
         m = verdict.num_accepted
         self._count(len(draft), m)
         self.drafter.observe(len(draft), m)
-        return [*draft.tokens[:m].tolist(), verdict.next_token], p[: m + 1]
+        return [*draft.tokens[list(verdict.accepted)].tolist(), verdict.next_token], p[verdict.rows()]
 
     def _count(self, drafted: int, accepted: int) -> None:
         stats = self.lm.stats
@@ -96,13 +100,18 @@ def _gamma(instance, attribute, value: int | None) -> None:
 @attrs.frozen(kw_only=True, eq=False)
 class Level:
     """The recipe of one level: a model with a cache policy (and γ above level 0), or, at level 0
-    only, a ready-made drafter such as prompt lookup."""
+    only, a ready-made drafter such as prompt lookup. Above level 0, ``verifier`` (default: chosen
+    from the kind of draft the level below produces and the sampling settings) verifies its drafts."""
 
     model: CausalLM | None = None
     policy: CachePolicy = attrs.field(factory=FullCache)
     gamma: int | None = attrs.field(default=None, validator=_gamma)
     drafter: Drafter | None = None
     name: str | None = None
+    # level 0 with a model: how it drafts over its cache view, a ModelLevel class (or a partial of one)
+    # called with lm=, sampling=, generator=, stop_tokens= (a tree drafter, say)
+    model_drafter: Callable[..., Drafter] = ModelDrafter
+    verifier: Verifier | None = None  # above level 0: overrides the stack's choice for this level
 
     def __attrs_post_init__(self) -> None:
         if (self.model is None) == (self.drafter is None):
@@ -139,15 +148,17 @@ class SpeculationStack:
     ) -> "SpeculationStack":
         """Compose ``levels`` (lowest first; the last one's model is the target) into a stack."""
         _check_levels(levels)
-        verifier = verifier or (GreedyVerifier() if sampling.greedy else SpeculativeSamplingVerifier())
-        verifier.check_sampling(sampling)
+        if verifier is not None:
+            verifier.check_sampling(sampling)
         generator = torch.Generator().manual_seed(seed)
         stops = frozenset(stop_tokens)
         lms = _cached_models(levels)
-        drafter = levels[0].drafter or ModelDrafter(lm=lms[0], sampling=sampling, generator=generator, stop_tokens=stops)
-        for level, lm in zip(levels[1:], lms[1:]):
+        drafter = levels[0].drafter or levels[0].model_drafter(lm=lms[0], sampling=sampling, generator=generator, stop_tokens=stops)
+        for index, (level, lm) in enumerate(zip(levels[1:], lms[1:]), start=1):
+            chosen = level.verifier or verifier or default_verifier(drafter.draft_kind, sampling)
+            _check_verifier(index, level, drafter, chosen, sampling)
             drafter = SpeculativeLevel(
-                drafter=drafter, lm=lm, verifier=verifier, gamma=level.gamma, sampling=sampling,
+                drafter=drafter, lm=lm, verifier=chosen, gamma=level.gamma, sampling=sampling,
                 generator=generator, stop_tokens=stops,
             )
         return cls(top=drafter, target=levels[-1].model, sampling=sampling, generator=generator, stop_tokens=stops, depth=len(levels))
@@ -194,8 +205,8 @@ def _cached_models(levels: Sequence[Level]) -> list[CachedModel | None]:
         level = levels[index]
         if level.model is None:
             continue
-        source = _full_source(levels, lms, index) if level.policy.gathers_from_full else None
-        lms[index] = CachedModel(level.model, level.policy, LevelStats(name=level.label(index)), source=source)
+        channel = _full_source(levels, lms, index).open_channel() if level.policy.gathers_from_full else None
+        lms[index] = CachedModel(level.model, level.policy, LevelStats(name=level.label(index)), channel=channel)
     return lms
 
 
@@ -232,6 +243,25 @@ def _check_model(index: int, level: Level, target: CausalLM) -> None:
     if missing:
         names = ", ".join(sorted(c.value for c in missing))
         raise SpecstackError(f"cache policy '{level.policy.name}' at level {index} needs {names}, which its model does not provide")
+
+
+def _check_verifier(index: int, level: Level, drafter: Drafter, verifier: Verifier, sampling: SamplingConfig) -> None:
+    """The verifier at level ``index`` must verify what the level below drafts, honour the sampling
+    settings, and find what it and the drafter need in the level's model."""
+    kind = drafter.draft_kind
+    if kind not in verifier.accepts:
+        fits = ", ".join(sorted(k.value for k in verifier.accepts))
+        raise SpecstackError(f"verifier '{verifier.name}' at level {index} cannot verify {kind.value} drafts from '{drafter.name}'; it verifies: {fits}")
+    verifier.check_sampling(sampling)
+    needs = {
+        f"drafter '{drafter.name}'": set(drafter.requires) | ({Capability.TREE_ATTENTION} if kind is not DraftKind.CHAIN else set()),
+        f"verifier '{verifier.name}'": set(getattr(verifier, "requires", ())),
+    }
+    for who, required in needs.items():
+        missing = required - set(level.model.capabilities)
+        if missing:
+            names = ", ".join(sorted(c.value for c in missing))
+            raise SpecstackError(f"{who} at level {index} needs {names}, which the model of level {index} ({_name(level.model)}) does not provide")
 
 
 def _name(model: CausalLM) -> str:

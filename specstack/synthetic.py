@@ -19,6 +19,7 @@ import attrs
 import torch
 
 from .attention import attention_weights
+from .batch import TokenBatch
 from .kvstore import KVStore
 from .sampling import SamplingConfig, warp
 from .types import Capability
@@ -41,7 +42,7 @@ class SyntheticLM:
     support: tuple[int, ...] | None = None
     max_length: int = 4096
     tokenizer_id: str | None = "synthetic"
-    capabilities: frozenset[Capability] = frozenset(Capability) - {Capability.HIDDEN_STATES, Capability.TREE_ATTENTION}
+    capabilities: frozenset[Capability] = frozenset(Capability) - {Capability.HIDDEN_STATES}
     head_dim: int = 4
     _embeddings: torch.Tensor = attrs.field(init=False)  # [2, V, D]: key and query embedding of each token
 
@@ -64,30 +65,32 @@ class SyntheticLM:
         # positions play no part in a synthetic model, so cache-relative ones need no re-rotation
         return KVStore(layers=1, kv_heads=1, head_dim=self.head_dim, capacity=capacity, dtype=torch.float32)
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVStore, num_logits: int) -> torch.Tensor:
-        cache.begin(positions)
-        keys, queries = self._embeddings[:, tokens]  # [T, D] each
-        values = tokens.float()[:, None].expand(-1, self.head_dim)  # [T, D]; the token id rides along
-        keys, values = cache.update(keys[None, None], values[None, None], 0)  # [1, 1, n+T, D]
-        seen = self._visible(queries, keys[0], cache)  # [T, n+T]
+    def forward(self, batch: TokenBatch, cache: KVStore) -> torch.Tensor:
+        cache.begin(batch.positions)
+        keys, queries = self._embeddings[:, batch.tokens]  # [T, D] each
+        values = batch.tokens.float()[:, None].expand(-1, self.head_dim)  # [T, D]; the token id rides along
+        keys, values = cache.write(0, keys[None], values[None])  # [1, n+T, D]
+        seen = self._visible(queries, keys, batch, cache)  # [T, n+T]
         cache.commit()
-        ids = values[0, 0, :, 0].long()  # [n+T]
-        t = tokens.shape[0]
-        rows = [self.logits_for(ids[seen[i]].tolist()) for i in range(t - num_logits, t)]
+        ids = values[0, :, 0].long()  # [n+T]
+        t = len(batch)
+        rows = [self.logits_for(ids[seen[i]].tolist()) for i in range(t - batch.num_logits, t)]
         return torch.stack(rows) if rows else torch.empty(0, self.vocab_size)  # [num_logits, V]
 
-    def _visible(self, queries: torch.Tensor, keys: torch.Tensor, cache: KVStore) -> torch.Tensor:
-        """Which slots each new token attends to ([T, n+T] bool): all before it, unless the level's
-        policy restricts attention; the weights are recorded for policies that read them."""
-        causal = cache.causal_mask(1)  # [T, n+T]
-        if cache.records_queries:
-            cache.record_query(0, queries[-1:])  # [1, D]
-        if not (cache.records_attention or cache.attention_filter is not None):
-            return causal
-        weights = attention_weights(queries[None], keys, causal, self.head_dim**-0.5, 1, cache.attention_filter)  # [1, T, n+T]
-        if cache.records_attention:
+    def _visible(self, queries: torch.Tensor, keys: torch.Tensor, batch: TokenBatch, cache: KVStore) -> torch.Tensor:
+        """Which slots each new token attends to ([T, n+T] bool): the cached ones and those its batch
+        lets it see, unless the level's policy restricts attention; the weights are recorded for
+        policies that read them."""
+        mask = batch.mask(keys.shape[1] - len(batch), 1)  # [T, n+T]
+        if batch.queries is not None:
+            batch.queries.record(0, 1, queries[batch.query_row][None])  # [1, D]
+        if not (batch.record_attention or batch.attend is not None):
+            return mask
+        weights = attention_weights(queries[None], keys, mask, self.head_dim**-0.5, 1, batch.attend)  # [1, T, n+T]
+        if batch.record_attention:
             cache.accumulate_attention(0, weights.sum(1))  # [1, n+T]
         return weights[0] > 0
+
 
 def greedy_decode(model: SyntheticLM, prompt: Sequence[int], max_new_tokens: int, stop_tokens: Sequence[int] = ()) -> list[int]:
     """Plain argmax decoding with the full context: the reference for greedy losslessness."""

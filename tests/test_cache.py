@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+
+from specstack.batch import TokenBatch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
@@ -32,7 +34,7 @@ def test_streaming_keeps_sinks_and_the_most_recent_within_budget(sinks, window, 
 def test_rollback_is_a_pointer_move() -> None:
     model = SyntheticLM(vocab_size=120, seed=1)
     cache = model.new_cache(16)
-    model.forward(torch.arange(100, 110), torch.arange(10), cache, 1)
+    model.forward(TokenBatch.chain(list(range(100, 110)), 0, 1), cache)
     storage = cache.keys.data_ptr()
     cache.truncate(6)
     assert len(cache) == 6 and cache.keys.data_ptr() == storage
@@ -92,11 +94,10 @@ def test_a_policy_breaking_its_budget_is_named() -> None:
 def _filled_store(length: int) -> KVStore:
     """Two layers, three KV heads; every key and value encodes (layer, head, position)."""
     store = KVStore(layers=2, kv_heads=3, head_dim=1, capacity=16, dtype=torch.float32)
-    store.records_attention = True
     store.begin(torch.arange(length))
     for layer in range(2):
         code = 100 * layer + 10 * torch.arange(3)[:, None] + torch.arange(length)  # [H, T]
-        store.update(code[None, :, :, None].float(), code[None, :, :, None].float(), layer)
+        store.write(layer, code[:, :, None].float(), code[:, :, None].float())
         store.accumulate_attention(layer, code.float())
     store.commit()
     return store

@@ -15,7 +15,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 
-from specstack import Level, SamplingConfig, SpeculationStack, Verifier
+from specstack import Level, SamplingConfig, SpeculationStack, StreamingLLM, Verifier
 from specstack.sampling import sample
 from specstack.synthetic import SyntheticLM, sequence_probabilities
 from specstack.testing import chi_square_pvalue
@@ -114,3 +114,49 @@ def test_stop_token_inside_a_draft_ends_generation_with_exact_distribution() -> 
     assert any(r.stopped_by == "eos" and len(r.tokens) < LENGTH for r in outputs)
     assert all(0 not in r.tokens[:-1] for r in outputs)
     assert sampled_pvalue(stack, target, sampling, stops=(0,)) > ALPHA
+
+
+LONG_PROMPT = [1, 2, 3, 0, 2, 1, 3, 3, 0, 1, 2, 2, 3, 1, 0, 0, 2, 3, 1, 2]  # long enough to evict and gather
+
+
+def _middle_policy(name: str):
+    from specstack import Registry, Retrieval
+
+    if name == "retrieval":
+        return Retrieval(budget=8, chunk_size=2, stride=2, reserve=8)
+    if name == "streaming":
+        return StreamingLLM(sinks=2, window=6, relative_positions=False)
+    return Registry.create().cache_policy(name, budget=8)
+
+
+@pytest.mark.parametrize(("policy", "sampling"), [
+    ("retrieval", SamplingConfig(temperature=1.0)),
+    ("retrieval", SamplingConfig(temperature=0.7, top_k=3, top_p=0.9)),
+    ("topk-oracle", SamplingConfig(temperature=0.7, top_k=3, top_p=0.9)),
+    ("h2o", SamplingConfig(temperature=1.0)),
+    ("streaming", SamplingConfig(temperature=0.7, top_k=3, top_p=0.9)),
+])
+def test_a_partial_view_at_the_middle_level_keeps_the_target_distribution(policy, sampling) -> None:
+    """Depth 3 with the middle level over a gathered (retrieval, Top-K oracle), per-head evicted (H2O)
+    or streaming view of the target's own cache."""
+    target = SyntheticLM(vocab_size=4, seed=31, sharpness=1.5)
+    draft = SyntheticLM(vocab_size=4, seed=32, base=target, noise=1.0)
+    levels = [Level(model=draft), Level(model=target, policy=_middle_policy(policy), gamma=2), Level(model=target, gamma=3)]
+    stack = SpeculationStack.build(levels, sampling=sampling, seed=4)
+    exact = sequence_probabilities(target, LONG_PROMPT, LENGTH, sampling)
+    drawn = [stack.generate(LONG_PROMPT, LENGTH).tokens for _ in range(SAMPLES)]
+    assert chi_square_pvalue(drawn, exact) > ALPHA
+    assert stack.top.drafter.lm.stats.gathers > 0 or policy in ("h2o", "streaming")
+
+
+@pytest.mark.parametrize("sampling", [SamplingConfig(temperature=0.8), SamplingConfig(temperature=1.2, top_k=3, top_p=0.8)], ids=["t0.8", "t1.2-k3-p0.8"])
+def test_a_middle_level_that_is_the_target_is_always_accepted(sampling) -> None:
+    """The middle level hands up its own p at the tokens it emits; if it is the target itself, the top
+    level must accept every one of them. Misaligned rows (which greedy tests cannot see) fail this."""
+    target = SyntheticLM(vocab_size=5, seed=41, sharpness=1.5)
+    draft = SyntheticLM(vocab_size=5, seed=42, base=target, noise=1.0)
+    stack = SpeculationStack.build([Level(model=draft), Level(model=target, gamma=3), Level(model=target, gamma=4)], sampling=sampling)
+    result = stack.generate(PROMPT, 60)
+    middle, top = result.levels[1], result.levels[2]
+    assert middle.rejected > 0  # the draft does get rejected below
+    assert top.drafted > 0 and top.acceptance_rate == 1.0

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from specstack import CacheState, Draft, EvictionPolicy, Kind, Registry, StreamingLLM
+from specstack import CacheState, Capability, Draft, EvictionPolicy, Kind, Registry, StreamingLLM
 from specstack.testing import conformance
 from specstack.verify import SpeculativeSamplingVerifier
 
@@ -165,6 +165,21 @@ class OverBudget(EvictionPolicy):
         return torch.arange(state.positions.shape[0] - state.room, state.positions.shape[0])  # fills the room, beyond the budget
 
 
+class PerHeadNoSharedTail(EvictionPolicy):
+    name = "per-head-no-shared-tail"
+    requires = frozenset({Capability.ATTENTION_WEIGHTS})
+
+    def __init__(self, *, budget: int = 32) -> None:
+        self.budget = budget
+
+    def capacity(self, max_length: int) -> int:
+        return self.budget + 8
+
+    def select(self, state: CacheState) -> torch.Tensor:
+        keep = min(self.budget, state.room)
+        return state.attention.topk(keep, dim=-1).indices.sort(dim=-1).values  # [L, H, keep]: heaviest only, no shared recent window
+
+
 class AlwaysAccept(SpeculativeSamplingVerifier):
     name = "always-accept"
 
@@ -175,6 +190,7 @@ class AlwaysAccept(SpeculativeSamplingVerifier):
 @pytest.mark.parametrize("broken, check", [
     (SinkDropper, conformance.test_eviction_keeps_the_contract),
     (OverBudget, conformance.test_eviction_keeps_the_contract),
+    (PerHeadNoSharedTail, conformance.test_eviction_keeps_the_contract),
 ])
 def test_the_suite_catches_a_broken_policy(broken, check) -> None:
     with pytest.raises(AssertionError):

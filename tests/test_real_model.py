@@ -12,6 +12,7 @@ import torch
 
 from specstack import Registry, SamplingConfig, SpecstackError, warp
 from specstack.data import book_tokens
+from specstack.hf import transformers_attention
 from specstack.testing import chi_square_pvalue
 
 pytestmark = pytest.mark.real_model
@@ -75,9 +76,12 @@ def test_retrieval_is_gathered_again_when_acceptance_drops(models, prompt, refer
 
 
 def test_greedy_reference_matches_transformers_generate(models, prompt, reference) -> None:
+    """transformers' own SDPA attention and cache, not specstack's attention function."""
     target, _, _ = models
     ids = torch.tensor([prompt[-512:]])
-    plain = target.module.generate(ids, max_new_tokens=8, do_sample=False)[0, 512:].tolist()
+    with transformers_attention([target.module], "sdpa"):
+        assert target.module.config._attn_implementation == "sdpa"
+        plain = target.module.generate(ids, max_new_tokens=8, do_sample=False)[0, 512:].tolist()
     ours = Registry.create().stack("autoregressive", target=target).generate(prompt[-512:], 8)
     assert list(ours.tokens) == plain
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from specstack.batch import TokenBatch
+
 from specstack import CachedModel, LevelStats, StreamingLLM
 from specstack.hf import HFCausalLM
 
@@ -33,7 +35,7 @@ def test_relative_positions_match_a_fresh_pass_over_the_kept_tokens(one_layer_ll
     kept = lm.cache.positions.tolist()
     assert len(kept) <= 8 and kept[:2] == [0, 1] and kept[-1] == 19
     fresh = model.new_cache(len(kept))
-    expected = model.forward(torch.tensor([tokens[p] for p in kept]), torch.arange(len(kept)), fresh, 1)[0]
+    expected = model.forward(TokenBatch.chain([tokens[p] for p in kept], 0, 1), fresh)[0]
     torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-5)
 
 
@@ -45,5 +47,5 @@ def test_absolute_positions_differ_from_a_fresh_pass(one_layer_llama) -> None:
     logits = lm.logits(tokens, 1)[0]
     kept = lm.cache.positions.tolist()
     fresh = model.new_cache(len(kept))
-    expected = model.forward(torch.tensor([tokens[p] for p in kept]), torch.arange(len(kept)), fresh, 1)[0]
+    expected = model.forward(TokenBatch.chain([tokens[p] for p in kept], 0, 1), fresh)[0]
     assert not torch.allclose(logits, expected, rtol=1e-4, atol=1e-5)

@@ -13,14 +13,14 @@ Timing differs, and every record says which was used (``timing``):
 
 from __future__ import annotations
 
-import contextlib
 import time
-from typing import Any, Callable, Iterator, Mapping, Protocol
+from typing import Any, Callable, Mapping, Protocol
 
 import attrs
 import torch
 
 from ..errors import SpecstackError
+from ..hf import transformers_attention
 from ..registry import Kind, Registry
 from ..sampling import SamplingConfig
 from ..types import LevelStats
@@ -131,7 +131,7 @@ class Baseline:
         module = _module(run.models.target, "target")
         kwargs = {**_sampling_kwargs(run), **self.extra(run.models, options)}
         modules = [module, *([kwargs["assistant_model"]] if "assistant_model" in kwargs else [])]
-        with _attention(modules, options["attn_implementation"]):
+        with transformers_attention(modules, options["attn_implementation"]):
             tokens, seconds = _timed_generate(module, run, kwargs)
         return Measurement(tokens=tokens, levels=(), decode_seconds=None, prefill_seconds=None, total_seconds=seconds, timing="total",
                            notes={"attn_implementation": options["attn_implementation"]})
@@ -158,24 +158,6 @@ def _sampling_kwargs(run: RunSetup) -> dict[str, Any]:
     if sampling.greedy:
         return {**common, "do_sample": False}
     return {**common, "do_sample": True, "temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k or 0}
-
-
-@contextlib.contextmanager
-def _attention(modules: list[torch.nn.Module], name: str) -> Iterator[None]:
-    """Switch the modules' attention implementation for the run and restore it afterwards."""
-    before = [m.config._attn_implementation for m in modules]
-    try:
-        for module in modules:
-            module.set_attn_implementation(name)
-    except (ValueError, ImportError) as error:
-        for module, old in zip(modules, before):
-            module.set_attn_implementation(old)
-        raise SpecstackError(f"attn_implementation {name!r} is not available: {str(error).splitlines()[0][:200]}") from None
-    try:
-        yield
-    finally:
-        for module, old in zip(modules, before):
-            module.set_attn_implementation(old)
 
 
 def _timed_generate(module: torch.nn.Module, run: RunSetup, kwargs: dict[str, Any]) -> tuple[tuple[int, ...], float]:

@@ -101,6 +101,8 @@ def test_eviction_keeps_the_contract(policy_class, over, incoming, seed) -> None
     rows = keep.reshape(-1, keep.shape[-1])
     sinks = min(getattr(policy, "sinks", 0), n, state.room)
     assert (rows[:, :sinks] == torch.arange(sinks)).all(), "declared sinks were evicted"
+    if keep.dim() == 3 and keep.shape[-1]:
+        assert (rows[:, -1] == n - 1).all(), "per-head rows must end in the same slots (the recent window, newest slot included)"
 
 
 @pytest.mark.parametrize("policy_class", GATHERING)
@@ -130,7 +132,7 @@ def test_rollback_after_eviction_or_gather(policy_class) -> None:
     model = SyntheticLM(vocab_size=VOCAB, seed=5)
     policy = small(policy_class)
     source = CachedModel(model, FullCache(), LevelStats(name="full")) if policy.gathers_from_full else None
-    lm = CachedModel(model, policy, LevelStats(name=policy.name), source=source)
+    lm = CachedModel(model, policy, LevelStats(name=policy.name), channel=source.open_channel() if source else None)
     sequence = _prompt(150, seed=1)
     if source is not None:
         source.logits(sequence, 1)

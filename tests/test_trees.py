@@ -1,0 +1,227 @@
+"""Token trees in the core: drafts that stay trees, tree attention in the KV store for every kind of
+cache view, and the checks a stack makes when it is built and after every verdict."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specstack import CachedModel, Drafter, FullCache, Level, LevelStats, SamplingConfig, SpecstackError, SpeculationStack, StreamingLLM, Verifier
+from specstack.channels import FullCacheChannel
+from specstack.retrieval import Retrieval
+from specstack.synthetic import SyntheticLM, greedy_decode
+from specstack.types import Capability, Draft, DraftKind, Verdict
+from specstack.verify import GreedyVerifier, SpeculativeSamplingVerifier
+
+#        0
+#      /   \
+#     1     2        parents: [-1, -1, 0, 0, 1, 2]   depths: [0, 0, 1, 1, 1, 2]
+#    / \    |
+#   2   3   4
+#   |
+#   5
+PARENTS = torch.tensor([-1, -1, 0, 0, 1, 2])
+TOKENS = torch.tensor([3, 4, 5, 6, 7, 8])
+
+
+def tree(kind: DraftKind = DraftKind.TREE_DETERMINISTIC, tokens: torch.Tensor = TOKENS, vocab: int = 9) -> Draft:
+    return Draft(tokens=tokens, probs=torch.full((len(tokens), vocab), 1 / vocab), parents=PARENTS, kind=kind)
+
+
+# -- drafts -------------------------------------------------------------------------------------
+
+
+def test_head_keeps_a_tree_a_tree() -> None:
+    """Draft.head used to rebuild the draft without parents, so a tree was verified as a chain."""
+    head = tree(DraftKind.TREE_WITHOUT_REPLACEMENT).head(2)
+    assert head.is_tree and head.kind is DraftKind.TREE_WITHOUT_REPLACEMENT
+    assert head.parents.tolist() == [-1, -1, 0, 0, 1] and head.tokens.tolist() == [3, 4, 5, 6, 7]
+    assert tree().head(1).parents.tolist() == [-1, -1]
+    assert tree().head(3) is not None and len(tree().head(3)) == 6
+
+
+def test_stop_at_cuts_the_subtrees_below_a_stop_token() -> None:
+    cut = tree().stop_at(frozenset({5}))  # node 2 holds token 5: its child (node 5) goes
+    assert cut.tokens.tolist() == [3, 4, 5, 6, 7] and cut.parents.tolist() == [-1, -1, 0, 0, 1]
+    chain = Draft(tokens=torch.tensor([1, 5, 2]), probs=torch.full((3, 9), 1 / 9))
+    assert chain.stop_at(frozenset({5})).tokens.tolist() == [1, 5]
+
+
+def test_parents_must_be_topologically_ordered() -> None:
+    with pytest.raises(ValueError, match="topologically ordered"):
+        Draft(tokens=torch.tensor([1, 2]), probs=torch.full((2, 4), 0.25), parents=torch.tensor([1, -1]), kind=DraftKind.TREE_DETERMINISTIC)
+    with pytest.raises(ValueError, match="needs parents"):
+        Draft(tokens=torch.tensor([1]), probs=torch.full((1, 4), 0.25), kind=DraftKind.TREE_DETERMINISTIC)
+
+
+# -- tree attention over every kind of view -----------------------------------------------------
+
+
+def _levels(model: SyntheticLM) -> dict[str, CachedModel]:
+    full = CachedModel(model, FullCache(), LevelStats(name="full"))
+    return {
+        "full": full,
+        "streaming": CachedModel(model, StreamingLLM(sinks=2, window=12), LevelStats(name="streaming")),
+        "retrieval": CachedModel(model, Retrieval(budget=8, chunk_size=2, stride=4, reserve=12), LevelStats(name="retrieval"),
+                                 channel=full.open_channel()),
+    }
+
+
+@pytest.mark.parametrize("view", ["full", "streaming", "retrieval", "h2o"])
+def test_one_forward_scores_every_path_of_the_tree_and_keeps_the_accepted_one(view) -> None:
+    """Each node's logits are those of its own path over the level's view; after accept_path the
+    view holds exactly the accepted path, and decoding continues as if it had been fed as a chain."""
+    model = SyntheticLM(vocab_size=9, seed=1)
+    levels = _levels(model)
+    if view == "h2o":
+        from specstack_h2o import H2O
+
+        levels["h2o"] = CachedModel(model, H2O(budget=8, recent=4, reserve=4), LevelStats(name="h2o"))
+    lm, full = levels[view], levels["full"]
+    prefix = [1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3, 4, 5, 6, 7, 8, 2]
+    full.logits(prefix, 1)
+    lm.logits(prefix[:-1], 1)
+    draft = tree()
+    rows = lm.tree_logits(prefix, draft)  # [k+1, V]
+    held = lm.cache.values[0, 0, : len(lm.cache) - len(draft), 0].long().tolist()  # the view before the tree
+    assert torch.equal(rows[0], model.logits_for(held))
+    for node in range(len(draft)):
+        path = [int(draft.tokens[i]) for i in draft.path(node)]
+        assert torch.equal(rows[node + 1], model.logits_for([*held, *path])), f"node {node} does not see its own path"
+    lm.accept_path([1, 4])  # tokens 4, 7
+    after = lm.cache.values[0, 0, : len(lm.cache), 0].long().tolist()
+    assert after == [*held, 4, 7] and lm.cache.positions[-2:].tolist() == [len(prefix), len(prefix) + 1]
+    row = lm.logits([*prefix, 4, 7, 0], 1)[0]  # continue: one more token fed as a chain
+    assert torch.equal(row, model.logits_for([*lm.cache.values[0, 0, : len(lm.cache), 0].long().tolist()]))
+
+
+def test_a_tree_that_does_not_fit_the_view_is_named() -> None:
+    lm = CachedModel(SyntheticLM(vocab_size=9, seed=1), StreamingLLM(sinks=1, window=4), LevelStats(name="small"))
+    lm.logits([1, 2, 3], 1)
+    with pytest.raises(SpecstackError, match="a tree of 6 tokens does not fit level 'small', whose cache holds 5 slots"):
+        lm.tree_logits([1, 2, 3, 4], tree())
+
+
+def test_the_full_cache_channel_is_the_only_way_a_gathering_level_reads_the_level_above() -> None:
+    model = SyntheticLM(vocab_size=9, seed=1)
+    full = CachedModel(model, FullCache(), LevelStats(name="full"))
+    channel = full.open_channel()
+    assert isinstance(channel, FullCacheChannel)
+    full.logits([1, 2, 3, 4, 5], 1)
+    assert channel.horizon([1, 2, 3, 4]) == 4 and channel.keys(4).shape == (1, 1, 4, model.head_dim)
+    assert channel.queries.queries.shape == (1, 1, model.head_dim)  # the last committed token's query
+    with pytest.raises(SpecstackError, match="needs a full-cache level"):
+        CachedModel(model, Retrieval(budget=8, chunk_size=2), LevelStats(name="r"))
+
+
+# -- checks when a stack is built, and after each verdict -----------------------------------------
+
+
+class TreeOnly(Drafter):
+    """A model-free drafter that always proposes the tree above (deterministic)."""
+
+    name = "fixed-tree"
+    draft_kind = DraftKind.TREE_DETERMINISTIC
+
+    def __init__(self, vocab: int = 9) -> None:
+        self.vocab = vocab
+        self.stats = LevelStats(name="fixed-tree")
+
+    @property
+    def vocab_size(self) -> int:
+        return self.vocab
+
+    def propose(self, prefix, n) -> Draft:
+        return tree(vocab=self.vocab).head(n)
+
+    def level_stats(self) -> list[LevelStats]:
+        return [self.stats]
+
+
+class NeedsHiddenStates(TreeOnly):
+    name = "needs-hidden-states"
+    requires = frozenset({Capability.HIDDEN_STATES})
+
+
+def test_a_verifier_that_cannot_verify_the_draft_kind_is_refused_when_the_stack_is_built() -> None:
+    target = SyntheticLM(vocab_size=9, seed=1)
+    with pytest.raises(SpecstackError, match="verifier 'speculative' at level 1 cannot verify tree-deterministic drafts from 'fixed-tree'"):
+        SpeculationStack.build([Level(drafter=TreeOnly()), Level(model=target, gamma=3, verifier=SpeculativeSamplingVerifier())],
+                               sampling=SamplingConfig(temperature=1.0))
+
+
+def test_drafter_requirements_are_checked_against_the_verifying_model() -> None:
+    target = SyntheticLM(vocab_size=9, seed=1)
+    with pytest.raises(SpecstackError, match="drafter 'needs-hidden-states' at level 1 needs hidden_states"):
+        SpeculationStack.build([Level(drafter=NeedsHiddenStates()), Level(model=target, gamma=3)])
+    flat = SyntheticLM(vocab_size=9, seed=1, capabilities=frozenset({Capability.KEYS}))
+    with pytest.raises(SpecstackError, match="needs tree_attention"):
+        SpeculationStack.build([Level(drafter=TreeOnly()), Level(model=flat, gamma=3)])
+
+
+class NeedsQueries(GreedyVerifier):
+    name = "needs-queries"
+    requires = frozenset({Capability.QUERIES})
+
+
+def test_verifier_requirements_are_checked_against_the_model() -> None:
+    flat = SyntheticLM(vocab_size=9, seed=1, capabilities=frozenset({Capability.KEYS}))
+    with pytest.raises(SpecstackError, match="verifier 'needs-queries' at level 1 needs queries"):
+        SpeculationStack.build([Level(model=flat), Level(model=flat, gamma=3, verifier=NeedsQueries())])
+
+
+class OffPath(GreedyVerifier):
+    """A plugin verifier returning an accepted list that is not a root path of the tree."""
+
+    name = "off-path"
+
+    def verify(self, draft: Draft, p: torch.Tensor, generator: torch.Generator) -> Verdict:
+        return Verdict(accepted=(0, 4), next_token=1, bonus=False)  # node 4's parent is 1, not 0
+
+
+def test_a_plugin_verdict_that_is_not_a_root_path_is_refused() -> None:
+    target = SyntheticLM(vocab_size=9, seed=1)
+    stack = SpeculationStack.build([Level(drafter=TreeOnly()), Level(model=target, gamma=3, verifier=OffPath())])
+    with pytest.raises(SpecstackError, match="off-path"):
+        stack.generate([1, 2, 3], 5)
+
+
+def test_greedy_tree_stacks_equal_argmax_decoding_over_every_view() -> None:
+    target = SyntheticLM(vocab_size=9, seed=4, sharpness=2.0)
+    prompt = [1, 2, 3, 4, 5, 6, 7, 8] * 3
+    expected = greedy_decode(target, prompt, 30)
+    for middle in (FullCache(), StreamingLLM(sinks=2, window=14), Retrieval(budget=8, chunk_size=2, stride=4, reserve=12)):
+        levels = [Level(drafter=TreeOnly()), Level(model=target, policy=middle, gamma=3), Level(model=target, gamma=4)]
+        assert list(SpeculationStack.build(levels).generate(prompt, 30).tokens) == expected, middle.name
+    assert list(SpeculationStack.build([Level(drafter=TreeOnly()), Level(model=target, gamma=3)]).generate(prompt, 30).tokens) == expected
+
+
+class LookupWithStop(Drafter):
+    """Proposes [stop, 1, 2, 3]: a stop token first, then more tokens the level must not verify."""
+
+    name = "stop-first"
+
+    def __init__(self, vocab: int = 9) -> None:
+        self.vocab = vocab
+        self.stats = LevelStats(name="stop-first")
+
+    @property
+    def vocab_size(self) -> int:
+        return self.vocab
+
+    def propose(self, prefix, n) -> Draft:
+        tokens = torch.tensor([0, 1, 2, 3])[:n]
+        return Draft(tokens=tokens, probs=torch.zeros(len(tokens), self.vocab).scatter_(1, tokens[:, None], 1.0))
+
+    def level_stats(self) -> list[LevelStats]:
+        return [self.stats]
+
+
+def test_no_round_runs_past_a_stop_token() -> None:
+    vocab = 9
+    target = SyntheticLM(vocab_size=vocab, seed=2, support=(0,))  # always emits the stop token 0
+    stack = SpeculationStack.build([Level(drafter=LookupWithStop()), Level(model=target, gamma=4)], stop_tokens=(0,))
+    result = stack.generate([5, 6], 10)
+    assert result.tokens == (0,) and result.stopped_by == "eos"
+    top = result.levels[-1]
+    assert top.drafted == 1 and top.forward_tokens == 2  # the last prompt token and the stop token, nothing after it
