@@ -225,3 +225,27 @@ def test_no_round_runs_past_a_stop_token() -> None:
     assert result.tokens == (0,) and result.stopped_by == "eos"
     top = result.levels[-1]
     assert top.drafted == 1 and top.forward_tokens == 2  # the last prompt token and the stop token, nothing after it
+
+
+class EveryTokenThenOne(TreeOnly):
+    """A deterministic tree: every token as a child of the root, each with one child of its own."""
+
+    name = "every-token"
+
+    def propose(self, prefix, n) -> Draft:
+        v = self.vocab
+        tokens = torch.cat([torch.arange(v), (torch.arange(v) + 1) % v])  # [2V]
+        parents = torch.cat([torch.full((v,), -1), torch.arange(v)])  # [2V]
+        return Draft(tokens=tokens, probs=torch.full((2 * v, v), 1 / v), parents=parents, kind=DraftKind.TREE_DETERMINISTIC).head(n)
+
+
+def test_a_middle_level_that_is_the_target_hands_up_the_rows_of_the_accepted_path() -> None:
+    """Tree at L0, the target at L1 and L2, T > 0: L1 must hand up p's rows along the accepted path
+    (row 0, then row i + 1 after each accepted node i), so L2 accepts every token it is offered.
+    Rows taken as if the path were a chain (p[:m+1]) are misaligned on a tree and fail this."""
+    target = SyntheticLM(vocab_size=6, seed=7, sharpness=2.0)
+    levels = [Level(drafter=EveryTokenThenOne(vocab=6)), Level(model=target, gamma=2), Level(model=target, gamma=4)]
+    result = SpeculationStack.build(levels, sampling=SamplingConfig(temperature=1.0)).generate([1, 2, 3], 300)
+    middle, top = result.levels[1], result.levels[2]
+    assert middle.accepted > 0
+    assert top.drafted > 0 and top.acceptance_rate == 1.0
