@@ -17,7 +17,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["distill"]:  # its own argument parser
         return _distill(argv[1:])
-    parser = _parser()
+    parser = _parser(argv)
     args = parser.parse_args(argv)
     if not hasattr(args, "run"):
         parser.print_help()
@@ -34,7 +34,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
 
 
-def _parser() -> argparse.ArgumentParser:
+def _parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specstack", description="Lossless hierarchical speculative decoding (TriForce and friends).")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
 
@@ -63,7 +63,26 @@ def _parser() -> argparse.ArgumentParser:
     add_bench_parser(commands)
 
     commands.add_parser("distill", help="train a small draft model on the target's outputs (see `specstack distill --help`)")
+    if not argv or argv[0] not in commands.choices:  # a built-in command needs no plugins loaded
+        _add_plugin_commands(commands)
     return parser
+
+
+def _add_plugin_commands(commands) -> None:
+    """One subcommand per registered ``specstack_commands`` object (see specstack.hookspecs); a
+    broken plugin is reported by `specstack plugins`, not here."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        registry = Registry.create()
+    for name in registry.names(Kind.COMMAND):
+        if name in commands.choices:
+            continue
+        command = registry.command(name)
+        parser = commands.add_parser(name, help=command.help)
+        command.add_arguments(parser)
+        parser.set_defaults(run=command.run)
 
 
 def _add_stack_options(parser: argparse.ArgumentParser, *, default_stack: str, max_new_tokens: int = 64) -> None:

@@ -43,3 +43,12 @@ def specstack_verifiers() -> list:
 def specstack_stacks() -> list:
     """Return :class:`~specstack.recipes.StackRecipe` objects: named ways to turn models and
     parameters into a list of :class:`~specstack.stack.Level`."""
+
+
+@hookspec
+def specstack_commands() -> list:
+    """Return command objects, each a ``specstack`` subcommand: ``name`` (str), ``help`` (one line),
+    ``add_arguments(parser)`` (adds its flags to an ``argparse`` parser) and ``run(args) -> int``
+    (the exit code). A :class:`~specstack.errors.SpecstackError` raised by ``run`` is printed as one
+    line and exits with code 2, as for the built-in commands; a name a built-in command already uses
+    is ignored. Loading weights belongs in ``run``, not at import."""

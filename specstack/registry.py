@@ -27,6 +27,7 @@ class Kind(str, enum.Enum):
     DRAFTER = "drafter"
     VERIFIER = "verifier"
     STACK = "stack"
+    COMMAND = "command"
 
 
 _HOOKS = {
@@ -34,6 +35,7 @@ _HOOKS = {
     Kind.DRAFTER: "specstack_drafters",
     Kind.VERIFIER: "specstack_verifiers",
     Kind.STACK: "specstack_stacks",
+    Kind.COMMAND: "specstack_commands",
 }
 
 
@@ -170,6 +172,9 @@ class Registry:
 
     def stack_recipe(self, name: str):
         return self.entry(Kind.STACK, name).component
+
+    def command(self, name: str):
+        return self.entry(Kind.COMMAND, name).component
 
     def stack(self, name: str, *, target, draft=None, sampling=None, verifier: str | None = None, stop_tokens=(), seed: int = 0, **options):
         """Build the registered stack recipe ``name`` into a :class:`~specstack.stack.SpeculationStack`."""

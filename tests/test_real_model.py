@@ -1,7 +1,7 @@
 """Oracle tests on the embedded default: SmolLM2-135M-Instruct (target) and the shipped distilled draft.
 
 Every stack's greedy output on a 2,048-token Pride and Prejudice prompt equals the target's own
-greedy decoding; sampled TriForce output follows the target's distribution on the first two
+greedy decoding, chain and token-tree stacks alike; sampled TriForce output follows the target's distribution on the first two
 generated positions. The model is prepared by `make setup` (`specstack prepare`).
 """
 
@@ -53,6 +53,10 @@ def reference(models, prompt):
         ("self-speculative", {"policy": "h2o", "budget": 256}),  # the plugins at level 1
         ("self-speculative", {"policy": "topk-oracle", "budget": 256}),
         ("hierarchical", {"policy": "h2o", "budget": 256}),
+        ("sequoia", {"tree": "binary:3"}),  # token trees (the sequoia plugin): a draft tree verified by the target
+        ("triforce-tree", {**SMALL, "tree": "widths:3,2,1"}),  # ... verified by the middle level over retrieval
+        ("lookup-tree", {}),
+        ("triforce-lookup-tree", SMALL),
     ],
 )
 def test_greedy_output_equals_the_targets_own_greedy_decoding(models, prompt, reference, name, options) -> None:

@@ -174,7 +174,8 @@ def test_drafts_are_well_formed(drafter_class) -> None:
     prefix = _prompt(60, seed=2, vocab=6) * 2
     for n in (1, 4):
         draft = drafter.propose(prefix, n)
-        assert isinstance(draft, Draft) and len(draft) <= n + 1
+        assert isinstance(draft, Draft) and draft.kind is drafter.draft_kind, "a drafter's drafts are of the kind it declares"
+        assert len(draft.head(n + 1)) == len(draft), "a draft is at most n (+1) tokens deep"
         assert draft.probs.shape == (len(draft), VOCAB)
         assert torch.allclose(draft.probs.sum(-1), torch.ones(len(draft)))
         assert (draft.probs[torch.arange(len(draft)), draft.tokens] > 0).all(), "a drafted token has probability 0 under its own proposal"

@@ -1,0 +1,202 @@
+"""Tree drafters: a draft model growing a Sequoia tree, and prompt lookup offering several matches.
+
+:class:`SequoiaDrafter` follows a :class:`~specstack_sequoia.shape.TreeShape` (Chen et al., 2024,
+"Sequoia: Scalable, Robust, and Hardware-aware Speculative Decoding"). It grows the tree one depth
+per forward pass of its model: ``CachedModel.tree_logits`` scores the tree so far (row 0 after the
+prefix, row i + 1 after node i), every frontier node draws its children from its row, and
+``accept_path([])`` drops the tree from the draft's cache (the tokens the level above accepts come
+back next round as part of the prefix). A tree of depth D costs D draft forwards.
+
+:class:`TreeLookupDrafter` is model-free: prompt lookup that offers the continuations of several
+earlier matches at once, merged into one trie.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar, Sequence
+
+import attrs
+import numpy as np
+import torch
+
+from specstack import Draft, LevelStats, SpecstackError, warp
+from specstack.drafters import Drafter, ModelLevel
+from specstack.types import DraftKind
+
+from .shape import TreeShape
+
+DEFAULT_TREE = "binary:3"
+
+
+@attrs.define(eq=False, kw_only=True)
+class _Growing:
+    """A draft tree under construction, breadth first: tokens, parents and each node's q row."""
+
+    vocab: int
+    tokens: list[int] = attrs.field(factory=list)
+    parents: list[int] = attrs.field(factory=list)
+    rows: list[torch.Tensor] = attrs.field(factory=list)  # [V] each: q after the node's parent
+
+    def add(self, token: int, parent: int, q: torch.Tensor) -> int:
+        self.tokens.append(token)
+        self.parents.append(parent)
+        self.rows.append(q)
+        return len(self.tokens) - 1
+
+    def draft(self, kind: DraftKind) -> Draft:
+        if not self.tokens:
+            return Draft.empty(self.vocab)
+        return Draft(tokens=torch.tensor(self.tokens, dtype=torch.long), probs=torch.stack(self.rows),  # [k], [k, V]
+                     parents=torch.tensor(self.parents, dtype=torch.long), kind=kind)
+
+
+def _kind(drafter: "SequoiaDrafter") -> DraftKind:
+    if drafter.deterministic or drafter.sampling.greedy:
+        return DraftKind.TREE_DETERMINISTIC
+    return DraftKind.TREE_WITH_REPLACEMENT if drafter.replacement else DraftKind.TREE_WITHOUT_REPLACEMENT
+
+
+def race(q: torch.Tensor, count: int, generator: torch.Generator) -> list[int]:
+    """``count`` tokens drawn from q [V] one after another without replacement (fewer when q's
+    support is smaller): the first arrivals of the exponential race, arrival time -log(u) / q(x)."""
+    count = min(count, int((q > 0).sum()))
+    u = torch.rand(q.shape[0], generator=generator)  # [V]
+    return (u.log() / q).topk(count).indices.tolist()  # the largest log(u) / q arrive first
+
+
+@attrs.define(eq=False, kw_only=True)
+class SequoiaDrafter(ModelLevel):
+    """Draws a token tree of a fixed shape from a draft model (Chen et al., 2024, Sec. 3.1).
+
+    At a node with c children in the shape, with q = warp(logits after the node):
+
+    * without replacement (the default, ``TREE_WITHOUT_REPLACEMENT``): the exponential race
+      ``(u.log() / q).topk(c)``, u ~ U[0, 1)^V, in the race's order — sequential sampling without
+      replacement; c is capped at the size of q's support;
+    * ``replacement=True`` (``TREE_WITH_REPLACEMENT``, SpecInfer): c independent draws from q;
+    * ``deterministic=True``, and always at temperature 0 (``TREE_DETERMINISTIC``): the c tokens
+      with the largest logits.
+
+    Every child's ``probs`` row is q after its parent. A stop token gets no children, and
+    ``propose(prefix, n)`` grows at most ``n`` levels.
+    """
+
+    name: ClassVar[str] = "sequoia"
+
+    shape: TreeShape = attrs.field(default=DEFAULT_TREE, converter=TreeShape.parse)
+    replacement: bool = False
+    deterministic: bool = False
+    draft_kind: DraftKind = attrs.field(init=False, default=attrs.Factory(_kind, takes_self=True))
+
+    def propose(self, prefix: Sequence[int], n: int) -> Draft:
+        tree = _Growing(vocab=self.vocab_size)
+        frontier = [(-1, -1)]  # (node in the draft, node in the shape); -1: the root
+        for _ in range(min(n, self.shape.depth)):
+            logits = self._logits(prefix, tree).cpu()  # [k+1, V]; the stack's generator lives on the CPU
+            q = warp(logits, self.sampling)  # [k+1, V]
+            grown = []
+            for node, at in frontier:
+                slots = self.shape.children(at)
+                for token, slot in zip(self._children(logits[node + 1], q[node + 1], len(slots)), slots):
+                    child = tree.add(token, node, q[node + 1])
+                    if token not in self.stop_tokens and self.shape.children(slot):
+                        grown.append((child, slot))
+            frontier = grown
+            if not frontier:
+                break
+        draft = tree.draft(self.draft_kind)
+        self.lm.stats.drafted += len(draft)
+        return draft
+
+    def _logits(self, prefix: Sequence[int], tree: _Growing) -> torch.Tensor:
+        """[k+1, V]: after the prefix and after each node of the tree so far, in one forward."""
+        if not tree.tokens:
+            return self.lm.logits(prefix, 1)  # [1, V]
+        logits = self.lm.tree_logits(prefix, tree.draft(self.draft_kind))  # [k+1, V]
+        self.lm.accept_path([])  # the draft's cache keeps the committed tokens only
+        return logits
+
+    def _children(self, logits: torch.Tensor, q: torch.Tensor, count: int) -> list[int]:
+        """``count`` children of a node with ``logits`` [V] and q [V], as the draft kind says."""
+        if self.draft_kind is DraftKind.TREE_DETERMINISTIC:
+            return logits.topk(min(count, logits.shape[0])).indices.tolist()
+        if self.draft_kind is DraftKind.TREE_WITH_REPLACEMENT:
+            return torch.multinomial(q, count, replacement=True, generator=self.generator).tolist()
+        return race(q, count, self.generator)
+
+    def level_stats(self) -> list[LevelStats]:
+        return [self.lm.stats]
+
+    def reset(self) -> None:
+        self.lm.reset()
+
+    def prefill(self, prompt: Sequence[int]) -> None:
+        self.lm.logits(prompt, 1)
+
+
+@attrs.define(eq=False, kw_only=True)
+class TreeLookupDrafter(Drafter):
+    """Prompt lookup with branches: the continuations of up to ``branches`` earlier matches of the
+    last ``max_ngram`` … ``min_ngram`` tokens (longer n-grams first, then the most recent match
+    first), each at most ``n`` tokens, merged into one trie (a shared prefix is proposed once).
+
+    Deterministic (``TREE_DETERMINISTIC``, one-hot ``probs`` rows); siblings are tried in the order
+    of the matches that introduced them. When nothing matches the draft is empty and the level above
+    samples on its own.
+    """
+
+    name: ClassVar[str] = "lookup-tree"
+    draft_kind: ClassVar[DraftKind] = DraftKind.TREE_DETERMINISTIC
+
+    vocab: int
+    max_ngram: int = 3
+    min_ngram: int = 1
+    branches: int = 3
+    stats: LevelStats = attrs.field(factory=lambda: LevelStats(name="lookup-tree"))
+
+    def __attrs_post_init__(self) -> None:
+        if not (_is_int(self.min_ngram) and _is_int(self.max_ngram) and 1 <= self.min_ngram <= self.max_ngram):
+            raise SpecstackError(f"n-gram range {self.min_ngram!r}..{self.max_ngram!r} is not allowed; need integers 1 <= min_ngram <= max_ngram")
+        if not (_is_int(self.branches) and self.branches >= 1):
+            raise SpecstackError(f"lookup-tree branches {self.branches!r} is not allowed; use an integer >= 1")
+
+    @property
+    def vocab_size(self) -> int:
+        return self.vocab
+
+    def propose(self, prefix: Sequence[int], n: int) -> Draft:
+        tokens, parents, nodes = [], [], {}  # nodes: (parent, token) -> index in the trie
+        for continuation in self._matches(np.asarray(prefix, dtype=np.int64), n):
+            node = -1
+            for token in continuation:
+                if (node, token) not in nodes:
+                    nodes[node, token] = len(tokens)
+                    tokens.append(token)
+                    parents.append(node)
+                node = nodes[node, token]
+        self.stats.drafted += len(tokens)
+        if not tokens:
+            return Draft.empty(self.vocab)
+        ids = torch.tensor(tokens, dtype=torch.long)  # [k]
+        probs = torch.zeros(len(tokens), self.vocab).scatter_(1, ids[:, None], 1.0)  # [k, V]
+        return Draft(tokens=ids, probs=probs, parents=torch.tensor(parents, dtype=torch.long), kind=self.draft_kind)
+
+    def _matches(self, seq: np.ndarray, n: int) -> list[tuple[int, ...]]:
+        """Up to ``branches`` continuations, each adding at least one node to the trie."""
+        found: list[tuple[int, ...]] = []
+        for size in range(min(self.max_ngram, len(seq) - 1), self.min_ngram - 1, -1):
+            windows = np.lib.stride_tricks.sliding_window_view(seq[:-1], size)  # [L-size, size]
+            for hit in np.flatnonzero((windows == seq[-size:]).all(axis=1))[::-1]:  # the most recent first
+                continuation = tuple(seq[hit + size : hit + size + n].tolist())
+                if continuation and not any(seen[: len(continuation)] == continuation for seen in found):
+                    found.append(continuation)
+                    if len(found) == self.branches:
+                        return found
+        return found
+
+    def level_stats(self) -> list[LevelStats]:
+        return [self.stats]
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
