@@ -75,6 +75,15 @@ class ModelLevel(Drafter):
     def observe(self, drafted: int, accepted: int) -> None:
         self.lm.observe(drafted, accepted)
 
+    def level_stats(self) -> list[LevelStats]:
+        return [self.lm.stats]  # a level with levels below it adds theirs
+
+    def reset(self) -> None:
+        self.lm.reset()
+
+    def prefill(self, prompt: Sequence[int]) -> None:
+        self.lm.logits(prompt, 1)
+
 
 @attrs.define(eq=False, kw_only=True)
 class ModelDrafter(ModelLevel):
@@ -93,15 +102,6 @@ class ModelDrafter(ModelLevel):
                 break
         self.lm.stats.drafted += len(rows)
         return Draft(tokens=torch.tensor(context[len(prefix) :], dtype=torch.long), probs=torch.stack(rows))
-
-    def level_stats(self) -> list[LevelStats]:
-        return [self.lm.stats]
-
-    def reset(self) -> None:
-        self.lm.reset()
-
-    def prefill(self, prompt: Sequence[int]) -> None:
-        self.lm.logits(prompt, 1)
 
 
 @attrs.define(eq=False, kw_only=True)

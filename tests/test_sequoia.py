@@ -290,6 +290,18 @@ def test_a_sampled_tree_keeps_the_target_distribution(kind, warp_name) -> None:
     assert _pvalue(stack, target, sampling) > ALPHA
 
 
+@pytest.mark.parametrize("shape", ["star:3", "chain:3", "planned"])
+def test_sampled_trees_of_every_shape_keep_the_target_distribution(shape) -> None:
+    """Star, chain and the planner's own output (siblings without replacement, top-k and top-p)."""
+    if shape == "planned":
+        shape = best_tree([0.6, 0.25, 0.1], size=6, depth=3)[0].spec
+    sampling = SamplingConfig(temperature=0.9, top_k=3, top_p=0.9)
+    target = SyntheticLM(vocab_size=4, seed=51, sharpness=1.5)
+    draft = SyntheticLM(vocab_size=4, seed=52, base=target, noise=1.0)
+    stack = SpeculationStack.build([_tree_level(draft, shape), Level(model=target, gamma=3)], sampling=sampling, seed=5)
+    assert _pvalue(stack, target, sampling) > ALPHA
+
+
 @pytest.mark.parametrize(("options", "warp_name"), [({}, "t0.8"), ({"replacement": True}, "top_p"), ({"deterministic": True}, "top_k")],
                          ids=["without", "with", "deterministic"])
 def test_a_tree_at_level_0_verified_by_the_middle_level_keeps_the_target_distribution(options, warp_name) -> None:

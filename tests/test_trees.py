@@ -196,25 +196,15 @@ def test_greedy_tree_stacks_equal_argmax_decoding_over_every_view() -> None:
     assert list(SpeculationStack.build([Level(drafter=TreeOnly()), Level(model=target, gamma=3)]).generate(prompt, 30).tokens) == expected
 
 
-class LookupWithStop(Drafter):
-    """Proposes [stop, 1, 2, 3]: a stop token first, then more tokens the level must not verify."""
+class LookupWithStop(TreeOnly):
+    """Proposes the chain [stop, 1, 2, 3]: a stop token first, then tokens the level must not verify."""
 
     name = "stop-first"
-
-    def __init__(self, vocab: int = 9) -> None:
-        self.vocab = vocab
-        self.stats = LevelStats(name="stop-first")
-
-    @property
-    def vocab_size(self) -> int:
-        return self.vocab
+    draft_kind = DraftKind.CHAIN
 
     def propose(self, prefix, n) -> Draft:
         tokens = torch.tensor([0, 1, 2, 3])[:n]
         return Draft(tokens=tokens, probs=torch.zeros(len(tokens), self.vocab).scatter_(1, tokens[:, None], 1.0))
-
-    def level_stats(self) -> list[LevelStats]:
-        return [self.stats]
 
 
 def test_no_round_runs_past_a_stop_token() -> None:

@@ -124,15 +124,6 @@ class SequoiaDrafter(ModelLevel):
             return torch.multinomial(q, count, replacement=True, generator=self.generator).tolist()
         return race(q, count, self.generator)
 
-    def level_stats(self) -> list[LevelStats]:
-        return [self.lm.stats]
-
-    def reset(self) -> None:
-        self.lm.reset()
-
-    def prefill(self, prompt: Sequence[int]) -> None:
-        self.lm.logits(prompt, 1)
-
 
 @attrs.define(eq=False, kw_only=True)
 class TreeLookupDrafter(Drafter):
