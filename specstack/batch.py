@@ -34,6 +34,7 @@ class TokenBatch:
     sees: torch.Tensor  # [T, T] bool: new token i attends to new token j
     num_logits: int  # logits are returned for the last num_logits tokens
     query_row: int  # the row whose query a gathering level reads: the last committed token
+    is_chain: bool  # sees is lower-triangular (a causal kernel may run without a mask)
     queries: QueryLog | None = None
     record_attention: bool = False
     attend: Select | None = None
@@ -44,7 +45,7 @@ class TokenBatch:
         """``tokens`` at positions ``start, start+1, …``, each seeing those before it."""
         t = len(tokens)
         return cls(tokens=torch.tensor(tokens, dtype=torch.long), positions=torch.arange(start, start + t),  # [T], [T]
-                   sees=torch.ones(t, t, dtype=torch.bool).tril(), num_logits=num_logits, query_row=t - 1, **extras)
+                   sees=torch.ones(t, t, dtype=torch.bool).tril(), num_logits=num_logits, query_row=t - 1, is_chain=True, **extras)
 
     @classmethod
     def tree(cls, tail: Sequence[int], start: int, draft: Draft, **extras) -> "TokenBatch":
@@ -61,7 +62,7 @@ class TokenBatch:
             sees[c + i, c + i] = True
         positions = torch.cat([torch.arange(start, start + c), start + c + draft.depths()])  # [T]
         tokens = torch.cat([torch.tensor(tail, dtype=torch.long), draft.tokens])  # [T]
-        return cls(tokens=tokens, positions=positions, sees=sees, num_logits=k + 1, query_row=c - 1, **extras)
+        return cls(tokens=tokens, positions=positions, sees=sees, num_logits=k + 1, query_row=c - 1, is_chain=False, **extras)
 
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
@@ -69,10 +70,6 @@ class TokenBatch:
     def chain_tokens(self) -> list[int]:
         """The tokens before the tree (all of a chain batch): they extend the committed sequence."""
         return self.tokens[: self.query_row + 1].tolist()
-
-    @property
-    def is_chain(self) -> bool:
-        return bool(torch.equal(self.sees, torch.ones_like(self.sees).tril()))
 
     def mask(self, cached: int, group: int, device: torch.device | str = "cpu") -> torch.Tensor:
         """[G*T, cached+T] bool: every cached slot, then ``sees``; rows repeat per query head of a

@@ -81,5 +81,25 @@ def load_default(*, dtype: torch.dtype = torch.float32, with_draft: bool = True)
     from .hf import load_model
 
     target, tokenizer = load_model(prepare_target(), dtype=dtype, name=TARGET_NAME)
-    draft = load_model(draft_dir(), dtype=dtype, name="smollm2-draft")[0] if with_draft else None
+    draft = load_default_draft(target, dtype=dtype) if with_draft else None
     return target, draft, tokenizer
+
+
+def load_default_draft(target, *, dtype: torch.dtype = torch.float32):
+    """The shipped distilled draft. Its tied embedding is the target's, rounded to bf16 and frozen
+    during distillation (DISTILL.md), so the shipped file leaves it out (57 MB) and it is copied from
+    ``target`` here, bit for bit what was trained."""
+    from transformers.utils import logging as hf_logging
+
+    from .hf import load_model
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # the embedding is reported missing from the file: it is, on purpose
+    try:
+        draft = load_model(draft_dir(), dtype=dtype, name="smollm2-draft")[0]
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    embedding = target.module.get_input_embeddings().weight  # [V, D]
+    with torch.no_grad():
+        draft.module.get_input_embeddings().weight.copy_(embedding.to(torch.bfloat16))  # tied: the LM head too
+    return draft

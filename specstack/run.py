@@ -49,10 +49,13 @@ class Session:
     def draft(self):
         if self._draft is None:
             from .hf import load_model
-            from .models import draft_dir
+            from .models import load_default_draft
 
             _status("loading the draft model")
-            self._draft = load_model(self.draft_path or draft_dir(), dtype=self.dtype, name=None if self.draft_path else "smollm2-draft")[0]
+            if self.draft_path:
+                self._draft = load_model(self.draft_path, dtype=self.dtype)[0]
+            else:
+                self._draft = load_default_draft(self.target, dtype=self.dtype)
         return self._draft
 
     def stack(self, name: str, options: Sequence[str]) -> SpeculationStack:

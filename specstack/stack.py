@@ -255,7 +255,7 @@ def _check_verifier(index: int, level: Level, drafter: Drafter, verifier: Verifi
     verifier.check_sampling(sampling)
     needs = {
         f"drafter '{drafter.name}'": set(drafter.requires) | ({Capability.TREE_ATTENTION} if kind is not DraftKind.CHAIN else set()),
-        f"verifier '{verifier.name}'": set(getattr(verifier, "requires", ())),
+        f"verifier '{verifier.name}'": set(verifier.requires),
     }
     for who, required in needs.items():
         missing = required - set(level.model.capabilities)

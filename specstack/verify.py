@@ -21,7 +21,7 @@ import torch
 
 from .errors import SpecstackError
 from .sampling import SamplingConfig, sample
-from .types import Draft, DraftKind, Verdict
+from .types import Capability, Draft, DraftKind, Verdict
 
 
 class Verifier(abc.ABC):
@@ -36,6 +36,7 @@ class Verifier(abc.ABC):
 
     name: ClassVar[str]
     accepts: ClassVar[frozenset[DraftKind]] = frozenset({DraftKind.CHAIN})  # kinds verified losslessly
+    requires: ClassVar[frozenset[Capability]] = frozenset()  # what the verifying level's model must provide
 
     def check_sampling(self, sampling: SamplingConfig) -> None:
         """Raise :class:`~specstack.errors.SpecstackError` if this verifier cannot honour ``sampling``."""

@@ -37,7 +37,7 @@ def test_head_keeps_a_tree_a_tree() -> None:
     assert head.is_tree and head.kind is DraftKind.TREE_WITHOUT_REPLACEMENT
     assert head.parents.tolist() == [-1, -1, 0, 0, 1] and head.tokens.tolist() == [3, 4, 5, 6, 7]
     assert tree().head(1).parents.tolist() == [-1, -1]
-    assert tree().head(3) is not None and len(tree().head(3)) == 6
+    assert len(tree().head(3)) == 6
 
 
 def test_stop_at_cuts_the_subtrees_below_a_stop_token() -> None:
