@@ -58,7 +58,7 @@ def warp(logits: torch.Tensor, config: SamplingConfig) -> torch.Tensor:
         logits = logits.masked_fill(logits < kth, -math.inf)  # ties with the k-th are kept
     probs = logits.softmax(dim=-1)  # [..., V]
     if config.top_p < 1:
-        probs = _nucleus(probs, config.top_p)
+        probs = _nucleus(probs, logits, config.top_p)
     return probs
 
 
@@ -67,9 +67,12 @@ def _one_hot_argmax(logits: torch.Tensor) -> torch.Tensor:
     return probs.scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
 
 
-def _nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
-    """Keep the smallest most-likely set whose mass reaches ``top_p``; renormalise."""
-    sorted_probs, order = probs.sort(dim=-1, descending=True, stable=True)  # [..., V]
+def _nucleus(probs: torch.Tensor, logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Keep the smallest most-likely set whose mass reaches ``top_p``; renormalise. Tokens are ranked
+    by their logits: two whose probabilities round to the same float keep their order, so the most
+    likely token is never the one dropped."""
+    order = logits.sort(dim=-1, descending=True, stable=True).indices  # [..., V]
+    sorted_probs = probs.gather(-1, order)  # [..., V]
     mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs  # [..., V]
     drop_sorted = mass_before >= top_p  # [..., V]; the first token is never dropped
     drop = torch.zeros_like(drop_sorted).scatter_(-1, order, drop_sorted)  # [..., V]

@@ -14,17 +14,25 @@ logit_rows = st.lists(st.floats(-20, 20, allow_nan=False), min_size=2, max_size=
 @given(logit_rows, st.sampled_from([0.3, 1.0, 2.0]), st.sampled_from([1.0, 0.95, 0.5, 0.1]), st.sampled_from([None, 1, 3]))
 def test_warp_is_a_distribution_honouring_top_k_and_top_p(logits, temperature, top_p, top_k) -> None:
     probs = warp(logits, SamplingConfig(temperature=temperature, top_p=top_p, top_k=top_k))
+    scaled = logits.float() / temperature  # what warp ranks: tiny logits can tie once divided
     assert probs.sum().item() == pytest.approx(1.0, abs=1e-5)
     assert bool((probs >= 0).all())
-    assert probs[logits.argmax()] > 0  # the most likely token always survives
+    assert probs[scaled.argmax()] > 0  # the most likely token always survives
     if top_k is not None:
-        kth = logits.topk(min(top_k, len(logits))).values[-1]
-        assert bool((probs[logits < kth] == 0).all())
+        kth = scaled.topk(min(top_k, len(logits))).values[-1]
+        assert bool((probs[scaled < kth] == 0).all())
     if top_p < 1:
         plain = warp(logits, SamplingConfig(temperature=temperature, top_k=top_k))
         kept = probs > 0
         assert plain[kept].sum() >= top_p - 1e-5 or kept.all()
         assert plain[kept].min() >= plain[~kept].max() if (~kept).any() else True
+
+
+def test_top_p_keeps_the_argmax_when_probabilities_round_to_a_tie() -> None:
+    """Found by hypothesis 6.100 (make test-floors): the two probabilities are equal floats, and
+    ranking by them (stable) put index 0 first and dropped the argmax."""
+    probs = warp(torch.tensor([0.0, 7.45e-09]), SamplingConfig(temperature=0.3, top_p=0.5))
+    assert probs.tolist() == [0.0, 1.0]
 
 
 @given(logit_rows)
