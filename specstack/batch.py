@@ -44,24 +44,25 @@ class TokenBatch:
     def chain(cls, tokens: Sequence[int], start: int, num_logits: int, **extras) -> "TokenBatch":
         """``tokens`` at positions ``start, start+1, …``, each seeing those before it."""
         t = len(tokens)
-        return cls(tokens=torch.tensor(tokens, dtype=torch.long), positions=torch.arange(start, start + t),  # [T], [T]
-                   sees=torch.ones(t, t, dtype=torch.bool).tril(), num_logits=num_logits, query_row=t - 1, is_chain=True, **extras)
+        host = torch.device("cpu")  # a batch is host metadata; the model moves what it needs
+        return cls(tokens=torch.tensor(tokens, dtype=torch.long, device=host), positions=torch.arange(start, start + t, device=host),  # [T], [T]
+                   sees=torch.ones(t, t, dtype=torch.bool, device=host).tril(), num_logits=num_logits, query_row=t - 1, is_chain=True, **extras)
 
     @classmethod
     def tree(cls, tail: Sequence[int], start: int, draft: Draft, **extras) -> "TokenBatch":
         """A chain ``tail`` (the committed tokens not yet in the cache, at least one) followed by the
         token tree of ``draft``; logits for the last tail token and for every tree node ([k+1, V])."""
-        c, k = len(tail), len(draft)
+        c, k, host = len(tail), len(draft), torch.device("cpu")
         parents = draft.parent_index().tolist()
-        sees = torch.zeros(c + k, c + k, dtype=torch.bool)  # [T, T]
-        sees[:c, :c] = torch.ones(c, c, dtype=torch.bool).tril()
+        sees = torch.zeros(c + k, c + k, dtype=torch.bool, device=host)  # [T, T]
+        sees[:c, :c] = torch.ones(c, c, dtype=torch.bool, device=host).tril()
         sees[c:, :c] = True  # every node sees the whole tail
         for i, parent in enumerate(parents):
             if parent >= 0:
                 sees[c + i] = sees[c + parent]
             sees[c + i, c + i] = True
-        positions = torch.cat([torch.arange(start, start + c), start + c + draft.depths()])  # [T]
-        tokens = torch.cat([torch.tensor(tail, dtype=torch.long), draft.tokens])  # [T]
+        positions = torch.cat([torch.arange(start, start + c, device=host), start + c + draft.depths()])  # [T]
+        tokens = torch.cat([torch.tensor(tail, dtype=torch.long, device=host), draft.tokens.cpu()])  # [T]
         return cls(tokens=tokens, positions=positions, sees=sees, num_logits=k + 1, query_row=c - 1, is_chain=False, **extras)
 
     def __len__(self) -> int:
@@ -77,6 +78,6 @@ class TokenBatch:
         key = (cached, group, str(device))
         if key not in self._masks:
             t = len(self)
-            mask = torch.cat([torch.ones(t, cached, dtype=torch.bool), self.sees], dim=1)  # [T, n+T]
+            mask = torch.cat([torch.ones(t, cached, dtype=torch.bool, device=self.sees.device), self.sees], dim=1)  # [T, n+T]
             self._masks[key] = mask.repeat(group, 1).to(device)  # [G*T, n+T]
         return self._masks[key]

@@ -101,7 +101,8 @@ class ModelDrafter(ModelLevel):
             if context[-1] in self.stop_tokens:
                 break
         self.lm.stats.drafted += len(rows)
-        return Draft(tokens=torch.tensor(context[len(prefix) :], dtype=torch.long), probs=torch.stack(rows))
+        probs = torch.stack(rows)  # [k, V] on this level's device
+        return Draft(tokens=torch.tensor(context[len(prefix) :], dtype=torch.long, device=probs.device), probs=probs)
 
 
 @attrs.define(eq=False, kw_only=True)
@@ -129,8 +130,8 @@ class PromptLookupDrafter(Drafter):
     def propose(self, prefix: Sequence[int], n: int) -> Draft:
         tokens = self._lookup(np.asarray(prefix, dtype=np.int64), n)
         self.stats.drafted += len(tokens)
-        ids = torch.tensor(tokens, dtype=torch.long)  # [k]
-        probs = torch.zeros(len(tokens), self.vocab).scatter_(1, ids[:, None], 1.0)  # [k, V]
+        ids = torch.tensor(tokens, dtype=torch.long, device="cpu")  # [k]; model-free: the verifying level moves it
+        probs = torch.zeros(len(tokens), self.vocab, device="cpu").scatter_(1, ids[:, None], 1.0)  # [k, V]
         return Draft(tokens=ids, probs=probs)
 
     def _lookup(self, seq: np.ndarray, n: int) -> list[int]:

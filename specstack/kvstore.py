@@ -36,12 +36,12 @@ class KVStore:
         shape = (layers, kv_heads, capacity, head_dim)
         self.keys = torch.zeros(shape, dtype=dtype, device=device)  # [L, H, C, D]
         self.values = torch.zeros(shape, dtype=dtype, device=device)  # [L, H, C, D]
-        self.slot_positions = torch.zeros(capacity, dtype=torch.long)  # [C]
+        self.slot_positions = torch.zeros(capacity, dtype=torch.long, device="cpu")  # [C]; host bookkeeping
         self.capacity = capacity
         self.length = 0
         self.relative_positions = relative_positions
         self._rerotate = rerotate
-        self._incoming = torch.empty(0, dtype=torch.long)  # positions of the tokens being written
+        self._incoming = torch.empty(0, dtype=torch.long, device="cpu")  # positions of the tokens being written
         self.horizon = 0  # positions below this were gathered from another store (per-head slots)
         self.gathered = 0  # how many leading slots hold gathered entries
         self.attention: torch.Tensor | None = None  # [L, H, C] attention mass received by each slot (H2O)
@@ -64,13 +64,15 @@ class KVStore:
         """Fill this store with ``source``'s entries at ``slots`` [L, H, K] (each row ascending, every
         entry below ``horizon``): a retrieval view of a full cache. Later tokens are appended after them."""
         k = slots.shape[-1]
+        slots = slots.to(self.keys.device)  # [K] or [L, H, K]
         if slots.dim() == 1:  # the same entries for every layer and head
             self.keys[:, :, :k] = source.keys[:, :, slots]
             self.values[:, :, :k] = source.values[:, :, slots]
         else:
-            index = slots[..., None].expand(-1, -1, -1, self.keys.shape[-1]).to(self.keys.device)  # [L, H, K, D]
-            self.keys[:, :, :k] = source.keys[:, :, :horizon].gather(2, index)
-            self.values[:, :, :k] = source.values[:, :, :horizon].gather(2, index)
+            for layer in range(slots.shape[0]):  # a layer at a time: the index is a layer's, not the cache's
+                index = slots[layer, :, :, None].expand(-1, -1, self.keys.shape[-1])  # [H, K, D]
+                self.keys[layer, :, :k] = source.keys[layer, :, :horizon].gather(1, index)
+                self.values[layer, :, :k] = source.values[layer, :, :horizon].gather(1, index)
         if self.attention is not None:
             self.attention[:, :, :k] = 0.0
         self.slot_positions[:k] = -1  # per-head positions differ; all lie below the horizon
@@ -85,7 +87,7 @@ class KVStore:
         per_head = slots.dim() == 3
         if per_head and self.relative_positions:
             raise SpecstackError("per-head eviction is not supported with cache-relative positions")
-        row = slots[0, 0] if per_head else slots  # [K]
+        row = (slots[0, 0] if per_head else slots).cpu()  # [K]; indexes the host bookkeeping
         old_positions, old_gathered = self.slot_positions[: self.length].clone(), self.gathered
         self._take(slots)
         gathered = int((row < old_gathered).sum())  # leading slots without one position for all heads
@@ -101,20 +103,21 @@ class KVStore:
     def _take(self, slots: torch.Tensor) -> None:
         """Move the entries at ``slots`` ([K], or [L, H, K] per layer and head) to slots 0..K."""
         n = slots.shape[-1]
+        slots = slots.to(self.keys.device)  # [n] or [L, H, n]
         if slots.dim() == 1:
             moved = self.keys[:, :, slots]  # [L, H, n, D]
             if self.relative_positions and self._rerotate is not None:
-                moved = self._rerotate(moved, torch.arange(n) - slots)  # every kept slot moves down
+                moved = self._rerotate(moved, torch.arange(n, device=slots.device) - slots)  # every kept slot moves down
             self.keys[:, :, :n] = moved
             self.values[:, :, :n] = self.values[:, :, slots]
             if self.attention is not None:
                 self.attention[:, :, :n] = self.attention[:, :, slots]
             return
-        index = slots[..., None].expand(-1, -1, -1, self.keys.shape[-1]).to(self.keys.device)  # [L, H, n, D]
+        index = slots[..., None].expand(-1, -1, -1, self.keys.shape[-1])  # [L, H, n, D]
         self.keys[:, :, :n] = self.keys.gather(2, index)
         self.values[:, :, :n] = self.values.gather(2, index)
         if self.attention is not None:
-            self.attention[:, :, :n] = self.attention.gather(2, slots.to(self.attention.device))
+            self.attention[:, :, :n] = self.attention.gather(2, slots)
 
     def keys_before(self, horizon: int) -> torch.Tensor:
         """[L, H, horizon, D]: the keys of the first ``horizon`` slots (what a gathering level scores)."""
@@ -126,7 +129,7 @@ class KVStore:
         Relative rotary positions need no re-rotation: a node at depth d was rotated for slot base+d."""
         if self.length < base + (max(path) + 1 if path else 0):
             raise SpecstackError(f"tree path {path} is not in the store (tree written from slot {base}, length {self.length})")
-        source = torch.tensor(path, dtype=torch.long) + base  # [m]
+        source = torch.tensor(path, dtype=torch.long, device=self.keys.device) + base  # [m]
         m = len(path)
         self.keys[:, :, base : base + m] = self.keys[:, :, source]
         self.values[:, :, base : base + m] = self.values[:, :, source]
@@ -134,7 +137,7 @@ class KVStore:
             self.attention[:, :, base : base + m] = self.attention[:, :, source]
         if m:
             first = int(self.slot_positions[base])  # the nodes at depth 0 hold the first tree position
-            self.slot_positions[base : base + m] = torch.arange(first, first + m)
+            self.slot_positions[base : base + m] = torch.arange(first, first + m, device="cpu")
         self.length = base + m
 
     def rope_positions(self, positions: torch.Tensor) -> torch.Tensor:
@@ -158,6 +161,13 @@ class KVStore:
         if self.attention is not None:
             self.attention[layer, :, self.length : end] = 0.0
         return self.keys[layer, :, :end], self.values[layer, :, :end]
+
+    def write_at(self, layer: int, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write key/value [H, T, D] of one layer at ``slots`` [T] (a device tensor, so that a CUDA graph
+        can replay it at other slots); return the whole layer [H, C, D] (its mask hides the rest)."""
+        self.keys[layer].index_copy_(1, slots, key)
+        self.values[layer].index_copy_(1, slots, value)
+        return self.keys[layer], self.values[layer]
 
     def accumulate_attention(self, layer: int, mass: torch.Tensor) -> None:
         """Add the attention mass [H, n+T] the new tokens gave each slot of a layer (H2O's score)."""

@@ -55,6 +55,7 @@ class CausalLM(Protocol):
 
     vocab_size: int
     max_length: int  # the model's context window
+    device: torch.device  # where its logits and KV cache live
     capabilities: frozenset[Capability]
     tokenizer_id: str | None  # identifies the tokenizer; levels of one stack must agree
 
@@ -94,6 +95,10 @@ class CachedModel:
         self.cache = self.model.new_cache(self.capacity, relative_positions=self.policy.relative_positions)
         if self.policy.gathers_from_full and self.channel is None:
             raise SpecstackError(f"cache policy '{self.policy.name}' needs a full-cache level of the same model above it")
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device(self.model.device)
 
     def open_channel(self) -> FullCacheChannel:
         """The channel through which a gathering level of the same model below reads this level."""
@@ -198,6 +203,8 @@ class CachedModel:
         batch.attend = self.policy.attend if Capability.SPARSE_ATTENTION in self.policy.requires else None
         began = time.perf_counter()
         out = self.model.forward(batch, self.cache)  # [num_logits, V]
+        if out.is_cuda:  # the forward is queued, not done: wait for it, so that forward_seconds means its time
+            torch.cuda.synchronize(out.device)
         self._fed.extend(batch.chain_tokens())
         self.stats.forward_calls += 1
         self.stats.forward_tokens += len(batch)

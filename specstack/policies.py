@@ -112,7 +112,7 @@ class FullCache(EvictionPolicy):
     complete = True
 
     def select(self, state: CacheState) -> torch.Tensor:
-        return torch.arange(state.positions.shape[0])  # [n]; never evicts
+        return torch.arange(state.positions.shape[0], device=state.positions.device)  # [n]; never evicts
 
 
 def _positive_int(name: str, value: Any, minimum: int = 1) -> int:
@@ -149,7 +149,8 @@ class StreamingLLM(EvictionPolicy):
         n = state.positions.shape[0]
         sinks = min(self.sinks, n, state.room)
         recent = max(0, state.room - sinks)
-        return torch.cat([torch.arange(sinks), torch.arange(max(sinks, n - recent), n)])  # [K]
+        device = state.positions.device
+        return torch.cat([torch.arange(sinks, device=device), torch.arange(max(sinks, n - recent), n, device=device)])  # [K]
 
 
 def check_selection(policy: EvictionPolicy, keep: torch.Tensor, state: CacheState) -> torch.Tensor:

@@ -48,13 +48,19 @@ class Retrieval(GatheringPolicy):
         if self.budget > context:
             raise SpecstackError(f"retrieval budget {self.budget} is larger than the {context}-token context; use a budget of at most {context - context % self.chunk_size}")
         chunks = context // self.chunk_size
-        means = keys[:, :, : chunks * self.chunk_size].reshape(layers, heads, chunks, self.chunk_size, dim).float().mean(3)  # [L, H, C, D]
         query = queries.reshape(layers, heads, -1, dim).float().mean(2)  # [L, H, D]; pooled over each GQA group
-        scores = (means @ query[..., None])[..., 0]  # [L, H, C]
+        scores = torch.stack([self._chunk_scores(keys[layer, :, : chunks * self.chunk_size], query[layer]) for layer in range(layers)])  # [L, H, C]
         scores[..., 0] = float("inf")  # the sink chunk is always kept
         tail = context - chunks * self.chunk_size
         best = scores.topk((self.budget - tail) // self.chunk_size, dim=-1).indices.sort(dim=-1).values  # [L, H, k]
-        offsets = torch.arange(self.chunk_size)  # [S]
+        offsets = torch.arange(self.chunk_size, device=keys.device)  # [S]
         slots = (best[..., None] * self.chunk_size + offsets).flatten(-2)  # [L, H, k*S]
-        recent = torch.arange(chunks * self.chunk_size, context).expand(layers, heads, tail)  # [L, H, tail]
+        recent = torch.arange(chunks * self.chunk_size, context, device=keys.device).expand(layers, heads, tail)  # [L, H, tail]
         return torch.cat([slots, recent], dim=-1)  # [L, H, K]
+
+    def _chunk_scores(self, keys: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
+        """One layer at a time, so that the float32 copy is a layer's, not the cache's: keys [H, C*S, D],
+        query [H, D] -> the logit of each chunk's mean key [H, C]."""
+        heads, length, dim = keys.shape
+        means = keys.reshape(heads, length // self.chunk_size, self.chunk_size, dim).float().mean(2)  # [H, C, D]
+        return (means @ query[..., None])[..., 0]  # [H, C]

@@ -53,12 +53,14 @@ class SpeculativeLevel(ModelLevel):
             tokens += emitted
             rows.append(probs)
         cut = next((i + 1 for i, t in enumerate(tokens) if t in self.stop_tokens), len(tokens))
-        return Draft(tokens=torch.tensor(tokens[:cut], dtype=torch.long), probs=torch.cat(rows)[:cut])
+        probs = torch.cat(rows)[:cut]  # [m, V] on this level's device
+        return Draft(tokens=torch.tensor(tokens[:cut], dtype=torch.long, device=probs.device), probs=probs)
 
     def round(self, prefix: list[int], k: int) -> tuple[list[int], torch.Tensor]:
         """One round: draft ``k`` tokens below (a chain, or a tree of depth ``k``), verify them here.
         Returns the emitted tokens and this level's distribution at each of them ([m+1, V])."""
         draft = self.drafter.propose(prefix, k).head(k).stop_at(self.stop_tokens)  # a lower level may overshoot by one
+        draft = draft.to(self.lm.device)  # the level below may sit on another device
         if draft.is_tree:
             logits = self.lm.tree_logits(prefix, draft)  # [k+1, V]
         else:
@@ -126,13 +128,47 @@ class Level:
 
 
 @attrs.define(eq=False)
+class Generators:
+    """One ``torch.Generator`` per device, all seeded alike: every level draws its random numbers on
+    its own model's device, where its probabilities are (a draft on the CPU, the target on a GPU)."""
+
+    seed: int
+    _by_device: dict[torch.device, torch.Generator] = attrs.field(init=False, factory=dict)
+
+    def on(self, device: torch.device | str) -> torch.Generator:
+        device = _full_device(device)
+        if device not in self._by_device:
+            self._by_device[device] = torch.Generator(device=device).manual_seed(self.seed)
+        return self._by_device[device]
+
+    def manual_seed(self, seed: int) -> None:
+        self.seed = seed
+        for generator in self._by_device.values():
+            generator.manual_seed(seed)
+
+    def synchronize(self) -> None:
+        """Wait for the work queued on every accelerator a level uses (before reading a clock)."""
+        for device in self._by_device:
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+
+
+def _full_device(device: torch.device | str) -> torch.device:
+    """``cuda`` names the current CUDA device: spell out its index, so that one device has one key."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+@attrs.define(eq=False)
 class SpeculationStack:
     """A built stack. ``generate`` decodes from the top level, which emits the target's distribution."""
 
     top: Drafter
     target: CausalLM
     sampling: SamplingConfig
-    generator: torch.Generator
+    generators: Generators
     stop_tokens: frozenset[int]
     depth: int
 
@@ -150,18 +186,21 @@ class SpeculationStack:
         _check_levels(levels)
         if verifier is not None:
             verifier.check_sampling(sampling)
-        generator = torch.Generator().manual_seed(seed)
+        generators = Generators(seed)
         stops = frozenset(stop_tokens)
         lms = _cached_models(levels)
-        drafter = levels[0].drafter or levels[0].model_drafter(lm=lms[0], sampling=sampling, generator=generator, stop_tokens=stops)
+        for lm in lms:  # every model level draws on its own device
+            if lm is not None:
+                generators.on(lm.device)
+        drafter = levels[0].drafter or levels[0].model_drafter(lm=lms[0], sampling=sampling, generator=generators.on(lms[0].device), stop_tokens=stops)
         for index, (level, lm) in enumerate(zip(levels[1:], lms[1:]), start=1):
             chosen = level.verifier or verifier or default_verifier(drafter.draft_kind, sampling)
             _check_verifier(index, level, drafter, chosen, sampling)
             drafter = SpeculativeLevel(
                 drafter=drafter, lm=lm, verifier=chosen, gamma=level.gamma, sampling=sampling,
-                generator=generator, stop_tokens=stops,
+                generator=generators.on(lm.device), stop_tokens=stops,
             )
-        return cls(top=drafter, target=levels[-1].model, sampling=sampling, generator=generator, stop_tokens=stops, depth=len(levels))
+        return cls(top=drafter, target=levels[-1].model, sampling=sampling, generators=generators, stop_tokens=stops, depth=len(levels))
 
     def generate(self, prompt: Sequence[int], max_new_tokens: int, *, seed: int | None = None, progress=None,
                  reuse_cache: bool = False) -> GenerationResult:
@@ -173,11 +212,13 @@ class SpeculationStack:
         lossless, but an evicting cache then starts from a history-dependent view)."""
         prompt = _check_prompt(prompt, self.target, max_new_tokens)
         if seed is not None:
-            self.generator.manual_seed(seed)
+            self.generators.manual_seed(seed)
         if not reuse_cache:
             self.top.reset()
+        self.generators.synchronize()  # clocks are read only when every device is idle
         began = time.perf_counter()
         self.top.prefill(prompt)
+        self.generators.synchronize()
         prefill_seconds = time.perf_counter() - began
         before = [attrs.evolve(s) for s in self.top.level_stats()]
         began = time.perf_counter()
@@ -187,6 +228,7 @@ class SpeculationStack:
             tokens += draft.tokens.tolist()
             if progress is not None:
                 progress(min(len(tokens), max_new_tokens), max_new_tokens)
+        self.generators.synchronize()
         seconds = time.perf_counter() - began
         tokens = tokens[:max_new_tokens]
         stopped = "eos" if tokens and tokens[-1] in self.stop_tokens else "max_new_tokens"

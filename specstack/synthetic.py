@@ -44,38 +44,41 @@ class SyntheticLM:
     tokenizer_id: str | None = "synthetic"
     capabilities: frozenset[Capability] = frozenset(Capability) - {Capability.HIDDEN_STATES}
     head_dim: int = 4
+    device: torch.device = attrs.field(default="cpu", converter=torch.device)  # where its KV cache and logits live
     _embeddings: torch.Tensor = attrs.field(init=False)  # [2, V, D]: key and query embedding of each token
 
     def __attrs_post_init__(self) -> None:
-        generator = torch.Generator().manual_seed(self.seed)
-        self._embeddings = torch.randn(2, self.vocab_size, self.head_dim, generator=generator)  # [2, V, D]
+        generator = torch.Generator(device="cpu").manual_seed(self.seed)
+        self._embeddings = torch.randn(2, self.vocab_size, self.head_dim, generator=generator, device="cpu")  # [2, V, D]
 
     def logits_for(self, context: Sequence[int]) -> torch.Tensor:
-        generator = torch.Generator().manual_seed(hash((self.seed, *context)) & 0x7FFF_FFFF_FFFF_FFFF)
-        logits = self.sharpness * torch.randn(self.vocab_size, generator=generator)  # [V]
+        generator = torch.Generator(device="cpu").manual_seed(hash((self.seed, *context)) & 0x7FFF_FFFF_FFFF_FFFF)
+        logits = self.sharpness * torch.randn(self.vocab_size, generator=generator, device="cpu")  # [V]; computed on the host
         if self.base is not None:
             logits = self.base.logits_for(context) + self.noise * logits
         if self.support is not None:
-            mask = torch.full((self.vocab_size,), float("-inf"))
+            mask = torch.full((self.vocab_size,), float("-inf"), device="cpu")
             mask[list(self.support)] = 0.0
             logits = logits + mask
         return logits
 
     def new_cache(self, capacity: int, *, relative_positions: bool = False) -> KVStore:
         # positions play no part in a synthetic model, so cache-relative ones need no re-rotation
-        return KVStore(layers=1, kv_heads=1, head_dim=self.head_dim, capacity=capacity, dtype=torch.float32)
+        return KVStore(layers=1, kv_heads=1, head_dim=self.head_dim, capacity=capacity, dtype=torch.float32, device=self.device)
 
     def forward(self, batch: TokenBatch, cache: KVStore) -> torch.Tensor:
         cache.begin(batch.positions)
         keys, queries = self._embeddings[:, batch.tokens]  # [T, D] each
         values = batch.tokens.float()[:, None].expand(-1, self.head_dim)  # [T, D]; the token id rides along
-        keys, values = cache.write(0, keys[None], values[None])  # [1, n+T, D]
+        keys, values = cache.write(0, keys[None].to(self.device), values[None].to(self.device))  # [1, n+T, D] on the device
+        keys, values = keys.cpu(), values.cpu()  # the hash-seeded logits are computed on the host
         seen = self._visible(queries, keys, batch, cache)  # [T, n+T]
         cache.commit()
         ids = values[0, :, 0].long()  # [n+T]
         t = len(batch)
         rows = [self.logits_for(ids[seen[i]].tolist()) for i in range(t - batch.num_logits, t)]
-        return torch.stack(rows) if rows else torch.empty(0, self.vocab_size)  # [num_logits, V]
+        logits = torch.stack(rows) if rows else torch.empty(0, self.vocab_size, device="cpu")  # [num_logits, V]
+        return logits.to(self.device)
 
     def _visible(self, queries: torch.Tensor, keys: torch.Tensor, batch: TokenBatch, cache: KVStore) -> torch.Tensor:
         """Which slots each new token attends to ([T, n+T] bool): the cached ones and those its batch
@@ -83,12 +86,12 @@ class SyntheticLM:
         policies that read them."""
         mask = batch.mask(keys.shape[1] - len(batch), 1)  # [T, n+T]
         if batch.queries is not None:
-            batch.queries.record(0, 1, queries[batch.query_row][None])  # [1, D]
+            batch.queries.record(0, 1, queries[batch.query_row][None].to(self.device))  # [1, D]; read with the keys, on the device
         if not (batch.record_attention or batch.attend is not None):
             return mask
         weights = attention_weights(queries[None], keys, mask, self.head_dim**-0.5, 1, batch.attend)  # [1, T, n+T]
         if batch.record_attention:
-            cache.accumulate_attention(0, weights.sum(1))  # [1, n+T]
+            cache.accumulate_attention(0, weights.sum(1).to(self.device))  # [1, n+T]
         return weights[0] > 0
 
 

@@ -48,7 +48,7 @@ def _check_parents(parents: torch.Tensor, k: int) -> None:
     earlier index."""
     if parents.dim() != 1 or parents.shape[0] != k or parents.dtype != torch.long:
         raise ValueError(f"draft parents must be a [{k}] long tensor, got {parents.dtype} {tuple(parents.shape)}")
-    if k and not bool(((parents >= -1) & (parents < torch.arange(k))).all()):
+    if k and not bool(((parents >= -1) & (parents < torch.arange(k, device=parents.device))).all()):
         raise ValueError(f"draft parents {parents.tolist()} are not topologically ordered (need -1 <= parents[i] < i)")
 
 
@@ -86,12 +86,24 @@ class Draft:
         return self.parents is not None
 
     @classmethod
-    def empty(cls, vocab_size: int) -> "Draft":
-        return cls(tokens=torch.empty(0, dtype=torch.long), probs=torch.empty(0, vocab_size))
+    def empty(cls, vocab_size: int, device: torch.device | str = "cpu") -> "Draft":
+        return cls(tokens=torch.empty(0, dtype=torch.long, device=device), probs=torch.empty(0, vocab_size, device=device))
+
+    @property
+    def device(self) -> torch.device:
+        return self.probs.device
+
+    def to(self, device: torch.device | str) -> "Draft":
+        """This draft on ``device`` (itself if it is there): the verifying level moves a draft made on
+        another device to its own."""
+        if self.probs.device == torch.device(device):
+            return self
+        parents = None if self.parents is None else self.parents.to(device)
+        return Draft(tokens=self.tokens.to(device), probs=self.probs.to(device), parents=parents, kind=self.kind)
 
     def parent_index(self) -> torch.Tensor:
         """[k] the parent of every token (``i - 1`` along a chain)."""
-        return self.parents if self.parents is not None else torch.arange(len(self)) - 1
+        return self.parents if self.parents is not None else torch.arange(len(self), device=self.tokens.device) - 1
 
     def depths(self) -> torch.Tensor:
         """[k] tokens on the path from the root to each token, itself included minus one (0 for the
@@ -99,7 +111,7 @@ class Draft:
         parents, depth = self.parent_index().tolist(), []
         for parent in parents:
             depth.append(0 if parent < 0 else depth[parent] + 1)
-        return torch.tensor(depth, dtype=torch.long)
+        return torch.tensor(depth, dtype=torch.long, device="cpu")  # host metadata: positions of a TokenBatch
 
     def children(self, node: int) -> list[int]:
         """Indices of the children of ``node`` (-1: the root), in the order they were drawn."""
@@ -117,7 +129,7 @@ class Draft:
         """The draft without the tokens after a stop token (a round never runs past one)."""
         if not stop_tokens or len(self) == 0:
             return self
-        stops = torch.tensor([int(t) in stop_tokens for t in self.tokens.tolist()])  # [k]
+        stops = torch.tensor([int(t) in stop_tokens for t in self.tokens.tolist()], device="cpu")  # [k]
         if not bool(stops.any()):
             return self
         if self.parents is None:
@@ -125,20 +137,21 @@ class Draft:
         parents, cut = self.parents.tolist(), []
         for i, parent in enumerate(parents):  # a node is cut if its parent is a stop token or was cut
             cut.append(parent >= 0 and (bool(stops[parent]) or cut[parent]))
-        keep = torch.nonzero(~torch.tensor(cut, dtype=torch.bool)).flatten()  # [k'] ascending
+        keep = torch.nonzero(~torch.tensor(cut, dtype=torch.bool, device="cpu")).flatten()  # [k'] ascending
         return self._subset(keep)
 
     def head(self, n: int) -> "Draft":
         """The tokens at depth < ``n`` (the first ``n`` of a chain); a tree stays a tree of the same kind."""
         if self.parents is None:
             return Draft(tokens=self.tokens[:n], probs=self.probs[:n])
-        return self._subset(torch.nonzero(self.depths() < n).flatten())
+        return self._subset(torch.nonzero(self.depths() < n).flatten())  # [k'] on the CPU
 
     def _subset(self, keep: torch.Tensor) -> "Draft":
         """The tree restricted to ``keep`` [k'] (ascending, closed under taking parents), renumbered."""
         if keep.shape[0] == len(self):
             return self
-        renumber = torch.full((len(self),), -1, dtype=torch.long).scatter_(0, keep, torch.arange(keep.shape[0]))
+        keep = keep.to(self.tokens.device)  # [k']
+        renumber = torch.full((len(self),), -1, dtype=torch.long, device=keep.device).scatter_(0, keep, torch.arange(keep.shape[0], device=keep.device))
         parents = self.parents[keep]  # [k']
         parents = torch.where(parents >= 0, renumber[parents.clamp_min(0)], parents)
         return Draft(tokens=self.tokens[keep], probs=self.probs[keep], parents=parents, kind=self.kind)

@@ -54,7 +54,7 @@ class Verifier(abc.ABC):
 
 def _is_chain(draft: Draft) -> bool:
     """Whether every token's parent is the token before it (parents None, or spelled out)."""
-    return draft.parents is None or bool((draft.parents == torch.arange(len(draft)) - 1).all())
+    return draft.parents is None or bool((draft.parents == torch.arange(len(draft), device=draft.parents.device) - 1).all())
 
 
 class GreedyVerifier(Verifier):
@@ -78,8 +78,9 @@ class GreedyVerifier(Verifier):
         best = p.argmax(dim=-1)  # [k+1]
         if draft.parents is None:
             agree = (draft.tokens == best[: len(draft)]).long()  # [k]
-            m = int(agree.cumprod(dim=0).sum())
-            return Verdict(accepted=tuple(range(m)), next_token=int(best[m]), bonus=m == len(draft))
+            m = agree.cumprod(dim=0).sum()  # []
+            m, token = torch.stack([m, best[m]]).tolist()  # the round's one host synchronisation
+            return Verdict(accepted=tuple(range(m)), next_token=token, bonus=m == len(draft))
         return self._walk(draft, best.tolist())
 
     @staticmethod
@@ -110,16 +111,17 @@ class SpeculativeSamplingVerifier(Verifier):
         if not _is_chain(draft):
             raise SpecstackError(f"verifier '{self.name}' verifies chains; this draft is a tree")
         k = len(draft)
-        rows = torch.arange(k)
+        rows = torch.arange(k, device=p.device)  # [k]
         p_x = p[rows, draft.tokens]  # [k]
         q_x = draft.probs[rows, draft.tokens]  # [k]
-        u = torch.rand(k, generator=generator)  # [k]
+        u = torch.rand(k, generator=generator, device=p.device)  # [k]
         accept = (u * q_x < p_x).long()  # [k]; u < p/q without dividing
-        m = int(accept.cumprod(dim=0).sum())
-        if m == k:
-            return Verdict(accepted=tuple(range(k)), next_token=sample(p[k], generator), bonus=True)
-        residual = recovery_distribution(p[m], draft.probs[m])  # [V]
-        return Verdict(accepted=tuple(range(m)), next_token=sample(residual, generator), bonus=False)
+        m = accept.cumprod(dim=0).sum().reshape(1)  # [1] accepted tokens
+        q = torch.cat([draft.probs, torch.zeros_like(p[:1])])  # [k+1, V]; past the draft q = 0, so the residual is p: the bonus
+        residual = recovery_distribution(p.index_select(0, m)[0], q.index_select(0, m)[0])  # [V]
+        token = torch.multinomial(residual, 1, generator=generator)  # [1]
+        m, token = torch.cat([m, token]).tolist()  # the round's one host synchronisation
+        return Verdict(accepted=tuple(range(m)), next_token=token, bonus=m == k)
 
 
 def recovery_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
@@ -129,8 +131,8 @@ def recovery_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     arithmetic; if rounding leaves none, p and q agree to float precision and p itself is returned.
     """
     residual = (p - q).clamp_min(0.0)  # [V]
-    total = residual.sum()
-    return residual / total if total > 0 else p
+    total = residual.sum()  # []
+    return torch.where(total > 0, residual / total, p)  # [V]; decided on the device, no synchronisation
 
 
 # -- trees -----------------------------------------------------------------------------------------
@@ -195,13 +197,13 @@ def multi_step_sampling(
     """
     accept, reach = [], 1.0  # reach: probability that every earlier child was rejected
     for x in tokens.tolist():
-        proposal = q if q[x] > 0 else torch.nn.functional.one_hot(torch.tensor(x), q.shape[0]).to(q)  # [V]
+        proposal = q if q[x] > 0 else torch.nn.functional.one_hot(torch.tensor(x, device=q.device), q.shape[0]).to(q)  # [V]
         ratio = min(1.0, float(p[x] / proposal[x]))
         accept.append(reach * ratio)
         reach *= 1.0 - ratio
         p = recovery_distribution(p, proposal)  # [V]
         q = after_rejection(q, x)  # [V]
-    return NodeOutcome(accept=torch.tensor(accept, dtype=p.dtype), residual=p)
+    return NodeOutcome(accept=torch.tensor(accept, dtype=p.dtype, device=p.device), residual=p)
 
 
 def without_token(q: torch.Tensor, x: int) -> torch.Tensor:
@@ -260,7 +262,7 @@ class TokenTreeVerifier(TreeVerifier):
     accepts = frozenset(DraftKind)
 
     def step(self, p_row: torch.Tensor, q_row: torch.Tensor, tokens: torch.Tensor) -> NodeOutcome:
-        first = torch.tensor([x not in tokens[:j].tolist() for j, x in enumerate(tokens.tolist())])  # [m]
+        first = torch.tensor([x not in tokens[:j].tolist() for j, x in enumerate(tokens.tolist())], device=tokens.device)  # [m]
         accept = torch.where(first, p_row[tokens], 0.0)  # [m]
         rest = p_row.index_fill(0, tokens, 0.0)  # [V]
         total = rest.sum()

@@ -6,6 +6,22 @@ settings.register_profile("specstack", derandomize=True, deadline=None, print_bl
 settings.load_profile("specstack")
 
 
+def pytest_addoption(parser):
+    parser.addoption("--device", default="cpu", help="device of the synthetic models in the greedy and distribution tests (make gpu-check: cuda)")
+
+
+@pytest.fixture(scope="session")
+def device(request) -> str:
+    """Where the synthetic models of the greedy and sampled-distribution tests keep their KV cache and
+    probabilities (``pytest --device cuda`` runs those tests on a GPU)."""
+    import torch
+
+    name = request.config.getoption("--device")
+    if torch.device(name).type == "cuda" and not torch.cuda.is_available():
+        pytest.skip("--device cuda needs a CUDA GPU")
+    return name
+
+
 @pytest.fixture
 def registry():
     from specstack import Registry

@@ -21,12 +21,12 @@ class StackCase:
     stop_token: int | None
     seed: int
 
-    def target(self) -> SyntheticLM:
-        return SyntheticLM(vocab_size=self.vocab, seed=self.seed, sharpness=1.5)
+    def target(self, device: str = "cpu") -> SyntheticLM:
+        return SyntheticLM(vocab_size=self.vocab, seed=self.seed, sharpness=1.5, device=device)
 
-    def levels(self) -> list[Level]:
-        target = self.target()
-        models = [SyntheticLM(vocab_size=self.vocab, seed=self.seed + 1 + i, base=target, noise=noise) for i, noise in enumerate(self.noises)]
+    def levels(self, device: str = "cpu") -> list[Level]:
+        target = self.target(device)
+        models = [SyntheticLM(vocab_size=self.vocab, seed=self.seed + 1 + i, base=target, noise=noise, device=device) for i, noise in enumerate(self.noises)]
         if self.lookup_base:
             base = Level(drafter=PromptLookupDrafter(vocab=self.vocab))
         else:
@@ -35,9 +35,9 @@ class StackCase:
         middle = [Level(model=m, gamma=g) for m, g in zip(models[1:], self.gammas[:-1])]
         return [base, *middle, Level(model=target, gamma=self.gammas[-1])]
 
-    def stack(self) -> SpeculationStack:
+    def stack(self, device: str = "cpu") -> SpeculationStack:
         stops = () if self.stop_token is None else (self.stop_token,)
-        return SpeculationStack.build(self.levels(), sampling=self.sampling, stop_tokens=stops, seed=self.seed)
+        return SpeculationStack.build(self.levels(device), sampling=self.sampling, stop_tokens=stops, seed=self.seed)
 
 
 @st.composite

@@ -51,14 +51,14 @@ def registry() -> Registry:
     ("parents:-1,0,0,-1", (-1, 0, 0, -1)),
     (" binary:1 ", (-1, -1)),
 ])
-def test_tree_specs_parse(spec: str, parents: tuple[int, ...]) -> None:
+def test_tree_specs_parse(device: str, spec: str, parents: tuple[int, ...]) -> None:
     shape = TreeShape.parse(spec)
     assert shape.parents == parents
     assert TreeShape.parse(shape.spec) == shape and TreeShape.parse(shape) is shape
     assert TreeShape.parse(list(parents)) == shape
 
 
-def test_tree_shape_structure() -> None:
+def test_tree_shape_structure(device: str) -> None:
     shape = TreeShape.parse("widths:3,2")
     assert (shape.size, shape.depth, shape.nodes_per_depth) == (9, 2, (3, 6))
     assert shape.children_per_node == (3, 2, 2, 2, 0, 0, 0, 0, 0, 0)
@@ -70,15 +70,15 @@ def test_tree_shape_structure() -> None:
 
 @pytest.mark.parametrize("spec", ["", "chain", "chain:0", "star:-1", "binary:x", "widths:", "widths:2,0", "parents:0",
                                   "parents:-1,5", "tree:3", "chain:2,3", "binary:13", 4, None, ["a"]])
-def test_bad_tree_specs_are_one_line_errors(spec: str) -> None:
+def test_bad_tree_specs_are_one_line_errors(device: str, spec: str) -> None:
     with pytest.raises(SpecstackError) as error:
         TreeShape.parse(spec)
     message = str(error.value)
     assert "\n" not in message and "not allowed" in message
 
 
-def test_a_recipe_names_a_bad_tree(registry) -> None:
-    target = SyntheticLM(vocab_size=8)
+def test_a_recipe_names_a_bad_tree(device: str, registry) -> None:
+    target = SyntheticLM(device=device, vocab_size=8)
     with pytest.raises(SpecstackError, match="tree 'binary:0'|binary depth 0"):
         registry.stack("sequoia", target=target, draft=target, tree="binary:0")
 
@@ -86,7 +86,7 @@ def test_a_recipe_names_a_bad_tree(registry) -> None:
 # -- the planner -----------------------------------------------------------------------------------
 
 
-def test_planner_reproduces_hand_computed_optima() -> None:
+def test_planner_reproduces_hand_computed_optima(device: str) -> None:
     # p = [0.5, 0.4], 3 nodes: two root children (0.5 + 0.4) and a child of the first (0.5 · 0.5)
     # = 1.15 beats a chain (0.5 + 0.25 + 0.125), a child of the second (1.1) and a forked chain (0.95).
     shape, accepted = best_tree([0.5, 0.4], size=3, depth=3)
@@ -96,12 +96,12 @@ def test_planner_reproduces_hand_computed_optima() -> None:
     assert shape == TreeShape.chain(3) and accepted == pytest.approx(1.952)
 
 
-def test_planner_picks_a_chain_when_the_first_child_is_always_right() -> None:
+def test_planner_picks_a_chain_when_the_first_child_is_always_right(device: str) -> None:
     shape, accepted = best_tree([0.999, 0.0005, 0.0005], size=6, depth=6)
     assert shape == TreeShape.chain(6) and accepted == pytest.approx(sum(0.999**k for k in range(1, 7)))
 
 
-def test_planner_picks_a_star_when_depth_is_one() -> None:
+def test_planner_picks_a_star_when_depth_is_one(device: str) -> None:
     shape, accepted = best_tree([0.5, 0.3, 0.1], size=3, depth=1)
     assert shape == TreeShape.star(3) and accepted == pytest.approx(0.9)
 
@@ -118,7 +118,7 @@ def _expected(parents: tuple[int, ...], p: list[float]) -> float:
 
 @settings(max_examples=20)
 @given(p=st.lists(st.floats(0.0, 1.0), min_size=1, max_size=3), size=st.integers(1, 5), depth=st.integers(1, 4))
-def test_the_dynamic_program_finds_the_best_of_all_small_trees(p, size, depth) -> None:
+def test_the_dynamic_program_finds_the_best_of_all_small_trees(device: str, p, size, depth) -> None:
     total = sum(p)
     p = [v / total for v in p] if total > 1 else p
     trees = [t for t in itertools.product(*[range(-1, i) for i in range(size)])
@@ -132,7 +132,7 @@ def test_the_dynamic_program_finds_the_best_of_all_small_trees(p, size, depth) -
     assert _expected(shape.parents, p) == pytest.approx(accepted, abs=1e-9) and shape.size == size and shape.depth <= depth
 
 
-def test_hardware_aware_plan_trades_tokens_for_time() -> None:
+def test_hardware_aware_plan_trades_tokens_for_time(device: str) -> None:
     p = [0.6, 0.2, 0.1]
     flat = Costs(verify_sizes=(1, 8, 64), verify_seconds=(1.0, 1.0, 9.0), draft_seconds=0.1)  # verification is free up to 8 tokens
     plan = plan_tree(p, max_size=64, max_depth=8, costs=flat)
@@ -148,7 +148,7 @@ def test_hardware_aware_plan_trades_tokens_for_time() -> None:
 
 
 @pytest.mark.parametrize("bad", [[], [1.2], [0.7, 0.6], [-0.1]])
-def test_a_bad_acceptance_vector_is_named(bad) -> None:
+def test_a_bad_acceptance_vector_is_named(device: str, bad) -> None:
     with pytest.raises(SpecstackError, match="acceptance vector"):
         best_tree(bad, 3, 2)
 
@@ -156,9 +156,9 @@ def test_a_bad_acceptance_vector_is_named(bad) -> None:
 # -- the drafters ----------------------------------------------------------------------------------
 
 
-def _drafter(shape: str, sampling: SamplingConfig, seed: int = 0, **options) -> tuple[SequoiaDrafter, SyntheticLM]:
-    target = SyntheticLM(vocab_size=6, seed=seed, sharpness=1.5)
-    draft = SyntheticLM(vocab_size=6, seed=seed + 1, base=target, noise=1.0)
+def _drafter(shape: str, sampling: SamplingConfig, seed: int = 0, device: str = "cpu", **options) -> tuple[SequoiaDrafter, SyntheticLM]:
+    target = SyntheticLM(device=device, vocab_size=6, seed=seed, sharpness=1.5)
+    draft = SyntheticLM(device=device, vocab_size=6, seed=seed + 1, base=target, noise=1.0)
     lm = SpeculationStack.build([Level(model=draft, model_drafter=functools.partial(SequoiaDrafter, shape=shape, **options)),
                                  Level(model=target, gamma=4)], sampling=sampling, seed=seed).top.drafter
     return lm, draft
@@ -170,7 +170,7 @@ def _drafter(shape: str, sampling: SamplingConfig, seed: int = 0, **options) -> 
     (SamplingConfig(temperature=1.0), {"deterministic": True}, DraftKind.TREE_DETERMINISTIC),
     (SamplingConfig(temperature=0.0), {}, DraftKind.TREE_DETERMINISTIC),
 ])
-def test_sequoia_drafts_follow_the_shape_with_q_after_each_parent(sampling, options, kind) -> None:
+def test_sequoia_drafts_follow_the_shape_with_q_after_each_parent(device: str, sampling, options, kind) -> None:
     drafter, model = _drafter("widths:3,2", sampling, **options)
     prefix = [1, 2, 3]
     draft = drafter.propose(prefix, 5)
@@ -191,7 +191,7 @@ def test_sequoia_drafts_follow_the_shape_with_q_after_each_parent(sampling, opti
     assert drafter.propose(prefix, 1).parents.tolist() == [-1, -1, -1]  # n limits the depth
 
 
-def test_sequoia_caps_children_at_the_support_and_stops_at_stop_tokens() -> None:
+def test_sequoia_caps_children_at_the_support_and_stops_at_stop_tokens(device: str) -> None:
     drafter, _ = _drafter("widths:4,4", SamplingConfig(temperature=1.0, top_k=2))
     draft = drafter.propose([1, 2], 2)
     assert len(draft.children(-1)) == 2 and all(len(draft.children(c)) == 2 for c in draft.children(-1))
@@ -199,7 +199,7 @@ def test_sequoia_caps_children_at_the_support_and_stops_at_stop_tokens() -> None
     assert len(stopping.propose([1, 2], 2)) == 2  # every root child is a stop token: no grandchildren
 
 
-def test_lookup_tree_merges_matches_into_a_trie() -> None:
+def test_lookup_tree_merges_matches_into_a_trie(device: str) -> None:
     drafter = TreeLookupDrafter(vocab=10, max_ngram=2, branches=3)
     #           0  1  2  3  4  5  6  7  8  9 10 11 12
     prefix = [1, 2, 3, 4, 9, 1, 2, 3, 5, 7, 1, 2, 6, 8, 1, 2]
@@ -224,10 +224,10 @@ SHAPES = ["star:3", "chain:3", "binary:2", "widths:3,2,1", "parents:-1,0,0,-1,2"
 @settings(max_examples=20)
 @given(recipe=st.sampled_from(["sequoia", "triforce-tree", "lookup-tree"]), tree=st.sampled_from(SHAPES), seed=st.integers(0, 999),
        prompt_length=st.integers(24, 60), window=st.sampled_from([16, 128]), branches=st.integers(1, 3), stop=st.sampled_from([None, 0, 5]))
-def test_tree_stacks_are_greedy_lossless(registry, recipe, tree, seed, prompt_length, window, branches, stop) -> None:
+def test_tree_stacks_are_greedy_lossless(device: str, registry, recipe, tree, seed, prompt_length, window, branches, stop) -> None:
     vocab = 24
-    target = SyntheticLM(vocab_size=vocab, seed=seed, sharpness=2.0)
-    draft = SyntheticLM(vocab_size=vocab, seed=seed + 1, base=target, noise=0.5)
+    target = SyntheticLM(device=device, vocab_size=vocab, seed=seed, sharpness=2.0)
+    draft = SyntheticLM(device=device, vocab_size=vocab, seed=seed + 1, base=target, noise=0.5)
     rng = random.Random(seed)
     prompt = [rng.randrange(8) for _ in range(prompt_length)]  # a small alphabet: lookup finds matches
     options = {
@@ -241,9 +241,9 @@ def test_tree_stacks_are_greedy_lossless(registry, recipe, tree, seed, prompt_le
     assert list(result.tokens) == greedy_decode(target, prompt, 20, stop_tokens=stops)
 
 
-def test_triforce_tree_verifies_the_tree_at_the_middle_level(registry) -> None:
-    target = SyntheticLM(vocab_size=24, seed=1, sharpness=2.0)
-    draft = SyntheticLM(vocab_size=24, seed=2, base=target, noise=0.5)
+def test_triforce_tree_verifies_the_tree_at_the_middle_level(device: str, registry) -> None:
+    target = SyntheticLM(device=device, vocab_size=24, seed=1, sharpness=2.0)
+    draft = SyntheticLM(device=device, vocab_size=24, seed=2, base=target, noise=0.5)
     stack = registry.stack("triforce-tree", target=target, draft=draft, tree="widths:2,2,1", **SMALL)
     middle = stack.top.drafter
     assert middle.gamma == 3 and middle.lm.policy.name == "retrieval" and middle.drafter.draft_kind is DraftKind.TREE_DETERMINISTIC
@@ -281,52 +281,52 @@ KINDS = {"without": ({}, "sequoia"), "with": ({"replacement": True}, "specinfer"
 
 @pytest.mark.parametrize(("kind", "warp_name"), [("without", "t0.8"), ("without", "top_k"), ("without", "top_p"), ("with", "t0.8"),
                                                  ("with", "top_k"), ("deterministic", "t0.8"), ("deterministic", "top_p")])
-def test_a_sampled_tree_keeps_the_target_distribution(kind, warp_name) -> None:
+def test_a_sampled_tree_keeps_the_target_distribution(device: str, kind, warp_name) -> None:
     (options, verifier), sampling = KINDS[kind], WARPS[warp_name]
-    target = SyntheticLM(vocab_size=4, seed=11, sharpness=1.5)
-    draft = SyntheticLM(vocab_size=4, seed=12, base=target, noise=1.0)
+    target = SyntheticLM(device=device, vocab_size=4, seed=11, sharpness=1.5)
+    draft = SyntheticLM(device=device, vocab_size=4, seed=12, base=target, noise=1.0)
     stack = SpeculationStack.build([_tree_level(draft, "widths:3,2", **options), Level(model=target, gamma=2)], sampling=sampling, seed=3)
     assert stack.top.verifier.name == verifier
     assert _pvalue(stack, target, sampling) > ALPHA
 
 
 @pytest.mark.parametrize("shape", ["star:3", "chain:3", "planned"])
-def test_sampled_trees_of_every_shape_keep_the_target_distribution(shape) -> None:
+def test_sampled_trees_of_every_shape_keep_the_target_distribution(device: str, shape) -> None:
     """Star, chain and the planner's own output (siblings without replacement, top-k and top-p)."""
     if shape == "planned":
         shape = best_tree([0.6, 0.25, 0.1], size=6, depth=3)[0].spec
     sampling = SamplingConfig(temperature=0.9, top_k=3, top_p=0.9)
-    target = SyntheticLM(vocab_size=4, seed=51, sharpness=1.5)
-    draft = SyntheticLM(vocab_size=4, seed=52, base=target, noise=1.0)
+    target = SyntheticLM(device=device, vocab_size=4, seed=51, sharpness=1.5)
+    draft = SyntheticLM(device=device, vocab_size=4, seed=52, base=target, noise=1.0)
     stack = SpeculationStack.build([_tree_level(draft, shape), Level(model=target, gamma=3)], sampling=sampling, seed=5)
     assert _pvalue(stack, target, sampling) > ALPHA
 
 
 @pytest.mark.parametrize(("options", "warp_name"), [({}, "t0.8"), ({"replacement": True}, "top_p"), ({"deterministic": True}, "top_k")],
                          ids=["without", "with", "deterministic"])
-def test_a_tree_at_level_0_verified_by_the_middle_level_keeps_the_target_distribution(options, warp_name) -> None:
+def test_a_tree_at_level_0_verified_by_the_middle_level_keeps_the_target_distribution(device: str, options, warp_name) -> None:
     sampling = WARPS[warp_name]
-    target = SyntheticLM(vocab_size=4, seed=21, sharpness=1.5)
-    middle = SyntheticLM(vocab_size=4, seed=22, base=target, noise=0.5)
-    draft = SyntheticLM(vocab_size=4, seed=23, base=middle, noise=1.0)
+    target = SyntheticLM(device=device, vocab_size=4, seed=21, sharpness=1.5)
+    middle = SyntheticLM(device=device, vocab_size=4, seed=22, base=target, noise=0.5)
+    draft = SyntheticLM(device=device, vocab_size=4, seed=23, base=middle, noise=1.0)
     levels = [_tree_level(draft, "binary:3", **options), Level(model=middle, gamma=3), Level(model=target, gamma=3)]
     stack = SpeculationStack.build(levels, sampling=sampling, seed=5)
     assert _pvalue(stack, target, sampling) > ALPHA
 
 
-def test_a_sampled_lookup_tree_keeps_the_target_distribution() -> None:
+def test_a_sampled_lookup_tree_keeps_the_target_distribution(device: str) -> None:
     sampling = SamplingConfig(temperature=0.8, top_p=0.9)
-    target = SyntheticLM(vocab_size=4, seed=31, sharpness=1.5)
+    target = SyntheticLM(device=device, vocab_size=4, seed=31, sharpness=1.5)
     stack = SpeculationStack.build([Level(drafter=TreeLookupDrafter(vocab=4, branches=3)), Level(model=target, gamma=3)], sampling=sampling, seed=7)
     assert stack.top.verifier.name == "token-tree"
     assert _pvalue(stack, target, sampling, LOOKUP_PROMPT) > ALPHA
     assert stack.generate(LOOKUP_PROMPT, 24).levels[-1].accepted > 0
 
 
-def test_retrieval_middle_level_with_a_tree_keeps_the_target_distribution() -> None:
+def test_retrieval_middle_level_with_a_tree_keeps_the_target_distribution(device: str) -> None:
     sampling = SamplingConfig(temperature=0.8)
-    target = SyntheticLM(vocab_size=4, seed=41, sharpness=1.5)
-    draft = SyntheticLM(vocab_size=4, seed=42, base=target, noise=1.0)
+    target = SyntheticLM(device=device, vocab_size=4, seed=41, sharpness=1.5)
+    draft = SyntheticLM(device=device, vocab_size=4, seed=42, base=target, noise=1.0)
     retrieval = Retrieval(budget=4, chunk_size=2, stride=2, reserve=16)
     levels = [_tree_level(draft, "widths:2,2"), Level(model=target, policy=retrieval, gamma=2), Level(model=target, gamma=3)]
     stack = SpeculationStack.build(levels, sampling=sampling, seed=9)
@@ -351,13 +351,13 @@ class LyingDrafter(SequoiaDrafter):
 
 
 @pytest.mark.parametrize("seed", [3, 11])
-def test_the_distribution_test_catches_a_drafter_lying_about_its_kind(seed) -> None:
+def test_the_distribution_test_catches_a_drafter_lying_about_its_kind(device: str, seed) -> None:
     """A test of the test: q sharp on a token the target rarely wants, 3 siblings over 3 tokens.
     After the first sibling is rejected, SpecInfer's rule accepts the next ones against q instead of
     q without the rejected token, far too often."""
     sampling = SamplingConfig(temperature=1.0)
-    target = SyntheticLM(vocab_size=3, seed=seed, sharpness=2.0)
-    draft = SyntheticLM(vocab_size=3, seed=seed + 1, sharpness=3.0)
+    target = SyntheticLM(device=device, vocab_size=3, seed=seed, sharpness=2.0)
+    draft = SyntheticLM(device=device, vocab_size=3, seed=seed + 1, sharpness=3.0)
     lying = SpeculationStack.build([Level(model=draft, model_drafter=functools.partial(LyingDrafter, shape="star:3")),
                                     Level(model=target, gamma=1)], sampling=sampling, seed=seed)
     assert lying.top.verifier.name == "specinfer"
@@ -370,7 +370,7 @@ def test_the_distribution_test_catches_a_drafter_lying_about_its_kind(seed) -> N
 # -- registration, the bench axis, the command -----------------------------------------------------
 
 
-def test_the_plugin_registers_its_components(registry) -> None:
+def test_the_plugin_registers_its_components(device: str, registry) -> None:
     from specstack.registry import Kind
 
     assert "lookup-tree" in registry.names(Kind.DRAFTER)
@@ -379,7 +379,7 @@ def test_the_plugin_registers_its_components(registry) -> None:
     assert registry.stack_recipe("triforce-tree").options()["tree"] == "binary:2"
 
 
-def test_the_trees_axis_crosses_only_stacks_with_a_tree_option(registry) -> None:
+def test_the_trees_axis_crosses_only_stacks_with_a_tree_option(device: str, registry) -> None:
     from specstack.bench import Catalog, Grid, expand
 
     grid = Grid(stacks=["sequoia", "triforce-tree:tree=star:4", "speculative"], trees=["binary:2", "widths:4/2"])
@@ -393,7 +393,7 @@ def test_the_trees_axis_crosses_only_stacks_with_a_tree_option(registry) -> None
 # -- the command -----------------------------------------------------------------------------------
 
 
-def test_plan_tree_command_prints_a_tree(capsys) -> None:
+def test_plan_tree_command_prints_a_tree(device: str, capsys) -> None:
     assert main(["plan-tree", "--synthetic", "--new-tokens", "32", "--max-size", "8", "--max-depth", "3", "--width", "4"]) == 0
     out = capsys.readouterr().out
     assert "positional acceptance p_1..p_4:" in out and "parents: " in out and "tokens/s" in out
@@ -401,7 +401,7 @@ def test_plan_tree_command_prints_a_tree(capsys) -> None:
     assert 1 <= TreeShape.parse(spec).size <= 8 and TreeShape.parse(spec).depth <= 3
 
 
-def test_plan_tree_command_rejects_a_bad_width(capsys) -> None:
+def test_plan_tree_command_rejects_a_bad_width(device: str, capsys) -> None:
     assert main(["plan-tree", "--synthetic", "--width", "0"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "--width 0" in err

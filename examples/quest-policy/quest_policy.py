@@ -41,8 +41,8 @@ class Quest(GatheringPolicy):
         bound = torch.maximum(q * low, q * high).sum(-1).sum(2)  # [L, H, P]
         tail = context - pages * size
         best = bound.topk(min(pages, (self.budget - tail) // size), dim=-1).indices.sort(dim=-1).values  # [L, H, k]
-        slots = (best[..., None] * size + torch.arange(size)).flatten(-2)  # [L, H, k*S]
-        return torch.cat([slots, torch.arange(pages * size, context).expand(layers, heads, tail)], dim=-1)  # [L, H, K]
+        slots = (best[..., None] * size + torch.arange(size, device=keys.device)).flatten(-2)  # [L, H, k*S]
+        return torch.cat([slots, torch.arange(pages * size, context, device=keys.device).expand(layers, heads, tail)], dim=-1)  # [L, H, K]
 
 
 @hookimpl

@@ -45,5 +45,5 @@ class H2O(EvictionPolicy):
         recent = min(self.recent, keep)
         older = state.attention[..., : n - recent]  # [L, H, n - recent]
         heavy = older.topk(keep - recent, dim=-1).indices.sort(dim=-1).values  # [L, H, keep - recent]
-        window = torch.arange(n - recent, n).expand(*heavy.shape[:2], recent)  # [L, H, recent]
+        window = torch.arange(n - recent, n, device=heavy.device).expand(*heavy.shape[:2], recent)  # [L, H, recent]
         return torch.cat([heavy, window], dim=-1)  # [L, H, keep]

@@ -33,6 +33,7 @@ class _Growing:
     """A draft tree under construction, breadth first: tokens, parents and each node's q row."""
 
     vocab: int
+    device: torch.device
     tokens: list[int] = attrs.field(factory=list)
     parents: list[int] = attrs.field(factory=list)
     rows: list[torch.Tensor] = attrs.field(factory=list)  # [V] each: q after the node's parent
@@ -45,9 +46,10 @@ class _Growing:
 
     def draft(self, kind: DraftKind) -> Draft:
         if not self.tokens:
-            return Draft.empty(self.vocab)
-        return Draft(tokens=torch.tensor(self.tokens, dtype=torch.long), probs=torch.stack(self.rows),  # [k], [k, V]
-                     parents=torch.tensor(self.parents, dtype=torch.long), kind=kind)
+            return Draft.empty(self.vocab, device=self.device)
+        probs = torch.stack(self.rows)  # [k, V] on the drafting model's device
+        return Draft(tokens=torch.tensor(self.tokens, dtype=torch.long, device=probs.device), probs=probs,  # [k]
+                     parents=torch.tensor(self.parents, dtype=torch.long, device=probs.device), kind=kind)
 
 
 def _kind(drafter: "SequoiaDrafter") -> DraftKind:
@@ -60,7 +62,7 @@ def race(q: torch.Tensor, count: int, generator: torch.Generator) -> list[int]:
     """``count`` tokens drawn from q [V] one after another without replacement (fewer when q's
     support is smaller): the first arrivals of the exponential race, arrival time -log(u) / q(x)."""
     count = min(count, int((q > 0).sum()))
-    u = torch.rand(q.shape[0], generator=generator)  # [V]
+    u = torch.rand(q.shape[0], generator=generator, device=q.device)  # [V]
     return (u.log() / q).topk(count).indices.tolist()  # the largest log(u) / q arrive first
 
 
@@ -89,10 +91,10 @@ class SequoiaDrafter(ModelLevel):
     draft_kind: DraftKind = attrs.field(init=False, default=attrs.Factory(_kind, takes_self=True))
 
     def propose(self, prefix: Sequence[int], n: int) -> Draft:
-        tree = _Growing(vocab=self.vocab_size)
+        tree = _Growing(vocab=self.vocab_size, device=self.lm.device)
         frontier = [(-1, -1)]  # (node in the draft, node in the shape); -1: the root
         for _ in range(min(n, self.shape.depth)):
-            logits = self._logits(prefix, tree).cpu()  # [k+1, V]; the stack's generator lives on the CPU
+            logits = self._logits(prefix, tree)  # [k+1, V] on the model's device, where this level's generator is
             q = warp(logits, self.sampling)  # [k+1, V]
             grown = []
             for node, at in frontier:
@@ -168,9 +170,10 @@ class TreeLookupDrafter(Drafter):
         self.stats.drafted += len(tokens)
         if not tokens:
             return Draft.empty(self.vocab)
-        ids = torch.tensor(tokens, dtype=torch.long)  # [k]
-        probs = torch.zeros(len(tokens), self.vocab).scatter_(1, ids[:, None], 1.0)  # [k, V]
-        return Draft(tokens=ids, probs=probs, parents=torch.tensor(parents, dtype=torch.long), kind=self.draft_kind)
+        host = torch.device("cpu")  # model-free: the verifying level moves the draft to its device
+        ids = torch.tensor(tokens, dtype=torch.long, device=host)  # [k]
+        probs = torch.zeros(len(tokens), self.vocab, device=host).scatter_(1, ids[:, None], 1.0)  # [k, V]
+        return Draft(tokens=ids, probs=probs, parents=torch.tensor(parents, dtype=torch.long, device=host), kind=self.draft_kind)
 
     def _matches(self, seq: np.ndarray, n: int) -> list[tuple[int, ...]]:
         """Up to ``branches`` continuations, each adding at least one node to the trie."""

@@ -223,8 +223,9 @@ def _prefilled(model, policy: CachePolicy, prompt: Sequence[int]) -> CachedModel
 
 def _median_seconds(lm: CachedModel, prompt: Sequence[int], size: int, repeats: int) -> float:
     vocab = lm.model.vocab_size
-    tokens = torch.arange(size, dtype=torch.long) % vocab  # [k]
-    tree = Draft(tokens=tokens, probs=torch.zeros(1, vocab).expand(size, vocab), parents=torch.full((size,), -1, dtype=torch.long),
+    device = lm.device
+    tokens = torch.arange(size, dtype=torch.long, device=device) % vocab  # [k]
+    tree = Draft(tokens=tokens, probs=torch.zeros(1, vocab, device=device).expand(size, vocab), parents=torch.full((size,), -1, dtype=torch.long, device=device),
                  kind=DraftKind.TREE_DETERMINISTIC)  # a star: the cost depends on the token count
     times = []
     for _ in range(repeats + 1):

@@ -39,7 +39,7 @@ class TopKOracle(GatheringPolicy):
         return appended >= self.stride
 
     def gather(self, keys: torch.Tensor, queries: torch.Tensor) -> torch.Tensor:
-        return torch.arange(keys.shape[2])  # [h]: the whole committed context, every layer and head
+        return torch.arange(keys.shape[2], device=keys.device)  # [h]: the whole committed context, every layer and head
 
     def attend(self, weights: torch.Tensor) -> torch.Tensor:
         top = weights.topk(min(self.budget, weights.shape[-1]), dim=-1).indices  # [H, T, K]
