@@ -97,6 +97,10 @@ def _add_stack_options(parser: argparse.ArgumentParser, *, default_stack: str, m
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="weights and KV cache dtype")
+    parser.add_argument("--device", default="cpu", help="the target's device: cpu, cuda or cuda:N (default: cpu)")
+    parser.add_argument("--draft-device", default=None, help="the draft model's device (default: --device)")
+    parser.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
+                        help="run transformers models without CUDA graphs (no effect on the CPU)")
 
 
 def _plugins(args: argparse.Namespace) -> int:
@@ -128,7 +132,7 @@ def _generate(args: argparse.Namespace) -> int:
     result = stack.generate(prompt, args.max_new_tokens, progress=run.progress_printer("decoding"))
     text = session.tokenizer.decode(list(result.tokens))
     if args.json:
-        print(json.dumps({"stack": args.stack, "text": text, **result.as_dict()}))
+        print(json.dumps({"stack": args.stack, "device": str(session.target.device), "text": text, **result.as_dict()}))
     else:
         print(text)
         print(run.summary(result), file=sys.stderr)
@@ -139,7 +143,7 @@ def _demo(args: argparse.Namespace) -> int:
     if args.synthetic:
         from .demo import synthetic_demo
 
-        synthetic_demo(max_new_tokens=args.max_new_tokens, seed=args.seed)
+        synthetic_demo(max_new_tokens=args.max_new_tokens, seed=args.seed, device=args.device, draft_device=args.draft_device)
         return 0
     from .demo import triforce_demo
 

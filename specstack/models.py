@@ -39,11 +39,14 @@ def find_gguf() -> Path:
 
 
 def prepare_target(*, force: bool = False) -> Path:
-    """Convert the GGUF target into a transformers directory once; return its path."""
-    out = cache_dir() / TARGET_NAME
-    if (out / "model.safetensors").exists() and not force:
-        return out
+    """Convert the GGUF target into a transformers directory once per transformers version (5.0-5.5
+    read its tokenizer wrongly, and a conversion keeps what the converting version read); return its path."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = cache_dir() / TARGET_NAME
+    stamp = out / "converted-by-transformers"
+    if (out / "model.safetensors").exists() and stamp.exists() and stamp.read_text() == transformers_version() and not force:
+        return out
 
     gguf = find_gguf()
     try:
@@ -67,39 +70,53 @@ def _save_dequantized(quantized, tokenizer, out: Path) -> None:
     partial = out.with_name(out.name + ".partial")
     plain.save_pretrained(partial)
     tokenizer.save_pretrained(partial)
+    (partial / "converted-by-transformers").write_text(transformers_version())
     if out.exists():
         shutil.rmtree(out)
     partial.replace(out)
+
+
+def transformers_version() -> str:
+    import transformers
+
+    return transformers.__version__
 
 
 def draft_dir() -> Path:
     return Path(str(resources.files(__package__).joinpath("assets", "smollm2-draft")))
 
 
-def load_default(*, dtype: torch.dtype = torch.float32, with_draft: bool = True):
-    """``(target, draft, tokenizer)`` of the embedded default (draft ``None`` if not wanted)."""
+def load_default(*, dtype: torch.dtype = torch.float32, with_draft: bool = True, device: str | torch.device = "cpu",
+                 draft_device: str | torch.device | None = None):
+    """``(target, draft, tokenizer)`` of the embedded default (draft ``None`` if not wanted): the target
+    on ``device``, the draft on ``draft_device`` (default: the target's), each ``cpu``, ``cuda`` or ``cuda:N``."""
     from .hf import load_model
+    from .run import check_devices
 
-    target, tokenizer = load_model(prepare_target(), dtype=dtype, name=TARGET_NAME)
-    draft = load_default_draft(target, dtype=dtype) if with_draft else None
+    device, draft_device = check_devices(device, draft_device)  # before any weights are read
+    target, tokenizer = load_model(prepare_target(), dtype=dtype, device=device, name=TARGET_NAME)
+    draft = load_default_draft(target, dtype=dtype, device=draft_device) if with_draft else None
     return target, draft, tokenizer
 
 
-def load_default_draft(target, *, dtype: torch.dtype = torch.float32):
-    """The shipped distilled draft. Its tied embedding is the target's, rounded to bf16 and frozen
-    during distillation (DISTILL.md), so the shipped file leaves it out (57 MB) and it is copied from
-    ``target`` here, bit for bit what was trained."""
+def load_default_draft(target, *, dtype: torch.dtype = torch.float32, device: str | torch.device | None = None):
+    """The shipped distilled draft, on ``device`` (default: the target's). Its tied embedding is the
+    target's, rounded to bf16 and frozen during distillation (DISTILL.md), so the shipped file leaves
+    it out (57 MB) and it is copied from ``target`` here, bit for bit what was trained."""
     from transformers.utils import logging as hf_logging
 
     from .hf import load_model
+    from .run import check_device
 
+    device = check_device(target.device if device is None else device)
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # the embedding is reported missing from the file: it is, on purpose
     try:
-        draft = load_model(draft_dir(), dtype=dtype, name="smollm2-draft")[0]
+        draft = load_model(draft_dir(), dtype=dtype, device=device, name="smollm2-draft")[0]
     finally:
         hf_logging.set_verbosity(verbosity)
-    embedding = target.module.get_input_embeddings().weight  # [V, D]
+    embedding = target.module.get_input_embeddings().weight  # [V, D] on the target's device
+    weight = draft.module.get_input_embeddings().weight  # [V, D] on the draft's; tied: the LM head too
     with torch.no_grad():
-        draft.module.get_input_embeddings().weight.copy_(embedding.to(torch.bfloat16))  # tied: the LM head too
+        weight.copy_(embedding.to(torch.bfloat16).to(weight.device))
     return draft

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
-from typing import Sequence
+from typing import Iterable, Sequence
 
 import attrs
 import torch
@@ -27,6 +28,8 @@ class Session:
     sampling: SamplingConfig
     seed: int
     dtype: torch.dtype = torch.float32
+    draft_device: torch.device = torch.device("cpu")
+    cuda_graphs: bool = True
     _draft: object = None
 
     @classmethod
@@ -36,14 +39,19 @@ class Session:
 
         from transformers.utils import logging as hf_logging
 
+        # checked before any weights are read; a plugin command without device flags (plan-tree) runs on the CPU
+        device, draft_device = check_devices(getattr(args, "device", "cpu"), getattr(args, "draft_device", None))
+        cuda_graphs = getattr(args, "cuda_graphs", True)
         hf_logging.disable_progress_bar()  # our own progress lines are enough
         if args.threads:
             torch.set_num_threads(args.threads)
         sampling = SamplingConfig(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
-        _status("loading the target model")
+        _status(f"loading the target model on {device}")
         dtype = getattr(torch, args.dtype)
-        target, tokenizer = load_model(args.target or prepare_target(), dtype=dtype, name=None if args.target else TARGET_NAME)
-        return cls(registry=Registry.create(), target=target, tokenizer=tokenizer, draft_path=args.draft, sampling=sampling, seed=args.seed, dtype=dtype)
+        target, tokenizer = load_model(args.target or prepare_target(), dtype=dtype, device=device, name=None if args.target else TARGET_NAME)
+        use_cuda_graphs([target], cuda_graphs)
+        return cls(registry=Registry.create(), target=target, tokenizer=tokenizer, draft_path=args.draft, sampling=sampling, seed=args.seed,
+                   dtype=dtype, draft_device=draft_device, cuda_graphs=cuda_graphs)
 
     @property
     def draft(self):
@@ -51,11 +59,12 @@ class Session:
             from .hf import load_model
             from .models import load_default_draft
 
-            _status("loading the draft model")
+            _status(f"loading the draft model on {self.draft_device}")
             if self.draft_path:
-                self._draft = load_model(self.draft_path, dtype=self.dtype)[0]
+                self._draft = load_model(self.draft_path, dtype=self.dtype, device=self.draft_device)[0]
             else:
-                self._draft = load_default_draft(self.target, dtype=self.dtype)
+                self._draft = load_default_draft(self.target, dtype=self.dtype, device=self.draft_device)
+            use_cuda_graphs([self._draft], self.cuda_graphs)
         return self._draft
 
     def stack(self, name: str, options: Sequence[str]) -> SpeculationStack:
@@ -76,6 +85,44 @@ class Session:
                 raise SpecstackError(f"--prompt-tokens {length} is more than the prompt's {len(ids)} tokens")
             ids = ids[-length:]
         return ids
+
+
+DEVICE = re.compile(r"cpu|cuda(?::(?P<index>[0-9]+))?")
+
+
+def check_device(device: str | torch.device, *, available: bool = True) -> torch.device:
+    """``device`` (``cpu``, ``cuda`` or ``cuda:N``) as a ``torch.device``; anything else is one
+    :class:`SpecstackError` line. With ``available`` a CUDA device must exist on this machine;
+    ``available=False`` checks the spelling only (a device of another machine, such as a Ray worker)."""
+    text = str(device)
+    match = DEVICE.fullmatch(text)
+    if match is None:
+        raise SpecstackError(f"device {text!r} is not allowed; use cpu, cuda or cuda:N")
+    if text == "cpu" or not available:
+        return torch.device(text)
+    if not torch.cuda.is_available():
+        raise SpecstackError(f"device {text!r} is not available: torch.cuda.is_available() is False on this machine")
+    count = torch.cuda.device_count()
+    if match["index"] is not None and int(match["index"]) >= count:
+        allowed = "cuda:0" if count == 1 else f"cuda:0 to cuda:{count - 1}"
+        raise SpecstackError(f"device {text!r} is not available: this machine has {count} CUDA device{'s' * (count != 1)}; use {allowed}")
+    return torch.device(text)
+
+
+def check_devices(device: str | torch.device, draft_device: str | torch.device | None) -> tuple[torch.device, torch.device]:
+    """The target's device and the draft's (``None``: the target's), both checked."""
+    target = check_device(device)
+    return target, target if draft_device is None else check_device(draft_device)
+
+
+def use_cuda_graphs(models: Iterable[object], enabled: bool) -> None:
+    """Switch CUDA graphs on or off in each transformers model of ``models`` (others have none;
+    on the CPU the switch has no effect)."""
+    from .hf import HFCausalLM
+
+    for model in models:
+        if isinstance(model, HFCausalLM):
+            model.cuda_graphs = enabled
 
 
 def _read(path: str) -> str:

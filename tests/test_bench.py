@@ -11,7 +11,9 @@ import csv
 import json
 from pathlib import Path
 
+import attrs
 import pytest
+import torch
 
 from specstack import SpecstackError
 from specstack.bench import ByteTokenizer, Catalog, Grid, SyntheticModels, expand, load_grid, run_grid
@@ -58,6 +60,69 @@ def test_groups_cross_task_axes_and_lead_with_their_baselines(registry) -> None:
     assert len(ids) == len(set(ids))
 
 
+def test_cpu_ids_are_those_of_records_written_before_devices_were_recorded(registry) -> None:
+    grid = Grid(stacks=["naive", "speculative"], temperatures=[0, 0.5], context_lengths=[256], max_new_tokens=12)
+    ids = {(p.stack, p.temperature): (p.id, p.group) for group in expand(grid, Catalog(registry=registry), "synthetic-v256-s0") for p in group}
+    assert ids[("naive", 0.0)] == ("0f8c001abf1ce575", "cd4421ee4c71b338")  # computed before the device keys existed
+    assert ids[("speculative", 0.5)] == ("53379c5ffea71743", "d8e9bd7b7a4ab54f")
+    ids_without_graphs = {p.id for group in expand(attrs.evolve(grid, cuda_graphs=False), Catalog(registry=registry), "synthetic-v256-s0")
+                          for p in group}
+    assert ids_without_graphs == {v[0] for v in ids.values()}  # no CUDA graphs on the CPU either way
+
+
+def test_a_run_on_cuda_gets_its_own_id_and_group(registry) -> None:
+    catalog = Catalog(registry=registry)
+    grid = Grid(stacks=["naive"], **SMALL)
+    def points(grid, **devices):  # noqa: E306
+        return [p for group in expand(grid, catalog, "synthetic", **devices) for p in group]
+
+    cpu = points(grid)
+    placements = [points(grid, device="cuda", draft_device="cuda"), points(grid, device="cuda", draft_device="cpu"),
+                  points(attrs.evolve(grid, cuda_graphs=False), device="cuda", draft_device="cuda"), points(grid, device="cpu", draft_device="cuda:1")]
+    ids = [{p.id for p in cpu}, *({p.id for p in found} for found in placements)]
+    groups = [{p.group for p in cpu}, *({p.group for p in found} for found in placements)]
+    assert sum(len(i) for i in ids) == len(set().union(*ids))  # all different
+    assert sum(len(g) for g in groups) == len(set().union(*groups))
+    assert [p.config()["device"] for p in placements[0]] == ["cuda", "cuda"] and placements[1][0].config()["draft_device"] == "cpu"
+
+
+def test_models_already_placed_must_sit_where_the_grid_says(registry) -> None:
+    from specstack.bench.models import DefaultModels, model_source
+
+    with pytest.raises(SpecstackError, match=r"^grid key 'device' 'cuda:1' is not allowed with models synthetic-v256-s0, which run on cpu; "
+                                             r"use cpu or leave 'device' out$"):
+        model_source(SYNTHETIC, Grid(stacks=["naive"], device="cuda:1"))
+    assert model_source(SYNTHETIC, Grid(stacks=["naive"], device="cpu")) is SYNTHETIC
+    assert model_source(None, Grid(stacks=["naive"], device="cuda:1", draft_device="cpu")) == DefaultModels(device="cuda:1", draft_device="cpu")
+    assert model_source(None, Grid(stacks=["naive"], device="cuda")) == DefaultModels(device="cuda", draft_device="cuda")
+
+
+def test_a_ray_task_asks_for_the_gpus_its_devices_name() -> None:
+    from specstack.bench.models import DefaultModels
+    from specstack.bench.runner import Job
+
+    assert Job(models=SYNTHETIC).gpus == 0
+    assert Job(models=DefaultModels(device="cuda", draft_device="cpu")).gpus == 1
+    assert Job(models=DefaultModels(device="cpu", draft_device="cuda:1")).gpus == 2
+
+
+def test_no_cuda_graphs_reaches_the_transformers_models_of_a_job(tmp_path, registry) -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from specstack.hf import HFCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=256, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                         num_key_value_heads=1, max_position_embeddings=128)
+    target = HFCausalLM(module=LlamaForCausalLM(config), tokenizer_id=None, name="tiny-llama")
+    grid = Grid(stacks=["autoregressive"], context_lengths=[64], max_new_tokens=4, cuda_graphs=False, device="cpu")
+    table = run_grid(grid, tmp_path, models=(target, None, ByteTokenizer()), registry=registry, progress=False)
+    assert target.cuda_graphs is False
+    (record,) = table.rows
+    assert record["status"] == "ok" and record["cuda_graphs"] is False and record["draft_device"] is None
+    assert record["environment"]["device"] == "cpu" and record["environment"]["draft_device"] is None and record["peak_cuda_mb"] is None
+
+
 def test_point_ids_are_stable_and_follow_the_configuration(registry) -> None:
     catalog = Catalog(registry=registry)
     ids = lambda grid: [p.id for group in expand(grid, catalog, "synthetic") for p in group]  # noqa: E731
@@ -94,6 +159,9 @@ def test_a_yaml_grid_file(tmp_path) -> None:
         ('stacks = []\n', "grid key 'stacks' must be a non-empty list"),
         ('budgets = [256]\n', "has no 'stacks'"),
         ('stacks = ["naive:budget"]\n', "stack option 'budget' is not KEY=VALUE"),
+        ('stacks = ["naive"]\ndevice = "gpu0"\n', "grid key 'device': device 'gpu0' is not allowed; use cpu, cuda or cuda:N"),
+        ('stacks = ["naive"]\ndraft_device = 0\n', "grid key 'draft_device' must be cpu, cuda or cuda:N; got 0"),
+        ('stacks = ["naive"]\ncuda_graphs = "no"\n', "grid key 'cuda_graphs' must be true or false"),
         ('stacks = ["naive"\n', "is not valid TOML"),
     ],
 )
@@ -171,6 +239,9 @@ def test_numbers_are_in_their_ranges(finished) -> None:
     for record in table.ok:
         assert record["new_tokens"] == 12 and record["tokens_per_second"] > 0 and record["speedup"] > 0
         assert record["timing"] == "decode" and record["prefill_seconds"] >= 0 and record["peak_rss_mb"] > 0
+        assert "peak_cuda_mb" in record and record["peak_cuda_mb"] is None  # on the CPU
+        assert (record["device"], record["draft_device"], record["cuda_graphs"]) == ("cpu", "cpu", True)
+        assert (record["environment"]["device"], record["environment"]["draft_device"]) == ("cpu", "cpu")
         assert all(v >= 0 for v in record["time_split"].values())
         for level in record["levels"]:
             assert 0 <= level["acceptance_rate"] <= 1 and level["accepted"] <= level["drafted"] or not level["rounds"]
@@ -194,6 +265,23 @@ def test_outputs_are_written(finished) -> None:
     assert "- budget ablation: not drawn; no successful run has a retrieval budget." in report
     assert "- acceptance vs context length: not drawn; only one context length (256)." in report  # the 1024-token runs failed
     assert table.to_markdown().startswith("| stack | task |")
+    assert "peak CUDA MiB" not in report and "| device |" not in report  # every run on the CPU
+
+
+def test_the_report_shows_devices_and_peak_cuda_memory_only_when_they_tell_something(finished) -> None:
+    from specstack.bench import report
+
+    _, _, table = finished
+    cpu = [r for r in table.ok if r["stack"] == "naive"]
+    on_cuda = [{**r, "device": "cuda:0", "draft_device": "cpu", "peak_cuda_mb": 812.5} for r in cpu]
+    header = report.summary_markdown(cpu + on_cuda).splitlines()[0]
+    assert "| T | device | runs |" in header and header.endswith("| peak CUDA MiB |")
+    rows = report.summary_markdown(cpu + on_cuda).splitlines()[2:]
+    assert len(rows) == 2 * len(report.summary_rows(cpu))  # CPU and CUDA runs are not averaged together
+    assert any("| cuda:0, draft on cpu |" in row and row.endswith("| 812 |") for row in rows)
+    assert any("| cpu |" in row and row.endswith("|  |") for row in rows)
+    without_graphs = [{**r, "device": "cuda", "draft_device": "cuda", "cuda_graphs": False, "peak_cuda_mb": 1.0} for r in cpu]
+    assert "| cuda, no CUDA graphs |" in report.summary_markdown(cpu + without_graphs)
 
 
 def test_a_plot_is_drawn_for_an_axis_with_several_values(finished) -> None:
@@ -227,6 +315,14 @@ def test_the_cli_runs_a_synthetic_grid(tmp_path, capsys) -> None:
     assert run_bench(args) == 0
     out = capsys.readouterr().out
     assert "| `speculative:gamma=3` | prose | 256 |" in out and "3 runs executed" in out
+
+
+def test_device_flags_become_grid_keys(tmp_path) -> None:
+    from specstack.bench.cli import grid_overrides
+
+    args = bench_args(["--stacks", "naive", "--device", "cuda:1", "--draft-device", "cpu", "--no-cuda-graphs"])
+    assert {k: v for k, v in grid_overrides(args).items() if k != "stacks"} == {"device": "cuda:1", "draft_device": "cpu", "cuda_graphs": False}
+    assert "cuda_graphs" not in grid_overrides(bench_args(["--stacks", "naive"]))  # unset: the grid file's value or the default
 
 
 def bench_args(argv: list[str]) -> argparse.Namespace:

@@ -1,9 +1,15 @@
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
+import pytest
+import torch
+
+from specstack import SpecstackError
 from specstack.cli import main
+from specstack.run import check_device, use_cuda_graphs
 
 
 def test_help_lists_the_commands(capsys) -> None:
@@ -28,3 +34,108 @@ def test_synthetic_demo_reports_a_lossless_run(capsys) -> None:
     out = capsys.readouterr().out
     assert "output identical to autoregressive greedy: True" in out
     assert "acceptance" in out
+
+
+# -- devices --------------------------------------------------------------------------------------
+
+NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+COMMANDS = {  # each runs nothing before its devices are checked; the bench's output directory must not appear
+    "generate": ["generate", "--prompt", "hi"],
+    "demo": ["demo"],
+    "demo --synthetic": ["demo", "--synthetic"],
+    "bench": ["bench", "--stacks", "autoregressive", "--out", "{out}"],
+    "bench --synthetic": ["bench", "--synthetic", "--stacks", "autoregressive", "--out", "{out}"],
+}
+
+
+def run_cli(capsys, tmp_path, command: str, *flags: str) -> tuple[int, str]:
+    argv = [arg.replace("{out}", str(tmp_path / "out")) for arg in COMMANDS[command]]
+    code = main([*argv, *flags])
+    captured = capsys.readouterr()
+    assert not (tmp_path / "out").exists()
+    return code, captured.err
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+@pytest.mark.parametrize("flag", ["--device", "--draft-device"])
+def test_a_misspelled_device_exits_2_with_one_line(capsys, tmp_path, command, flag) -> None:
+    code, err = run_cli(capsys, tmp_path, command, flag, "gpu0")
+    assert code == 2
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert "device 'gpu0' is not allowed; use cpu, cuda or cuda:N" in err
+
+
+@NO_CUDA
+@pytest.mark.parametrize("command", COMMANDS)
+@pytest.mark.parametrize("flag", ["--device", "--draft-device"])
+def test_cuda_on_a_machine_without_it_exits_2_with_one_line(capsys, tmp_path, command, flag) -> None:
+    code, err = run_cli(capsys, tmp_path, command, flag, "cuda")
+    assert code == 2
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert "device 'cuda' is not available: torch.cuda.is_available() is False on this machine" in err
+
+
+@pytest.fixture
+def two_gpus(monkeypatch):
+    """What torch says on a machine with two CUDA devices."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_a_cuda_index_beyond_the_gpus_says_how_many_there_are(capsys, tmp_path, two_gpus, command) -> None:
+    code, err = run_cli(capsys, tmp_path, command, "--device", "cuda:3")
+    assert code == 2 and err.count("\n") == 1
+    assert "device 'cuda:3' is not available: this machine has 2 CUDA devices; use cuda:0 to cuda:1" in err
+
+
+def test_check_device_accepts_cpu_cuda_and_cuda_n(two_gpus) -> None:
+    assert check_device("cpu") == torch.device("cpu")
+    assert check_device("cuda") == torch.device("cuda")
+    assert check_device(torch.device("cuda:1")) == torch.device("cuda:1")
+    assert check_device("cuda:7", available=False) == torch.device("cuda:7")  # the spelling only (a Ray worker's device)
+    for text in ("CPU", "cuda:", "cuda:-1", "mps", "cpu:0", " cpu"):
+        with pytest.raises(SpecstackError, match=r"^device '.*' is not allowed; use cpu, cuda or cuda:N$"):
+            check_device(text)
+
+
+def test_load_default_checks_its_devices_before_reading_weights(monkeypatch) -> None:
+    from specstack import models
+
+    monkeypatch.setattr(models, "prepare_target", lambda: pytest.fail("weights were read before the devices were checked"))
+    with pytest.raises(SpecstackError, match="device 'gpu0' is not allowed"):
+        models.load_default(device="gpu0")
+    with pytest.raises(SpecstackError, match="device 'cuda:0x' is not allowed"):
+        models.load_default(device="cpu", draft_device="cuda:0x")
+
+
+def test_the_synthetic_demo_runs_on_an_explicit_cpu(capsys) -> None:
+    assert main(["demo", "--synthetic", "--device", "cpu", "--draft-device", "cpu", "--no-cuda-graphs", "--max-new-tokens", "24"]) == 0
+    out = capsys.readouterr().out
+    assert "greedy, on cpu\n" in out and "output identical to autoregressive greedy: True" in out
+
+
+def test_a_small_bench_runs_on_an_explicit_cpu_and_says_so(capsys, tmp_path) -> None:
+    assert main(["bench", "--synthetic", "--stacks", "naive", "--context-lengths", "256", "--max-new-tokens", "6", "--device", "cpu",
+                 "--no-cuda-graphs", "--out", str(tmp_path), "--quiet"]) == 0
+    records = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
+    assert [r["status"] for r in records] == ["ok", "ok"]
+    for record in records:
+        assert (record["device"], record["draft_device"], record["cuda_graphs"]) == ("cpu", "cpu", False)
+        assert record["peak_cuda_mb"] is None
+        assert (record["environment"]["device"], record["environment"]["draft_device"]) == ("cpu", "cpu")
+
+
+def test_no_cuda_graphs_switches_them_off_in_transformers_models() -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from specstack.hf import HFCausalLM
+
+    config = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                         num_key_value_heads=1, max_position_embeddings=64)
+    model = HFCausalLM(module=LlamaForCausalLM(config), tokenizer_id=None)
+    assert model.cuda_graphs is True
+    use_cuda_graphs([model, None], False)
+    assert model.cuda_graphs is False
+    use_cuda_graphs([model], True)
+    assert model.cuda_graphs is True

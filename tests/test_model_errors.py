@@ -85,3 +85,24 @@ def test_cli_reports_bad_input_in_one_line_with_exit_code_2(capsys, argv, messag
     err = capsys.readouterr().err.strip().splitlines()
     assert message in err[-1]
     assert not any("Traceback" in line for line in err)
+
+
+def test_the_target_is_converted_again_by_another_transformers_version(tmp_path, monkeypatch) -> None:
+    """A conversion keeps what the converting transformers read (5.0-5.5 read the tokenizer wrongly),
+    so a cache stamped by another version is converted again, and one stamped by this version is not."""
+    from specstack import models
+
+    out = tmp_path / models.TARGET_NAME
+    out.mkdir()
+    (out / "model.safetensors").write_bytes(b"")
+    monkeypatch.setenv("SPECSTACK_CACHE", str(tmp_path))
+
+    def converting():
+        raise RuntimeError("converting")
+
+    monkeypatch.setattr(models, "find_gguf", converting)
+    (out / "converted-by-transformers").write_text(models.transformers_version())
+    assert models.prepare_target() == out
+    (out / "converted-by-transformers").write_text("5.5.4")
+    with pytest.raises(RuntimeError, match="converting"):
+        models.prepare_target()

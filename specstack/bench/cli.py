@@ -11,6 +11,7 @@ GRID_FLAGS = {
     "stacks": "stacks", "budgets": "budgets", "chunk_sizes": "chunk_sizes", "gamma": "gammas", "gamma1": "gamma1s",
     "gamma2": "gamma2s", "trees": "trees", "temperatures": "temperatures", "context_lengths": "context_lengths", "tasks": "tasks",
     "max_new_tokens": "max_new_tokens", "seeds": "seeds", "dtype": "dtype", "threads": "threads", "top_p": "top_p", "top_k": "top_k",
+    "device": "device", "draft_device": "draft_device", "cuda_graphs": "cuda_graphs",
 }
 
 
@@ -35,6 +36,10 @@ def add_bench_parser(commands) -> argparse.ArgumentParser:
     bench.add_argument("--top-k", type=int)
     bench.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
     bench.add_argument("--threads", type=int, help="torch intra-op threads per run process")
+    bench.add_argument("--device", help="the target's device: cpu, cuda or cuda:N (default: cpu)")
+    bench.add_argument("--draft-device", help="the draft model's device (default: --device)")
+    bench.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_const", const=False,
+                       help="run transformers models without CUDA graphs (no effect on the CPU)")
     bench.add_argument("--synthetic", action="store_true", help="synthetic models and a byte tokenizer (no weights; tries the harness out)")
     bench.add_argument("--executor", choices=["local", "ray"], default="local")
     bench.add_argument("--ray-address", help="an existing Ray cluster (default: start a local one)")
@@ -55,7 +60,7 @@ def run_bench(args: argparse.Namespace) -> int:
     from .models import SyntheticModels
 
     grid = load_grid(args.grid, grid_overrides(args))  # a bad grid fails here, before anything runs
-    models = SyntheticModels() if args.synthetic else None
+    models = SyntheticModels(device=grid.device or "cpu", draft_device=grid.draft_device or grid.device or "cpu") if args.synthetic else None
     table = run_grid(grid, args.out, models=models, executor=args.executor, ray_address=args.ray_address, num_cpus=args.num_cpus,
                      progress=not args.quiet)
     print(table.to_markdown())

@@ -3,7 +3,8 @@
 * ``local`` (default): sequentially, in this process.
 * ``ray``: one Ray task per group, on an existing cluster (``address``) or a local one started with
   ``num_cpus``. Each task loads its own models and runs a whole group, so every speedup is still
-  measured in one process. Ray is imported only here, when asked for.
+  measured in one process; a job on CUDA asks Ray for the GPUs its devices name. Ray is imported
+  only here, when asked for.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ Sink = Callable[[dict], None]
 @attrs.frozen(kw_only=True)
 class LocalExecutor:
     name: ClassVar[str] = "local"
+    in_process: ClassVar[bool] = True  # runs in this process, on this machine's devices
 
     @classmethod
     def create(cls, *, address: str | None, num_cpus: int | None) -> "LocalExecutor":
@@ -54,6 +56,7 @@ def _threads(threads: int | None) -> Iterator[None]:
 @attrs.frozen(kw_only=True)
 class RayExecutor:
     name: ClassVar[str] = "ray"
+    in_process: ClassVar[bool] = False
     address: str | None = None
     num_cpus: int | None = None
 
@@ -67,7 +70,7 @@ class RayExecutor:
     def run(self, job: Job, groups: list[list[Point]], pending: set[str], sink: Sink, registry: Registry | None = None) -> None:
         ray = _import_ray()
         with self._cluster(ray):
-            task = ray.remote(num_cpus=job.threads or 1)(run_groups)
+            task = ray.remote(num_cpus=job.threads or 1, num_gpus=job.gpus)(run_groups)
             waiting = [task.remote(job, [group], pending & {p.id for p in group}) for group in groups]
             while waiting:
                 done, waiting = ray.wait(waiting, num_returns=1)

@@ -20,7 +20,7 @@ from typing import Any, Iterable, Mapping
 import attrs
 
 from ..errors import SpecstackError
-from ..run import parse_options
+from ..run import check_device, parse_options
 from .tasks import task_by_name
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -129,6 +129,18 @@ def _scalar(kind: str, check, allow_none: bool = False):
     return validate
 
 
+def _device(instance, attribute, value) -> None:
+    """Unset (``None``) or ``cpu``, ``cuda``, ``cuda:N``; whether it exists is checked where the models load."""
+    if value is None:
+        return
+    if not isinstance(value, str):
+        raise SpecstackError(f"grid key '{attribute.name}' must be cpu, cuda or cuda:N; got {_show(value)}")
+    try:
+        check_device(value, available=False)
+    except SpecstackError as error:
+        raise SpecstackError(f"grid key '{attribute.name}': {error}") from None
+
+
 def _floats(value: Any) -> Any:
     value = _as_tuple(value)
     return tuple(float(v) if _is_temperature(v) else v for v in value) if isinstance(value, tuple) else value
@@ -160,6 +172,9 @@ class Grid:
     top_k: int | None = attrs.field(default=None, validator=_scalar("an integer >= 1 or absent", _is_int(1), allow_none=True))
     dtype: str = attrs.field(default="float32", validator=_scalar(f"one of {', '.join(DTYPES)}", lambda v: v in DTYPES))
     threads: int | None = attrs.field(default=None, validator=_scalar("an integer >= 1 or absent", _is_int(1), allow_none=True))
+    device: str | None = attrs.field(default=None, validator=_device)  # the target's; None: cpu (given models: theirs)
+    draft_device: str | None = attrs.field(default=None, validator=_device)  # None: the target's
+    cuda_graphs: bool = attrs.field(default=True, validator=_scalar("true or false", lambda v: isinstance(v, bool)))
     stop_at_eos: bool = attrs.field(default=False, validator=_scalar("true or false", lambda v: isinstance(v, bool)))
     warmup: bool = attrs.field(default=True, validator=_scalar("true or false", lambda v: isinstance(v, bool)))
 
@@ -242,23 +257,26 @@ class Point:
     stop_at_eos: bool
     model: str  # identifies the models, so two model sets never share ids in one output directory
     baseline: str | None  # the stack this point's speedup is measured against (None: not known)
+    device: str = "cpu"  # the target's
+    draft_device: str | None = "cpu"  # None: no draft
+    cuda_graphs: bool = True
 
     def config(self) -> dict[str, Any]:
         return {
             "stack": self.stack, "options": dict(self.options), "task": self.task.name, "task_options": dict(self.task.options),
             "context_length": self.context_length, "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
             "seed": self.seed, "max_new_tokens": self.max_new_tokens, "dtype": self.dtype, "stop_at_eos": self.stop_at_eos,
-            "model": self.model,
+            "model": self.model, "device": self.device, "draft_device": self.draft_device, "cuda_graphs": self.cuda_graphs,
         }
 
     @property
     def id(self) -> str:
-        return _digest(self.config())
+        return _digest(_identity(self.config()))
 
     @property
     def group(self) -> str:
-        """Points of one group share a prompt, sampling and seed: one baseline run serves them all."""
-        return _digest({k: v for k, v in self.config().items() if k not in ("stack", "options")})
+        """Points of one group share a prompt, sampling, seed and devices: one baseline run serves them all."""
+        return _digest({k: v for k, v in _identity(self.config()).items() if k not in ("stack", "options")})
 
     @property
     def label(self) -> str:
@@ -268,17 +286,29 @@ class Point:
         return attrs.evolve(self, stack=self.baseline, options=(), baseline=self.baseline)
 
 
+def _identity(config: Mapping[str, Any]) -> dict[str, Any]:
+    """What a point's id hashes: its configuration, with ``device``, ``draft_device`` and
+    ``cuda_graphs`` only where they differ from a run on the CPU (so the ids of records written before
+    these keys existed stay valid, and a CUDA run never takes a CPU run's id)."""
+    devices = (config["device"], config["draft_device"])
+    same = {"device": config["device"] == "cpu", "draft_device": config["draft_device"] in (None, config["device"]),
+            "cuda_graphs": config["cuda_graphs"] or all(d in (None, "cpu") for d in devices)}
+    return {k: v for k, v in config.items() if not same.get(k, False)}
+
+
 def _digest(config: Mapping[str, Any]) -> str:
     return hashlib.sha1(json.dumps(config, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def expand(grid: Grid, catalog, model: str) -> list[list[Point]]:
+def expand(grid: Grid, catalog, model: str, *, device: str = "cpu", draft_device: str | None = None) -> list[list[Point]]:
     """The grid's points in groups (one per task, context length, temperature and seed), each
-    group led by the baselines its points are measured against; no point appears twice."""
+    group led by the baselines its points are measured against; no point appears twice.
+    ``device`` and ``draft_device`` (``None``: no draft) say where the models run: the model source knows."""
     groups = []
     for task, context, temperature, seed in itertools.product(grid.tasks, grid.context_lengths, grid.temperatures, grid.seeds):
         common = dict(task=task, context_length=context, temperature=temperature, top_p=grid.top_p, top_k=grid.top_k, seed=seed,
-                      max_new_tokens=grid.max_new_tokens, dtype=grid.dtype, stop_at_eos=grid.stop_at_eos, model=model)
+                      max_new_tokens=grid.max_new_tokens, dtype=grid.dtype, stop_at_eos=grid.stop_at_eos, model=model,
+                      device=device, draft_device=draft_device, cuda_graphs=grid.cuda_graphs)
         points = [Point(stack=spec.name, options=options, baseline=catalog.baseline_of(spec.name), **common)
                   for spec in grid.stacks for options in _option_sets(grid, spec, catalog)]
         groups.append(_unique([p.baseline_point() for p in points if p.baseline] + points))

@@ -12,10 +12,11 @@ import attrs
 
 from ..errors import SpecstackError
 from ..registry import Registry
+from ..run import check_device
 from . import report
 from .executors import make_executor
 from .grid import Grid, expand
-from .models import model_source
+from .models import devices_of, model_source
 from .runner import Job, pending_in
 from .stacks import Catalog
 
@@ -122,13 +123,19 @@ def run_grid(grid: Grid | Mapping[str, Any], out: str | Path, *, models: Any = N
              executor: str = "local", ray_address: str | None = None, num_cpus: int | None = None, progress: bool = True) -> Table:
     """Run every point of ``grid`` not yet in ``out/results.jsonl``; rebuild CSV, report and plots.
 
-    ``models``: ``None`` loads the embedded default in ``grid.dtype``; or ``(target, draft,
-    tokenizer)``; or a model source such as :class:`~specstack.bench.models.SyntheticModels`.
+    ``models``: ``None`` loads the embedded default in ``grid.dtype`` on ``grid.device`` (the draft
+    on ``grid.draft_device``); or ``(target, draft, tokenizer)``; or a model source such as
+    :class:`~specstack.bench.models.SyntheticModels`.
     """
     grid = grid if isinstance(grid, Grid) else Grid.from_mapping(grid)
     runner = make_executor(executor, address=ray_address, num_cpus=num_cpus)
-    source = model_source(models, grid.dtype)
-    groups = expand(grid, Catalog(registry=registry or Registry.create()), source.label)
+    if runner.in_process:  # a missing GPU fails before anything runs (a Ray worker checks its own)
+        _check_devices(grid.device, grid.draft_device)
+    source = model_source(models, grid)
+    device, draft_device = devices_of(source)
+    if runner.in_process:
+        _check_devices(device, draft_device)
+    groups = expand(grid, Catalog(registry=registry or Registry.create()), source.label, device=device, draft_device=draft_device)
     results = ResultsFile(path=_out_dir(out) / RESULTS)
     done = {r["id"]: r for r in results.read()}
     pending = pending_in(groups, done)
@@ -139,9 +146,15 @@ def run_grid(grid: Grid | Mapping[str, Any], out: str | Path, *, models: Any = N
         results.append(record)
         bar.advance(record)
 
-    job = Job(models=source, warmup=grid.warmup, threads=grid.threads, entry_points=registry is None)
+    job = Job(models=source, warmup=grid.warmup, threads=grid.threads, cuda_graphs=grid.cuda_graphs, entry_points=registry is None)
     runner.run(job, [g for g in groups if any(p.id in pending for p in g)], pending, sink, registry=registry)
     return Table(rows=write_outputs(results.path.parent), out=results.path.parent, executed=bar.done)
+
+
+def _check_devices(*devices: str | None) -> None:
+    for device in devices:
+        if device is not None:
+            check_device(device)
 
 
 def write_outputs(out: str | Path) -> list[dict]:

@@ -21,7 +21,8 @@ from .grid import label
 
 SCALARS = (
     "id", "status", "label", "stack", "task", "context_length", "temperature", "top_p", "top_k", "seed", "max_new_tokens",
-    "dtype", "stop_at_eos", "model", "baseline", "new_tokens", "decode_seconds", "prefill_seconds", "total_seconds", "timing",
+    "dtype", "device", "draft_device", "cuda_graphs", "stop_at_eos", "model", "baseline", "new_tokens", "decode_seconds",
+    "prefill_seconds", "total_seconds", "timing",
     "tokens_per_second", "speedup", "identical_to_baseline", "accuracy", "peak_rss_mb", "peak_cuda_mb", "error", "error_kind",
     "git_revision", "group",
 )
@@ -44,7 +45,18 @@ def task_label(record: dict) -> str:
 def config_key(record: dict) -> tuple:
     """What a table row aggregates over seeds."""
     return (record["label"], task_label(record), record["context_length"], record["temperature"], record["top_p"], record["top_k"],
-            record["max_new_tokens"], record["dtype"], record["model"])
+            record["max_new_tokens"], record["dtype"], record["model"], placement(record))
+
+
+def placement(record: dict) -> str:
+    """Where a run ran: ``cpu``, ``cuda``, ``cuda:0, draft on cpu``, ``cuda, no CUDA graphs``
+    (records from before these keys ran on the CPU)."""
+    device = record.get("device") or "cpu"
+    draft = record.get("draft_device")
+    parts = [device, *([f"draft on {draft}"] if draft not in (None, device) else [])]
+    if record.get("cuda_graphs") is False and any(str(d).startswith("cuda") for d in (device, draft)):
+        parts.append("no CUDA graphs")
+    return ", ".join(parts)
 
 
 def verifying_levels(record: dict) -> list[dict]:
@@ -106,13 +118,14 @@ def _summary(runs: list[dict]) -> dict:
     identical = [r["identical_to_baseline"] for r in runs if r.get("identical_to_baseline") is not None]
     return {
         "stack": first["label"], "task": task_label(first), "context": first["context_length"], "temperature": first["temperature"],
-        "runs": len(runs), "baseline": first.get("baseline"), "timing": first.get("timing"),
+        "runs": len(runs), "baseline": first.get("baseline"), "timing": first.get("timing"), "device": placement(first),
         "acceptance": {n: _mean(lv["acceptance_rate"] for lv in levels) for n, levels in per_level.items()},
         "accepted_per_round": {n: _mean(lv["mean_accepted_per_round"] for lv in levels) for n, levels in per_level.items()},
         "tokens_per_second": _mean(r.get("tokens_per_second") for r in runs),
         "total_seconds": _mean(r.get("total_seconds") for r in runs),
         "speedup": _mean(r.get("speedup") for r in runs),
         "accuracy": _mean(r.get("accuracy") for r in runs),
+        "peak_cuda_mb": _mean(r.get("peak_cuda_mb") for r in runs),
         "identical": (all(identical) if identical else None) if first["temperature"] == 0 else None,
     }
 
@@ -130,14 +143,21 @@ def _levels(values: dict[str, float | None], digits: int) -> str:
 
 
 def summary_markdown(records: Sequence[dict]) -> str:
-    header = ["stack", "task", "context", "T", "runs", "acceptance per level", "accepted/round", "tokens/s", "total s", "speedup", "vs (timing)", "accuracy", "identical"]
+    """The results table; a ``device`` column when runs ran in more than one place, a ``peak CUDA MiB``
+    column when some run ran on CUDA."""
+    rows = summary_rows(records)
+    devices = len({row["device"] for row in rows}) > 1
+    cuda = any(row["peak_cuda_mb"] is not None for row in rows)
+    header = ["stack", "task", "context", "T", *(["device"] * devices), "runs", "acceptance per level", "accepted/round", "tokens/s",
+              "total s", "speedup", "vs (timing)", "accuracy", "identical", *(["peak CUDA MiB"] * cuda)]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    for row in summary_rows(records):
+    for row in rows:
         cells = [
-            f"`{row['stack']}`", row["task"], str(row["context"]), _fmt(row["temperature"], 2), str(row["runs"]),
+            f"`{row['stack']}`", row["task"], str(row["context"]), _fmt(row["temperature"], 2), *([row["device"]] * devices), str(row["runs"]),
             _levels(row["acceptance"], 3), _levels(row["accepted_per_round"], 2), _fmt(row["tokens_per_second"]),
             _fmt(row["total_seconds"]), _fmt(row["speedup"], 2, "×"), f"{row['baseline']} ({row['timing']})",
             _fmt(row["accuracy"]), _fmt(row["identical"]) if row["temperature"] == 0 else "(sampled)",
+            *([_fmt(row["peak_cuda_mb"], 0)] * cuda),
         ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)

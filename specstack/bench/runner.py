@@ -21,9 +21,10 @@ import torch
 from ..errors import SpecstackError
 from ..model import check_window
 from ..registry import Registry
+from ..run import use_cuda_graphs
 from ..sampling import SamplingConfig
 from .grid import Point
-from .models import ModelSource, Models
+from .models import ModelSource, Models, device_of, devices_of
 from .stacks import Catalog, Measurement, RunSetup
 from .tasks import Books, Prompt, task_by_name
 
@@ -35,7 +36,14 @@ class Job:
     models: ModelSource
     warmup: bool = True
     threads: int | None = None
+    cuda_graphs: bool = True  # HFCausalLM.cuda_graphs of every transformers model
     entry_points: bool = True  # load plugin stack recipes in workers too
+
+    @property
+    def gpus(self) -> int:
+        """GPUs a process of this job must see: enough for the highest CUDA index its models name."""
+        devices = [torch.device(d) for d in devices_of(self.models) if d is not None]
+        return max((1 + (d.index or 0) for d in devices if d.type == "cuda"), default=0)
 
 
 @attrs.frozen(kw_only=True)
@@ -70,6 +78,7 @@ class Runner:
     @classmethod
     def open(cls, job: Job, registry: Registry | None = None) -> "Runner":
         models = job.models.load()
+        use_cuda_graphs([models.target, models.draft], job.cuda_graphs)
         catalog = Catalog(registry=registry or Registry.create(entry_points=job.entry_points))
         return cls(models=models, catalog=catalog, books=Books(models.tokenizer), environment=environment(models), warmup=job.warmup)
 
@@ -102,8 +111,11 @@ class Runner:
             _check_point(point, self.models.target)
             run = self._setup(point, prompt)
             self._warm_up(stack, run)
-            _reset_cuda_peak()
-            return stack.measure(run, dict(point.options))
+            devices = self.models.cuda_devices
+            self.models.synchronize()  # the warm-up's work is done before the clock starts
+            _reset_cuda_peak(devices)
+            measured = stack.measure(run, dict(point.options))
+            return attrs.evolve(measured, peak_cuda_mb=_cuda_peak_mb(devices))
         except Exception as error:  # noqa: BLE001 - recorded, the grid goes on
             return Failure.of(error)
 
@@ -159,7 +171,8 @@ def metrics(run: Measurement, reference: Measurement | Failure | None, prompt: P
         "identical_to_baseline": _identical(run, reference) if greedy else None,
         "levels": [level.as_dict() for level in run.levels],
         "time_split": _time_split(run),
-        **_memory(),
+        "peak_rss_mb": _peak_rss_mb(),
+        "peak_cuda_mb": run.peak_cuda_mb,
         "accuracy": prompt.score(text),
         "task_info": dict(prompt.info),
         "notes": dict(run.notes),
@@ -195,21 +208,27 @@ def _time_split(run: Measurement) -> dict[str, float] | None:
             "cache_maintenance_seconds": max(0.0, run.decode_seconds - drafting - verifying)}
 
 
-def _memory() -> dict[str, float | None]:
+def _peak_rss_mb() -> float | None:
+    """The process's high-water mark of resident memory so far."""
     try:
         import resource  # Unix only
     except ImportError:
-        rss_mb = None
-    else:
-        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
-        rss_mb = round(rss / 2**20 if sys.platform == "darwin" else rss / 2**10, 1)
-    cuda = torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() and torch.cuda.is_initialized() else None
-    return {"peak_rss_mb": rss_mb, "peak_cuda_mb": None if cuda is None else round(cuda, 1)}
+        return None
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+    return round(rss / 2**20 if sys.platform == "darwin" else rss / 2**10, 1)
 
 
-def _reset_cuda_peak() -> None:
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.reset_peak_memory_stats()
+def _reset_cuda_peak(devices: Iterable[torch.device]) -> None:
+    for device in devices:
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def _cuda_peak_mb(devices: tuple[torch.device, ...]) -> float | None:
+    """Peak CUDA memory allocated since :func:`_reset_cuda_peak`, summed over the models' devices
+    (``None`` on the CPU)."""
+    if not devices:
+        return None
+    return round(sum(torch.cuda.max_memory_allocated(device) for device in devices) / 2**20, 1)
 
 
 # -- environment --------------------------------------------------------------------------------
@@ -226,7 +245,9 @@ def environment(models: Models) -> dict[str, Any]:
         "machine": platform.processor() or platform.machine(),
         "threads": torch.get_num_threads(),
         "dtype": str(getattr(target, "dtype", None) or "n/a").removeprefix("torch."),
-        "device": str(getattr(target, "device", None) or "cpu"),
+        "device": device_of(target),
+        "draft_device": None if models.draft is None else device_of(models.draft),
+        **({"gpu": ", ".join(dict.fromkeys(torch.cuda.get_device_name(d) for d in models.cuda_devices))} if models.cuda_devices else {}),
         "target": str(getattr(target, "name", None) or type(target).__name__),
         "git_revision": git_revision(),
     }

@@ -59,6 +59,7 @@ class Measurement:
     total_seconds: float
     timing: str
     notes: Mapping[str, Any] = attrs.field(factory=dict)
+    peak_cuda_mb: float | None = None  # filled in by the runner, which resets the peak before the run
 
     @property
     def timed_seconds(self) -> float:
@@ -101,7 +102,8 @@ class RecipeStack:
         draft = run.models.draft if self.recipe.needs_draft else None
         stack = run.registry.stack(self.recipe.name, target=run.models.target, draft=draft, sampling=run.sampling,
                                    stop_tokens=run.stop_tokens, seed=run.seed, **options)
-        result = stack.generate(list(run.prompt), run.max_new_tokens, seed=run.seed)
+        run.models.synchronize()  # building the stack queues cache allocations: not part of the timed prefill
+        result = stack.generate(list(run.prompt), run.max_new_tokens, seed=run.seed)  # synchronizes before each clock reading
         return Measurement(tokens=result.tokens, levels=result.levels, decode_seconds=result.seconds, prefill_seconds=result.prefill_seconds,
                            total_seconds=result.seconds + result.prefill_seconds, timing="decode")
 
@@ -163,19 +165,14 @@ def _sampling_kwargs(run: RunSetup) -> dict[str, Any]:
 def _timed_generate(module: torch.nn.Module, run: RunSetup, kwargs: dict[str, Any]) -> tuple[tuple[int, ...], float]:
     device = next(module.parameters()).device
     ids = torch.tensor([run.prompt], device=device)  # [1, T]
-    devices = [device] if device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices), torch.inference_mode():  # generate samples from the global RNG
+    with torch.random.fork_rng(devices=run.models.cuda_devices), torch.inference_mode():  # generate samples from the global RNG
         torch.manual_seed(run.seed)
+        run.models.synchronize()
         began = time.perf_counter()
         out = module.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)  # [1, T + new]
-        _synchronize(device)
+        run.models.synchronize()
         seconds = time.perf_counter() - began
     return tuple(out[0, len(run.prompt) :].tolist()), seconds
-
-
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _no_extra(models: Models, options: Mapping[str, Any]) -> dict:
