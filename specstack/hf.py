@@ -17,10 +17,12 @@ from typing import Iterator
 import attrs
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 from .attention import attention_weights
 from .errors import SpecstackError
 from .batch import TokenBatch
+from .graphs import ForwardGraphs, StaticView
 from .kvstore import KVStore
 from .types import Capability
 
@@ -38,6 +40,9 @@ def grouped_attention(module, query, key, value, attention_mask, scaling=None, d
     batch: TokenBatch | None = kwargs.get("specstack_batch")  # None when transformers drives the model (generate)
     _, hq, t, d = query.shape
     hkv, n = key.shape[1], key.shape[2]
+    view: StaticView | None = kwargs.get("specstack_view")
+    if view is not None:  # a graphed forward: the whole store under a mask computed on the device
+        return _folded_attention(query, key, value, view.visible, scaling), None
     if batch is None:  # new tokens at the end of the keys, each seeing the keys up to its own
         causal = torch.ones(t, n, dtype=torch.bool, device=query.device).tril(diagonal=n - t)  # [T, n]
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=causal, scale=scaling, enable_gqa=True)
@@ -46,14 +51,26 @@ def grouped_attention(module, query, key, value, attention_mask, scaling=None, d
         batch.queries.record(module.layer_idx, module.config.num_hidden_layers, query[0, :, batch.query_row])
     if batch.record_attention or batch.attend is not None:
         return _explicit_attention(module, query, key, value, batch, kwargs["specstack_store"], scaling), None
-    if t == n and batch.is_chain:  # a prefill with nothing cached: plain causal attention
-        out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=True)  # [1, Hq, T, D]
+    if batch.is_chain and (t == n or query.is_cuda):
+        # a prefill with nothing cached, or a chain on a GPU: causal attention aligned to the last key
+        # (bottom right), which SDPA runs in its flash kernel, grouped-query heads included
+        causal = causal_lower_right(t, n) if 1 < t < n else None  # t == n: plain is_causal, fast on the CPU too
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=causal, is_causal=1 < t == n, scale=scaling, enable_gqa=hq != hkv)  # [1, Hq, T, D]
         return out.transpose(1, 2), None
-    group = hq // hkv
-    q = query.reshape(1, hkv, group * t, d)  # [1, Hkv, G*T, D]
-    mask = batch.mask(n - t, group, query.device) if t > 1 else None  # [G*T, n]
+    # on the CPU, folding the GQA group into the query length reads each key once: faster than SDPA's
+    # grouped path there; a token tree needs its mask anyway
+    mask = batch.mask(n - t, hq // hkv, query.device) if t > 1 else None  # [G*T, n]
+    return _folded_attention(query, key, value, mask, scaling), None
+
+
+def _folded_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None, scaling) -> torch.Tensor:
+    """SDPA with the query heads of each KV group folded into the query length: query [1, Hq, T, D],
+    key/value [1, Hkv, n, D], mask [G*T, n] (row j*T + t: head j of the group, token t) -> [1, T, Hq, D]."""
+    _, hq, t, d = query.shape
+    hkv = key.shape[1]
+    q = query.reshape(1, hkv, hq // hkv * t, d)  # [1, Hkv, G*T, D]
     out = F.scaled_dot_product_attention(q, key, value, attn_mask=mask, scale=scaling)  # [1, Hkv, G*T, D]
-    return out.reshape(1, hq, t, d).transpose(1, 2), None  # [1, T, Hq, D]
+    return out.reshape(1, hq, t, d).transpose(1, 2)  # [1, T, Hq, D]
 
 
 def _explicit_attention(module, query, key, value, batch: TokenBatch, store: KVStore, scaling) -> torch.Tensor:
@@ -75,12 +92,17 @@ class StoreCache:
     """The transformers ``Cache`` surface over a :class:`KVStore`, for one forward pass: the model's
     attention layers hand it their new keys and values and get the level's view back."""
 
-    def __init__(self, store: KVStore) -> None:
+    def __init__(self, store: KVStore, view: StaticView | None = None) -> None:
         self.store = store
+        self.view = view  # a graphed forward: write at the view's device-side slots, read the whole store
 
     def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
-        """key/value [1, H, T, D] of one layer -> the layer's view [1, H, n+T, D]."""
-        keys, values = self.store.write(layer_idx, key[0], value[0])
+        """key/value [1, H, T, D] of one layer -> the layer's view [1, H, n+T, D] (the whole store [1, H, C, D]
+        in a graphed forward)."""
+        if self.view is not None:
+            keys, values = self.store.write_at(layer_idx, self.view.slots, key[0], value[0])
+        else:
+            keys, values = self.store.write(layer_idx, key[0], value[0])
         return keys[None], values[None]
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -123,8 +145,10 @@ class HFCausalLM:
     name: str = "model"
     capabilities: frozenset[Capability] = frozenset(
         {Capability.KEYS, Capability.QUERIES, Capability.ATTENTION_WEIGHTS, Capability.SPARSE_ATTENTION, Capability.TREE_ATTENTION})
+    cuda_graphs: bool = True  # replay short chain forwards over bounded stores as CUDA graphs (specstack.graphs)
     vocab_size: int = attrs.field(init=False)
     max_length: int = attrs.field(init=False)
+    graphs: ForwardGraphs = attrs.field(init=False)
 
     def __attrs_post_init__(self) -> None:
         config = self.module.config
@@ -135,6 +159,7 @@ class HFCausalLM:
         self.module.eval()
         self.vocab_size = config.vocab_size
         self.max_length = config.max_position_embeddings
+        self.graphs = ForwardGraphs(self._static_forward, config.num_attention_heads // config.num_key_value_heads)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -156,17 +181,30 @@ class HFCausalLM:
     @torch.inference_mode()
     def forward(self, batch: TokenBatch, cache: KVStore) -> torch.Tensor:
         cache.begin(batch.positions)
-        out = self.module(
-            input_ids=batch.tokens[None].to(self.device),  # [1, T]
-            position_ids=cache.rope_positions(batch.positions)[None].to(self.device),  # [1, T]
-            past_key_values=StoreCache(cache),
-            use_cache=True,
-            logits_to_keep=max(batch.num_logits, 1),
-            specstack_batch=batch,
-            specstack_store=cache,
-        )
+        rope = cache.rope_positions(batch.positions)  # [T]
+        if self.cuda_graphs and ForwardGraphs.applies(batch, cache):
+            logits = self.graphs.forward(batch, cache, rope)  # [num_logits, V]
+        else:
+            out = self.module(
+                input_ids=batch.tokens[None].to(self.device),  # [1, T]
+                position_ids=rope[None].to(self.device),  # [1, T]
+                past_key_values=StoreCache(cache),
+                use_cache=True,
+                logits_to_keep=max(batch.num_logits, 1),
+                specstack_batch=batch,
+                specstack_store=cache,
+            )
+            logits = out.logits[0, out.logits.shape[1] - batch.num_logits :].float()  # [num_logits, V]
         cache.commit()
-        return out.logits[0, out.logits.shape[1] - batch.num_logits :].float()  # [num_logits, V]
+        return logits
+
+    def _static_forward(self, store: KVStore, tokens: torch.Tensor, rope: torch.Tensor, view: StaticView, num_logits: int) -> torch.Tensor:
+        """The forward a CUDA graph captures: static device inputs, the store seen through ``view``."""
+        out = self.module(
+            input_ids=tokens, position_ids=rope, past_key_values=StoreCache(store, view), use_cache=True,  # [1, T] each
+            logits_to_keep=num_logits, specstack_view=view, specstack_store=store,
+        )
+        return out.logits[0].float()  # [num_logits, V]
 
     @torch.inference_mode()
     def _rerotate(self, keys: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,101 @@
+"""The speedup a speculation stack should reach, predicted from forward costs and acceptance rates.
+
+This is the one place that figure is computed. Speculative decoding (Leviathan et al., 2023, Eq. 1):
+with per-token acceptance α and a chain of γ drafted tokens, a round emits on average
+
+    E(α, γ) = (1 − α^(γ+1)) / (1 − α)        (γ + 1 when α = 1)
+
+tokens. A verifying level whose drafter costs t_d per drafted token and whose own forward of the
+γ+1 tokens costs c_v therefore emits a token every
+
+    t = (γ · t_d + c_v) / E(α, γ).
+
+A verifying level is itself a drafter for the level above, so the formula stacks: t_0 is the draft
+model's single-token forward, t_i = (γ_i · t_(i−1) + c_i) / E(α_i, γ_i), and the predicted speedup
+is c_ar / t_n, with c_ar the target's single-token forward over its full cache (autoregressive
+decoding). For TriForce (Sun et al., 2024) that is L0 the draft, L1 the target over the retrieval
+view (acceptance β of the draft, γ1), L2 the target over the full cache (acceptance α of L1, γ2).
+"""
+
+from __future__ import annotations
+
+import math
+
+import attrs
+
+from .errors import SpecstackError
+
+
+def _acceptance(instance, attribute, value: float) -> None:
+    if not (isinstance(value, (int, float)) and 0 <= value <= 1):
+        raise SpecstackError(f"{attribute.name} {value!r} is not allowed; use a rate in [0, 1]")
+
+
+def _gamma(instance, attribute, value: int) -> None:
+    if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+        raise SpecstackError(f"{attribute.name} {value!r} is not allowed; use an integer >= 1")
+
+
+def _cost(instance, attribute, value: float) -> None:
+    if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+        raise SpecstackError(f"{attribute.name} {value!r} is not allowed; use a finite cost > 0")
+
+
+def expected_emitted(acceptance: float, gamma: int) -> float:
+    """E(α, γ) = (1 − α^(γ+1)) / (1 − α): tokens one round emits (accepted + the recovered or bonus one)."""
+    if acceptance == 1:
+        return gamma + 1.0
+    return (1 - acceptance ** (gamma + 1)) / (1 - acceptance)
+
+
+@attrs.frozen(kw_only=True)
+class LevelCost:
+    """One verifying level: the acceptance of its drafter's tokens, γ, and its forward of γ+1 tokens."""
+
+    acceptance: float = attrs.field(validator=_acceptance)
+    gamma: int = attrs.field(validator=_gamma)
+    verify_cost: float = attrs.field(validator=_cost)  # c_v, seconds (or any unit, used consistently)
+
+    def time_per_token(self, draft_cost: float) -> float:
+        """t = (γ · t_d + c_v) / E(α, γ), with t_d the drafter's time per drafted token."""
+        return (self.gamma * draft_cost + self.verify_cost) / expected_emitted(self.acceptance, self.gamma)
+
+
+@attrs.frozen(kw_only=True)
+class StackCost:
+    """A stack's costs: the draft's token, each verifying level bottom first, the autoregressive token."""
+
+    draft_cost: float = attrs.field(validator=_cost)  # t_0
+    levels: tuple[LevelCost, ...] = attrs.field(converter=tuple)
+    autoregressive_cost: float = attrs.field(validator=_cost)  # c_ar
+
+    @levels.validator
+    def _levels(self, attribute, value: tuple[LevelCost, ...]) -> None:
+        if not value or not all(isinstance(level, LevelCost) for level in value):
+            raise SpecstackError(f"levels {value!r} is not allowed; give at least one LevelCost, bottom first")
+
+    def time_per_token(self) -> float:
+        """t_n: the top level's time per emitted token."""
+        t = self.draft_cost
+        for level in self.levels:
+            t = level.time_per_token(t)
+        return t
+
+    @property
+    def speedup(self) -> float:
+        """c_ar / t_n: predicted speedup over autoregressive decoding with the full cache."""
+        return self.autoregressive_cost / self.time_per_token()
+
+
+def triforce(*, c_ar: float, c2: float, c1: float, t0: float,
+             alpha: float = 0.9, beta: float = 0.8, gamma1: int = 2, gamma2: int = 6) -> StackCost:
+    """TriForce's three levels. Defaults: the paper's γ1 = 2, γ2 = 6 and acceptance rates of its
+    Llama-2-7B-128K / JackFram/llama-68m setup (β = 0.8 draft → retrieval, α = 0.9 retrieval → full).
+
+    ``t0`` draft forward of 1 token; ``c1`` target over the retrieval view, γ1+1 tokens; ``c2`` target
+    over the full cache, γ2+1 tokens; ``c_ar`` target over the full cache, 1 token."""
+    return StackCost(
+        draft_cost=t0,
+        levels=(LevelCost(acceptance=beta, gamma=gamma1, verify_cost=c1), LevelCost(acceptance=alpha, gamma=gamma2, verify_cost=c2)),
+        autoregressive_cost=c_ar,
+    )

@@ -1,0 +1,84 @@
+"""The predicted speedup (specstack.speedup) and the speed check that reports it (specstack.gpu_check)."""
+
+from __future__ import annotations
+
+import math
+import re
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from specstack import SpecstackError
+from specstack.speedup import LevelCost, StackCost, expected_emitted, triforce
+
+
+def test_expected_emitted_by_hand() -> None:
+    assert expected_emitted(0.0, 5) == 1.0  # every draft rejected: only the recovered token
+    assert expected_emitted(1.0, 5) == 6.0  # every draft accepted, plus the bonus token
+    assert expected_emitted(0.5, 2) == pytest.approx(1 + 0.5 + 0.25)
+
+
+def test_no_acceptance_gives_no_emission_gain() -> None:
+    stack = StackCost(draft_cost=1.0, levels=[LevelCost(acceptance=0.0, gamma=4, verify_cost=10.0)], autoregressive_cost=10.0)
+    assert stack.time_per_token() == pytest.approx(4 * 1.0 + 10.0)  # a round costs γ drafts + a verify, emits one
+    assert stack.speedup == pytest.approx(10 / 14)
+
+
+def test_full_acceptance_and_free_drafts_give_gamma_plus_one() -> None:
+    stack = StackCost(draft_cost=1e-12, levels=[LevelCost(acceptance=1.0, gamma=6, verify_cost=12.0)], autoregressive_cost=10.0)
+    assert stack.speedup == pytest.approx((6 + 1) * 10.0 / 12.0)
+
+
+def test_triforce_by_hand() -> None:
+    # E(0.8, 2) = 1 + 0.8 + 0.64 = 2.44; t1 = (2·1 + 10) / 2.44 = 4.918033
+    # E(0.9, 6) = 1 + 0.9 + … + 0.9^6 = 5.217031; t2 = (6·t1 + 30) / 5.217031 = 11.406525; 25 / t2 = 2.191728
+    stack = triforce(c_ar=25.0, c2=30.0, c1=10.0, t0=1.0, alpha=0.9, beta=0.8, gamma1=2, gamma2=6)
+    assert stack.levels[0].time_per_token(1.0) == pytest.approx(4.918033, rel=1e-6)
+    assert stack.time_per_token() == pytest.approx(11.406525, rel=1e-6)
+    assert stack.speedup == pytest.approx(2.191728, rel=1e-6)
+
+
+@given(st.floats(0, 1), st.floats(0, 1), st.integers(1, 12))
+def test_more_acceptance_never_predicts_less(a: float, b: float, gamma: int) -> None:
+    low, high = sorted((a, b))
+    assert 1 <= expected_emitted(low, gamma) <= expected_emitted(high, gamma) * (1 + 1e-12) <= (gamma + 1) * (1 + 1e-12)
+    s = [triforce(c_ar=20.0, c2=25.0, c1=6.0, t0=0.5, alpha=x, beta=x, gamma1=gamma, gamma2=gamma).speedup for x in (low, high)]
+    assert s[0] <= s[1] * (1 + 1e-12)
+
+
+@pytest.mark.parametrize("bad", [dict(acceptance=1.5), dict(acceptance=-0.1), dict(gamma=0), dict(gamma=True), dict(gamma=2.0),
+                                 dict(verify_cost=0.0), dict(verify_cost=-1.0), dict(verify_cost=math.nan), dict(verify_cost=math.inf)])
+def test_bad_level_costs_are_refused(bad: dict) -> None:
+    with pytest.raises(SpecstackError, match="is not allowed"):
+        LevelCost(**{**dict(acceptance=0.5, gamma=2, verify_cost=1.0), **bad})
+
+
+def test_a_stack_needs_levels() -> None:
+    with pytest.raises(SpecstackError, match="at least one LevelCost"):
+        StackCost(draft_cost=1.0, levels=(), autoregressive_cost=1.0)
+
+
+def test_gpu_check_tiny_writes_a_table_with_a_finite_prediction(tmp_path, capsys) -> None:
+    from specstack.gpu_check import main
+
+    out = tmp_path / "gpu.md"
+    assert main(["--tiny", "--out", str(out)]) == 0
+    text = out.read_text()
+    assert text.startswith("## GPU check, ") and "torch " in text and "transformers " in text
+    rows = [line for line in text.splitlines() if re.match(r"\| (256|512) \|", line)]
+    assert len(rows) == 2 and not any("does not fit" in line for line in rows)
+    predicted = [float(line.split("|")[-3].strip().rstrip("×")) for line in rows]
+    assert all(math.isfinite(p) and p > 0 for p in predicted)
+    assert capsys.readouterr().out.strip().splitlines()[-1] == rows[-1]  # the table is printed last
+
+
+def test_the_report_summarises_a_verbose_pytest_log_even_when_cut_short(tmp_path) -> None:
+    from specstack.gpu_check import tests_summary
+
+    log = tmp_path / "gpu-tests.log"
+    log.write_text("[gw0] [ 10%] PASSED tests/test_cuda.py::test_a[cuda]\n[gw1] [ 20%] FAILED tests/test_greedy.py::test_b\n")
+    cut = tests_summary(log)
+    assert "1 passed, 1 failed, then the time cap stopped pytest" in cut and "- FAILED tests/test_greedy.py::test_b" in cut
+    log.write_text(log.read_text() + "==== 1 failed, 1 passed in 3.0s ====\n")
+    assert "1 passed, 1 failed." in tests_summary(log)
