@@ -82,7 +82,6 @@ class ForwardGraphs:
     _pool: object = None
     _graphs: weakref.WeakKeyDictionary = attrs.field(init=False, factory=weakref.WeakKeyDictionary)
     replays: int = 0
-    captures: int = 0
 
     @staticmethod
     def applies(batch: TokenBatch, store: KVStore) -> bool:
@@ -97,7 +96,6 @@ class ForwardGraphs:
         shape = (len(batch), batch.num_logits)
         if shape not in shapes:
             shapes[shape] = self._capture(store, *shape)
-            self.captures += 1
         self.replays += 1
         return shapes[shape].replay(batch, rope, store.length)
 

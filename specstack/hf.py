@@ -185,26 +185,21 @@ class HFCausalLM:
         if self.cuda_graphs and ForwardGraphs.applies(batch, cache):
             logits = self.graphs.forward(batch, cache, rope)  # [num_logits, V]
         else:
-            out = self.module(
-                input_ids=batch.tokens[None].to(self.device),  # [1, T]
-                position_ids=rope[None].to(self.device),  # [1, T]
-                past_key_values=StoreCache(cache),
-                use_cache=True,
-                logits_to_keep=max(batch.num_logits, 1),
-                specstack_batch=batch,
-                specstack_store=cache,
-            )
-            logits = out.logits[0, out.logits.shape[1] - batch.num_logits :].float()  # [num_logits, V]
+            tokens, rope = batch.tokens[None].to(self.device), rope[None].to(self.device)  # [1, T] each
+            logits = self._run(tokens, rope, StoreCache(cache), batch.num_logits, specstack_batch=batch, specstack_store=cache)
         cache.commit()
         return logits
 
     def _static_forward(self, store: KVStore, tokens: torch.Tensor, rope: torch.Tensor, view: StaticView, num_logits: int) -> torch.Tensor:
         """The forward a CUDA graph captures: static device inputs, the store seen through ``view``."""
-        out = self.module(
-            input_ids=tokens, position_ids=rope, past_key_values=StoreCache(store, view), use_cache=True,  # [1, T] each
-            logits_to_keep=num_logits, specstack_view=view, specstack_store=store,
-        )
-        return out.logits[0].float()  # [num_logits, V]
+        return self._run(tokens, rope, StoreCache(store, view), num_logits, specstack_view=view, specstack_store=store)
+
+    def _run(self, tokens: torch.Tensor, rope: torch.Tensor, cache: StoreCache, num_logits: int, **attention) -> torch.Tensor:
+        """The module over tokens and rotary positions [1, T] -> the logits of the last ``num_logits`` [num_logits, V]
+        (transformers reads ``logits_to_keep=0`` as all of them, so at least one is computed)."""
+        out = self.module(input_ids=tokens, position_ids=rope, past_key_values=cache, use_cache=True,
+                          logits_to_keep=max(num_logits, 1), **attention)
+        return out.logits[0, out.logits.shape[1] - num_logits :].float()  # [num_logits, V]
 
     @torch.inference_mode()
     def _rerotate(self, keys: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:

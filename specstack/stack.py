@@ -189,9 +189,6 @@ class SpeculationStack:
         generators = Generators(seed)
         stops = frozenset(stop_tokens)
         lms = _cached_models(levels)
-        for lm in lms:  # every model level draws on its own device
-            if lm is not None:
-                generators.on(lm.device)
         drafter = levels[0].drafter or levels[0].model_drafter(lm=lms[0], sampling=sampling, generator=generators.on(lms[0].device), stop_tokens=stops)
         for index, (level, lm) in enumerate(zip(levels[1:], lms[1:]), start=1):
             chosen = level.verifier or verifier or default_verifier(drafter.draft_kind, sampling)

@@ -96,7 +96,7 @@ class Draft:
     def to(self, device: torch.device | str) -> "Draft":
         """This draft on ``device`` (itself if it is there): the verifying level moves a draft made on
         another device to its own."""
-        if self.probs.device == torch.device(device):
+        if self.device == torch.device(device):
             return self
         parents = None if self.parents is None else self.parents.to(device)
         return Draft(tokens=self.tokens.to(device), probs=self.probs.to(device), parents=parents, kind=self.kind)

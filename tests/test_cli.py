@@ -56,23 +56,23 @@ def run_cli(capsys, tmp_path, command: str, *flags: str) -> tuple[int, str]:
     return code, captured.err
 
 
+def assert_one_line_error(code: int, err: str, message: str) -> None:
+    assert code == 2
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert message in err
+
+
 @pytest.mark.parametrize("command", COMMANDS)
 @pytest.mark.parametrize("flag", ["--device", "--draft-device"])
 def test_a_misspelled_device_exits_2_with_one_line(capsys, tmp_path, command, flag) -> None:
-    code, err = run_cli(capsys, tmp_path, command, flag, "gpu0")
-    assert code == 2
-    assert err.count("\n") == 1 and "Traceback" not in err
-    assert "device 'gpu0' is not allowed; use cpu, cuda or cuda:N" in err
+    assert_one_line_error(*run_cli(capsys, tmp_path, command, flag, "gpu0"), "device 'gpu0' is not allowed; use cpu, cuda or cuda:N")
 
 
 @NO_CUDA
 @pytest.mark.parametrize("command", COMMANDS)
 @pytest.mark.parametrize("flag", ["--device", "--draft-device"])
 def test_cuda_on_a_machine_without_it_exits_2_with_one_line(capsys, tmp_path, command, flag) -> None:
-    code, err = run_cli(capsys, tmp_path, command, flag, "cuda")
-    assert code == 2
-    assert err.count("\n") == 1 and "Traceback" not in err
-    assert "device 'cuda' is not available: torch.cuda.is_available() is False on this machine" in err
+    assert_one_line_error(*run_cli(capsys, tmp_path, command, flag, "cuda"), "device 'cuda' is not available: torch.cuda.is_available() is False on this machine")
 
 
 @pytest.fixture

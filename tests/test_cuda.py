@@ -13,6 +13,8 @@ import torch
 from specstack import Level, Retrieval, SpeculationStack, StreamingLLM
 from specstack.graphs import ForwardGraphs, chain_view
 from specstack.hf import transformers_attention
+from specstack.model import CachedModel
+from specstack.types import LevelStats
 from specstack.testing.llama import perturbed, random_llama, shipped_draft_as_target
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -119,8 +121,6 @@ def test_what_a_graph_captures_equals_the_eager_forward_on_the_cpu(llamas, relat
     """The computation a CUDA graph records (writes at device-side slots, attention over the whole
     store under the device-built mask), run uncaptured on the CPU, gives the eager forward's logits."""
     from specstack.batch import TokenBatch
-    from specstack.model import CachedModel
-    from specstack.types import LevelStats
 
     target, _ = llamas
     target.module.to("cpu")
@@ -136,3 +136,16 @@ def test_what_a_graph_captures_equals_the_eager_forward_on_the_cpu(llamas, relat
     with torch.inference_mode():
         static = target._static_forward(store, batch.tokens[None], rope[None], view, 3)  # [3, V]
     torch.testing.assert_close(static, eager, rtol=1e-4, atol=1e-4)
+
+
+def test_a_graphed_forward_that_wants_no_logits_returns_none(llamas) -> None:
+    """A prompt chunk may want no logits; transformers reads logits_to_keep=0 as "all of them"."""
+    target, _ = llamas
+    target.module.to("cpu")
+    lm = CachedModel(target, StreamingLLM(sinks=4, window=60), LevelStats(name="view"))
+    lm.logits(_prompt(20, target.vocab_size, seed=9), 1)
+    store = lm.cache
+    view = chain_view(torch.tensor([store.length]), torch.arange(2), torch.arange(store.capacity), target.graphs.group)
+    with torch.inference_mode():
+        logits = target._static_forward(store, torch.tensor([[5, 6]]), torch.tensor([[20, 21]]), view, 0)
+    assert logits.shape == (0, target.vocab_size)
