@@ -5,7 +5,7 @@ from __future__ import annotations
 from .drafters import PromptLookupDrafter
 from .hookspecs import hookimpl
 from .policies import FullCache, StreamingLLM
-from .retrieval import Retrieval
+from .retrieval import AUTO, Retrieval
 from .recipes import StackRecipe
 from .stack import Level
 from .verify import GreedyVerifier, SequoiaVerifier, SpecInferVerifier, SpeculativeSamplingVerifier, TokenTreeVerifier
@@ -50,40 +50,47 @@ def _view(target, policy, gamma: int | None = None) -> Level:
 
 
 # TriForce and its ablations (Sun et al., 2024). Defaults: the paper's γ1 = 2, γ2 = 6, chunks of 8,
-# a 16-sink + 256-token StreamingLLM draft cache; the retrieval budget is scaled from 4K of a 120K
-# context to the ~8K window of the embedded default.
+# a 16-sink + 256-token StreamingLLM draft cache; the retrieval budget is "auto", scaled with the
+# context at every gather (about 1/16 of it: 512 at the 8K window of the embedded default, as the
+# paper gathers 4K of 120K), so that the default stack fits any prompt length.
 
 
 def _streaming_draft(draft, sinks: int, draft_window: int) -> Level:
     return Level(model=draft, policy=StreamingLLM(sinks=sinks, window=draft_window), name="draft+streaming")
 
 
-def _triforce(registry, *, target, draft, gamma1: int = 2, gamma2: int = 6, budget: int = 512, chunk_size: int = 8,
+def _triforce(registry, *, target, draft, gamma1: int = 2, gamma2: int = 6, budget: int | str = AUTO, chunk_size: int = 8,
               stride: int = 64, draft_window: int = 256, sinks: int = 16) -> list[Level]:
     retrieval = Retrieval(budget=budget, chunk_size=chunk_size, stride=stride)
     return [_streaming_draft(draft, sinks, draft_window), _view(target, retrieval, gamma1), _full(target, gamma2)]
 
 
-def _triforce_lookup(registry, *, target, gamma1: int = 4, gamma2: int = 6, budget: int = 512, chunk_size: int = 8,
+def _triforce_lookup(registry, *, target, gamma1: int = 4, gamma2: int = 6, budget: int | str = AUTO, chunk_size: int = 8,
                      stride: int = 64, max_ngram: int = 3) -> list[Level]:
     lookup = registry.drafter("prompt-lookup", vocab=target.vocab_size, max_ngram=max_ngram)
     retrieval = Retrieval(budget=budget, chunk_size=chunk_size, stride=stride)
     return [Level(drafter=lookup), _view(target, retrieval, gamma1), _full(target, gamma2)]
 
 
-def _retrieval_flat(registry, *, target, gamma: int = 6, budget: int = 512, chunk_size: int = 8, stride: int = 64,
+def _retrieval_flat(registry, *, target, gamma: int = 6, budget: int | str = AUTO, chunk_size: int = 8, stride: int = 64,
                     refresh_below: float = 0.0) -> list[Level]:
     retrieval = Retrieval(budget=budget, chunk_size=chunk_size, stride=stride, refresh_below=refresh_below)
     return [_view(target, retrieval), _full(target, gamma)]
 
 
-def _self_speculative(registry, *, target, policy: str = "retrieval", budget: int = 512, gamma: int = 6) -> list[Level]:
-    return [_view(target, registry.cache_policy(policy, budget=budget)), _full(target, gamma)]
+def _named_policy(registry, name: str, budget: int | str):
+    """A registered cache policy by name; budget "auto" leaves the budget to the policy's own default:
+    "auto" again for retrieval (scaled with the context), a fixed size for the others."""
+    return registry.cache_policy(name) if budget == AUTO else registry.cache_policy(name, budget=budget)
 
 
-def _hierarchical(registry, *, target, draft, policy: str = "retrieval", budget: int = 512, gamma1: int = 2, gamma2: int = 6,
+def _self_speculative(registry, *, target, policy: str = "retrieval", budget: int | str = AUTO, gamma: int = 6) -> list[Level]:
+    return [_view(target, _named_policy(registry, policy, budget)), _full(target, gamma)]
+
+
+def _hierarchical(registry, *, target, draft, policy: str = "retrieval", budget: int | str = AUTO, gamma1: int = 2, gamma2: int = 6,
                   draft_window: int = 256, sinks: int = 16) -> list[Level]:
-    middle = _view(target, registry.cache_policy(policy, budget=budget), gamma1)
+    middle = _view(target, _named_policy(registry, policy, budget), gamma1)
     return [_streaming_draft(draft, sinks, draft_window), middle, _full(target, gamma2)]
 
 

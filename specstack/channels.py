@@ -3,7 +3,8 @@
 A gathering cache policy (TriForce's retrieval, the Top-K oracle) builds its level's view out of the
 full KV cache of the same model one level up. What it may read of that level is exactly this:
 
-* the committed keys (``gather`` scores them),
+* the committed keys (``gather`` scores them), or the mean key of each of their chunks, kept
+  running as the cache grows (:class:`ChunkMeans`; a policy that scores chunks, :class:`ScoresChunks`),
 * the query of the last committed token of each layer (retrieval scores chunks with it),
 * a copy of chosen entries into its own store.
 
@@ -13,13 +14,16 @@ full KV cache of the same model one level up. What it may read of that level is 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Protocol, Sequence, runtime_checkable
 
 import attrs
 import torch
 
 if TYPE_CHECKING:
     from .model import CachedModel, KVCache
+    from .policies import GatheringPolicy
+
+MEAN_BLOCK = 1 << 22  # key elements turned into float32 at once when chunk means are computed (16 MiB)
 
 
 @attrs.define(eq=False)
@@ -34,16 +38,91 @@ class QueryLog:
         self.queries[layer] = query
 
 
+@runtime_checkable
+class ScoresChunks(Protocol):
+    """A gathering policy that reads the committed keys only through the mean key of each chunk of
+    ``chunk_size`` positions (TriForce's retrieval): the channel keeps those means running."""
+
+    chunk_size: int
+
+    def gather_chunks(self, means: torch.Tensor, queries: torch.Tensor, context: int) -> torch.Tensor:
+        """Slots to gather ([L, H, K] or [K]) from the chunk means [L, H, context // chunk_size, D] and
+        the last query of each layer [L, Hq, D]."""
+
+
+def chunk_means(keys: torch.Tensor, chunk_size: int) -> torch.Tensor:
+    """[L, H, n, D] keys -> [L, H, n // chunk_size, D] float32: the mean key of each complete chunk."""
+    layers, heads, length, dim = keys.shape
+    chunks = length // chunk_size
+    means = torch.empty(layers, heads, chunks, dim, dtype=torch.float32, device=keys.device)  # [L, H, C, D]
+    _mean_into(means, keys[:, :, : chunks * chunk_size], chunk_size)
+    return means
+
+
+def _mean_into(out: torch.Tensor, keys: torch.Tensor, chunk_size: int) -> None:
+    """Write the chunk means of ``keys`` [L, H, c*S, D] into ``out`` [L, H, c, D], a few layers at a time
+    so that the float32 copy stays small (each mean is the same sum however the layers are split)."""
+    layers, heads, length, dim = keys.shape
+    step = max(1, MEAN_BLOCK // max(1, heads * length * dim))
+    for first in range(0, layers, step):
+        block = keys[first : first + step]  # [l, H, c*S, D]
+        chunks = block.reshape(block.shape[0], heads, length // chunk_size, chunk_size, dim)  # [l, H, c, S, D]
+        out[first : first + step] = chunks.float().mean(3)  # [l, H, c, D]
+
+
+@attrs.define(eq=False)
+class ChunkMeans:
+    """The mean key of each complete chunk of a full cache's leading positions, kept as it grows:
+    ``update`` computes only the chunks not yet known or written since the last call.
+
+    ``room`` bounds the chunks ever held (the full cache's capacity over ``chunk_size``); the buffer
+    grows by doubling up to it. ``computed`` counts chunks computed since creation."""
+
+    chunk_size: int
+    room: int
+    means: torch.Tensor | None = attrs.field(init=False, default=None)  # [L, H, allocated, D] float32
+    known: int = attrs.field(init=False, default=0)  # leading chunks whose means are current
+    computed: int = attrs.field(init=False, default=0)
+
+    def update(self, keys: torch.Tensor, unchanged: int) -> torch.Tensor:
+        """The means [L, H, h // S, D] of ``keys`` [L, H, h, D], whose first ``unchanged`` positions are
+        the same as at the last call."""
+        total = keys.shape[2] // self.chunk_size
+        self._make_room(keys, total)
+        valid = max(0, min(self.known, unchanged // self.chunk_size))
+        if total > valid:
+            _mean_into(self.means[:, :, valid:total], keys[:, :, valid * self.chunk_size : total * self.chunk_size], self.chunk_size)
+            self.computed += total - valid
+        self.known = max(valid, total)
+        return self.means[:, :, :total]  # [L, H, C, D]
+
+    def _make_room(self, keys: torch.Tensor, total: int) -> None:
+        layers, heads, _, dim = keys.shape
+        means = self.means
+        if means is not None and (means.shape[:2], means.shape[3], means.device) != ((layers, heads), dim, keys.device):
+            means, self.known = None, 0  # another cache's shape: start over
+        if means is not None and means.shape[2] >= total:
+            return
+        size = max(total, min(self.room, 2 * (means.shape[2] if means is not None else 0)))
+        self.means = torch.empty(layers, heads, size, dim, dtype=torch.float32, device=keys.device)  # [L, H, size, D]
+        if means is not None:
+            self.means[:, :, : self.known] = means[:, :, : self.known]
+
+
 @attrs.define(eq=False)
 class FullCacheChannel:
     """What a gathering level reads of the full-cache level of the same model above it."""
 
     _source: "CachedModel"
     queries: QueryLog
+    _means: ChunkMeans | None = attrs.field(init=False, default=None)
+    _writes: int = attrs.field(init=False, default=0)  # the source's forward_tokens when the means were last brought up to date
 
     def horizon(self, context: Sequence[int]) -> int:
         """How many leading ``context`` tokens the full cache holds, after letting it catch up when it
-        lags by more than one token (e.g. at the prompt)."""
+        lags by more than one token (e.g. at the prompt). An empty context has nothing to hold."""
+        if len(context) == 0:
+            return 0
         horizon = self._source.fed_prefix(context)
         if horizon < len(context) - 1 or horizon == 0:
             self._source.logits(context, 1)
@@ -53,6 +132,25 @@ class FullCacheChannel:
     def keys(self, horizon: int) -> torch.Tensor:
         """[L, H, horizon, D] the committed keys."""
         return self._source.cache.keys_before(horizon)
+
+    def chunk_means(self, chunk_size: int, horizon: int) -> torch.Tensor:
+        """[L, H, horizon // chunk_size, D] float32: the mean committed key of each complete chunk below
+        ``horizon``. Only chunks not computed before, or written since, are computed: every write to the
+        full cache is a forward pass of its level, which counts the tokens it writes, so after W tokens
+        written into a cache now n long, its first n - W slots are untouched."""
+        writes = self._source.stats.forward_tokens
+        unchanged = len(self._source.cache) - (writes - self._writes) if writes >= self._writes else 0
+        if self._means is None or self._means.chunk_size != chunk_size:
+            self._means = ChunkMeans(chunk_size=chunk_size, room=self._source.capacity // chunk_size)
+        self._writes = writes
+        return self._means.update(self.keys(horizon), unchanged)  # [L, H, C, D]
+
+    def gather(self, policy: "GatheringPolicy", horizon: int) -> torch.Tensor:
+        """The slots ``policy`` gathers below ``horizon``: a :class:`ScoresChunks` policy scores the
+        running chunk means, any other gathering policy the committed keys."""
+        if isinstance(policy, ScoresChunks):
+            return policy.gather_chunks(self.chunk_means(policy.chunk_size, horizon), self.queries.queries, horizon)
+        return policy.gather(self.keys(horizon), self.queries.queries)
 
     def copy_into(self, store: "KVCache", slots: torch.Tensor, horizon: int) -> None:
         """Fill ``store`` with the full cache's entries at ``slots`` ([K] or [L, H, K])."""

@@ -9,6 +9,7 @@ import sys
 from typing import Sequence
 
 from .bench.cli import add_bench_parser
+from .bench.floor import add_floor_parser
 from .errors import SpecstackError
 from .registry import Kind, Registry
 
@@ -54,13 +55,18 @@ def _parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
     generate.add_argument("--json", action="store_true", help="print a JSON record instead of the text")
     generate.set_defaults(run=_generate)
 
-    demo = commands.add_parser("demo", help="TriForce vs autoregressive decoding on the embedded default, one process")
-    demo.add_argument("--prompt-tokens", type=int, default=7000)
+    demo = commands.add_parser("demo", help="TriForce and the fastest stack vs autoregressive decoding on the embedded default, one process")
+    demo.add_argument("--prompt-tokens", type=int, default=7000, help="tokens of Pride and Prejudice before the summary request")
+    demo.add_argument("--prompt-file", help="use this file's text as the prompt instead ('-' for stdin)")
+    demo.add_argument("--stacks", nargs="+", default=["triforce", "triforce-lookup"], metavar="NAME", help="stacks to compare (default: triforce triforce-lookup)")
+    demo.add_argument("--no-tune", dest="tune", action="store_false", help="keep each stack's default γ instead of tuning it (gamma=auto)")
+    demo.add_argument("--json", action="store_true", help="print one JSON record instead of the table")
     demo.add_argument("--synthetic", action="store_true", help="use synthetic models (no weights needed)")
-    _add_stack_options(demo, default_stack="triforce", max_new_tokens=128)
+    _add_stack_options(demo, default_stack=None, max_new_tokens=128)
     demo.set_defaults(run=_demo)
 
     add_bench_parser(commands)
+    add_floor_parser(commands)
 
     commands.add_parser("distill", help="train a small draft model on the target's outputs (see `specstack distill --help`)")
     if not argv or argv[0] not in commands.choices:  # a built-in command needs no plugins loaded
@@ -85,8 +91,9 @@ def _add_plugin_commands(commands) -> None:
         parser.set_defaults(run=command.run)
 
 
-def _add_stack_options(parser: argparse.ArgumentParser, *, default_stack: str, max_new_tokens: int = 64) -> None:
-    parser.add_argument("--stack", default=default_stack, help="a registered stack recipe (see `specstack plugins`)")
+def _add_stack_options(parser: argparse.ArgumentParser, *, default_stack: str | None, max_new_tokens: int = 64) -> None:
+    if default_stack is not None:  # the demo compares several (--stacks)
+        parser.add_argument("--stack", default=default_stack, help="a registered stack recipe (see `specstack plugins`)")
     parser.add_argument("-o", "--option", action="append", default=[], metavar="KEY=VALUE", help="a stack option, e.g. -o budget=1024")
     parser.add_argument("--target", help="target model: a transformers directory or .gguf file (default: embedded SmolLM2-135M)")
     parser.add_argument("--draft", help="draft model for stacks that need one (default: the shipped distilled draft)")
@@ -126,10 +133,15 @@ def _prepare(args: argparse.Namespace) -> int:
 def _generate(args: argparse.Namespace) -> int:
     from . import run
 
+    from .autotune import auto_options, tune
+
     session = run.Session.open(args)
     prompt = session.prompt_tokens(prompt=args.prompt, prompt_file=args.prompt_file, book=args.book, length=args.prompt_tokens)
-    stack = session.stack(args.stack, args.option)
-    result = stack.generate(prompt, args.max_new_tokens, progress=run.progress_printer("decoding"))
+    options, auto = auto_options(args.option)
+    stack = session.stack(args.stack, options)
+    if auto:
+        run.status(tune(stack, prompt, seed=args.seed).describe())
+    result = stack.generate(prompt, args.max_new_tokens, progress=run.progress_printer("decoding"), reuse_cache=auto)
     text = session.tokenizer.decode(list(result.tokens))
     if args.json:
         print(json.dumps({"stack": args.stack, "device": str(session.target.device), "text": text, **result.as_dict()}))

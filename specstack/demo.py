@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+
+import attrs
 import torch
 
 from .registry import Registry
@@ -35,28 +38,103 @@ def synthetic_demo(*, max_new_tokens: int, seed: int, device: str = "cpu", draft
     print(f"  output identical to autoregressive greedy: {result.tokens == reference.tokens}")
 
 
+TASK = "Summarize the passage above in a few sentences."
+
+
+@attrs.frozen(kw_only=True)
+class DemoRow:
+    """One stack's line of the demo: measured against autoregressive decoding in the same process."""
+
+    stack: str
+    speedup: float
+    ms_per_token: float
+    acceptance: dict[str, float]  # level name -> accepted / drafted tokens
+    tokens_per_target_forward: float
+    exactness: str
+    identical: bool | None  # greedy runs only
+    tuning: dict | None
+
+    def as_dict(self) -> dict:
+        return attrs.asdict(self)
+
+
+def task_prompt(tokenizer, *, book: str, length: int) -> list[int]:
+    """``length`` tokens of ``book`` followed by a request to summarise them, in the model's chat
+    format: a task the 135M model answers with readable prose instead of looping."""
+    from .data import book_tokens
+
+    passage = tokenizer.decode(book_tokens(tokenizer, length, name=book))
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": f"{passage}\n\n{TASK}"}], add_generation_prompt=True, tokenize=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
 def triforce_demo(args) -> int:
-    """The README's main job: a stack against autoregressive decoding on the embedded default,
-    same prompt, same process; prints the speedup, per-level acceptance and whether outputs match."""
-    from . import run
+    """The README's main job: each of ``args.stacks`` (TriForce and the fastest stack on this machine,
+    γ tuned by :mod:`specstack.autotune` unless ``--no-tune``) against autoregressive decoding on
+    the embedded default, same prompt, same process: speedup, acceptance per level, tokens per
+    target forward, and the exactness result."""
+    from . import autotune, run
 
     session = run.Session.open(args)
-    prompt = session.prompt_tokens(prompt=None, prompt_file=None, book="prideprejudice", length=args.prompt_tokens)
-    sampling = session.sampling
-    print(f"target {session.target.name}, prompt: Pride and Prejudice, {len(prompt)} tokens; {args.max_new_tokens} new tokens; "
-          f"temperature {sampling.temperature}, top_p {sampling.top_p}, top_k {sampling.top_k}; torch threads {torch.get_num_threads()}; "
-          f"device {session.target.device}")
-    baseline = session.stack("autoregressive", [])
-    ours = session.stack(args.stack, args.option)
-    reference = baseline.generate(prompt, args.max_new_tokens, seed=args.seed, progress=run.progress_printer("autoregressive"))
-    result = ours.generate(prompt, args.max_new_tokens, seed=args.seed, progress=run.progress_printer(args.stack))
-    print(f"autoregressive: {run.summary(reference)}")
-    print(f"{args.stack}: {run.summary(result)}")
-    speedup = reference.seconds / len(reference.tokens) / (result.seconds / len(result.tokens))
-    print(f"speedup over autoregressive decoding (decode time per token, same process): {speedup:.2f}x")
-    if sampling.greedy:
-        print(f"outputs identical token for token: {result.tokens == reference.tokens}")
+    if args.prompt_file is not None:
+        prompt, source = session.prompt_tokens(prompt=None, prompt_file=args.prompt_file, book=None, length=None), args.prompt_file
     else:
-        print("outputs sampled with the same seed differ by design; both follow the target's distribution")
-    print("text:", session.tokenizer.decode(list(result.tokens))[:400].replace("\n", " "))
+        prompt, source = task_prompt(session.tokenizer, book="prideprejudice", length=args.prompt_tokens), "Pride and Prejudice + a summary request"
+    sampling = session.sampling
+    run.status(f"prompt: {source}, {len(prompt)} tokens; {args.max_new_tokens} new tokens; temperature {sampling.temperature}; "
+               f"{session.dtype}; torch threads {torch.get_num_threads()}; device {session.target.device}")
+    options, auto = autotune.auto_options(args.option)
+    stacks = {name: session.stack(name, options) for name in args.stacks}  # bad names and options fail before any decoding
+    reference = session.stack("autoregressive", []).generate(prompt, args.max_new_tokens, seed=args.seed, progress=run.progress_printer("autoregressive"))
+    rows = [_demo_row(session, name, stack, args.tune or auto, args, prompt, reference) for name, stack in stacks.items()]
+    text = session.tokenizer.decode(list(reference.tokens))
+    if args.json:
+        print(json.dumps({"prompt": source, "prompt_tokens": len(prompt), "new_tokens": args.max_new_tokens, "dtype": str(session.dtype).removeprefix("torch."),
+                          "temperature": sampling.temperature, "device": str(session.target.device),
+                          "autoregressive_ms_per_token": 1e3 * reference.seconds / max(len(reference.tokens), 1),
+                          "stacks": [row.as_dict() for row in rows], "text": text}))
+        return 0
+    print(f"prompt: {source}, {len(prompt)} tokens; {len(reference.tokens)} new tokens; temperature {sampling.temperature}; {session.dtype}")
+    print(f"autoregressive: {1e3 * reference.seconds / max(len(reference.tokens), 1):.1f} ms/token")
+    for row in rows:
+        accept = ", ".join(f"{name} {rate:.2f}" for name, rate in row.acceptance.items())
+        gammas = f"; {row.tuning['description']}" if row.tuning else ""
+        print(f"{row.stack}: {row.speedup:.2f}x ({row.ms_per_token:.1f} ms/token), {row.tokens_per_target_forward:.2f} tokens per target forward; acceptance {accept}{gammas}")
+        print(f"  exactness: {row.exactness}")
+    print("text:", text[:600].replace("\n", " "))
     return 0
+
+
+def _demo_row(session, name: str, stack, tune: bool, args, prompt: list[int], reference) -> DemoRow:
+    from . import autotune, run
+    from .speedup import measured_speedup
+
+    tuning = None
+    if tune:
+        run.status(f"{name}: tuning γ (calibration run and forward timings)")
+        tuning = autotune.tune(stack, prompt, seed=args.seed)
+        run.status(tuning.describe())
+    result = stack.generate(prompt, args.max_new_tokens, seed=args.seed, progress=run.progress_printer(name), reuse_cache=tuning is not None)
+    target = result.levels[-1]
+    identical = list(result.tokens) == list(reference.tokens) if session.sampling.greedy else None
+    return DemoRow(
+        stack=name, speedup=measured_speedup(reference.seconds, len(reference.tokens), result.seconds, len(result.tokens)),
+        ms_per_token=1e3 * result.seconds / max(len(result.tokens), 1),
+        acceptance={level.name: level.acceptance_rate for level in result.levels[1:]},
+        tokens_per_target_forward=len(result.tokens) / max(target.forward_calls, 1),
+        exactness=_exactness(session, prompt, reference, result, identical), identical=identical,
+        tuning=None if tuning is None else {**tuning.as_dict(), "description": tuning.describe()},
+    )
+
+
+def _exactness(session, prompt, reference, result, identical: bool | None) -> str:
+    """fp32 greedy: identical or not; reduced-precision greedy: the bf16 certificate; sampled: by construction."""
+    if identical is None:
+        return "sampled: distributed exactly as the target (tests/test_distribution.py); outputs differ from the baseline's by design"
+    if identical:
+        return "identical to autoregressive decoding, token for token"
+    if session.dtype == torch.float32:
+        return "DIFFERS from autoregressive decoding in float32: a bug, please report it"
+    from .testing.certificate import certify
+
+    return certify(session.target, prompt, list(reference.tokens), list(result.tokens)).describe()

@@ -8,7 +8,7 @@ contexts). A stack level that verifies a drafter is itself a drafter (:class:`sp
 from __future__ import annotations
 
 import abc
-from typing import ClassVar, Sequence
+from typing import ClassVar, Iterator, Sequence
 
 import attrs
 import numpy as np
@@ -17,7 +17,7 @@ import torch
 from .errors import SpecstackError
 from .model import CachedModel
 from .sampling import SamplingConfig, sample, warp
-from .types import Capability, Draft, DraftKind, LevelStats
+from .types import Capability, Draft, DraftKind, LevelStats, SeenTokens, TokenView, as_tokens
 
 
 class Drafter(abc.ABC):
@@ -31,6 +31,11 @@ class Drafter(abc.ABC):
     replacement, or a deterministic one; :class:`~specstack.types.DraftKind`): the stack picks a
     verifier that verifies that kind losslessly. A tree drafter's ``propose(prefix, n)`` returns a tree
     of depth at most ``n``. ``requires`` lists what the *verifying* level's model must provide.
+
+    Inside a stack ``prefix`` is a :class:`~specstack.types.TokenView` of the generation's shared
+    sequence (any ``Sequence[int]`` works; ``np.asarray(prefix)`` copies it). A drafter may write
+    its own tokens into ``prefix.sequence`` behind the prefix (``prefix.sequence.write(len(prefix),
+    …)``), never before it: :class:`ModelDrafter` does, so that its model compares O(γ) tokens a step.
     """
 
     name: ClassVar[str]
@@ -93,16 +98,18 @@ class ModelDrafter(ModelLevel):
     name: ClassVar[str] = "model"
 
     def propose(self, prefix: Sequence[int], n: int) -> Draft:
-        context, rows = list(prefix), []
+        context = as_tokens(prefix)
+        tokens, rows = [], []
         for _ in range(n):
             probs = warp(self.lm.logits(context, 1)[0], self.sampling)  # [V]
-            context.append(sample(probs, self.generator))
+            tokens.append(sample(probs, self.generator))
             rows.append(probs)
-            if context[-1] in self.stop_tokens:
+            context = context.sequence.write(len(context), tokens[-1:])  # behind the prefix: this call's own positions
+            if tokens[-1] in self.stop_tokens:
                 break
         self.lm.stats.drafted += len(rows)
         probs = torch.stack(rows)  # [k, V] on this level's device
-        return Draft(tokens=torch.tensor(context[len(prefix) :], dtype=torch.long, device=probs.device), probs=probs)
+        return Draft(tokens=torch.tensor(tokens, dtype=torch.long, device=probs.device), probs=probs)
 
 
 @attrs.define(eq=False, kw_only=True)
@@ -110,7 +117,13 @@ class PromptLookupDrafter(Drafter):
     """Prompt-lookup (n-gram) drafting (Saxena, 2023): find the latest earlier occurrence of the last
     ``max_ngram`` … ``min_ngram`` tokens and propose what followed it. Deterministic, so the proposal
     distribution is one-hot; when nothing matches the draft is empty and the level above samples on
-    its own."""
+    its own.
+
+    The search is incremental: an index maps every n-gram of the tokens seen so far to the positions
+    where its occurrences end. Each call indexes only the tokens appended since the last one and
+    unindexes those rolled back (O(γ) per round, :class:`~specstack.types.SeenTokens` finds which),
+    then looks the last n-grams up: no scan of the context.
+    """
 
     name: ClassVar[str] = "prompt-lookup"
 
@@ -118,6 +131,8 @@ class PromptLookupDrafter(Drafter):
     max_ngram: int = 3
     min_ngram: int = 1
     stats: LevelStats = attrs.field(factory=lambda: LevelStats(name="prompt-lookup"))
+    _seen: SeenTokens = attrs.field(init=False, factory=SeenTokens)  # the tokens indexed
+    _ends: dict[tuple[int, ...], list[int]] = attrs.field(init=False, factory=dict)  # n-gram -> where its occurrences end, ascending
 
     def __attrs_post_init__(self) -> None:
         if not 1 <= self.min_ngram <= self.max_ngram:
@@ -127,21 +142,55 @@ class PromptLookupDrafter(Drafter):
     def vocab_size(self) -> int:
         return self.vocab
 
+    def reset(self) -> None:
+        self._seen.truncate(0)
+        self._ends.clear()
+
+    def prefill(self, prompt: Sequence[int]) -> None:
+        self._catch_up(as_tokens(prompt))
+
     def propose(self, prefix: Sequence[int], n: int) -> Draft:
-        tokens = self._lookup(np.asarray(prefix, dtype=np.int64), n)
+        prefix = as_tokens(prefix)
+        self._catch_up(prefix)
+        tokens = self._lookup(prefix.array(), n)
         self.stats.drafted += len(tokens)
         ids = torch.tensor(tokens, dtype=torch.long, device="cpu")  # [k]; model-free: the verifying level moves it
         probs = torch.zeros(len(tokens), self.vocab, device="cpu").scatter_(1, ids[:, None], 1.0)  # [k, V]
         return Draft(tokens=ids, probs=probs)
 
     def _lookup(self, seq: np.ndarray, n: int) -> list[int]:
-        for size in range(min(self.max_ngram, len(seq) - 1), self.min_ngram - 1, -1):
-            windows = np.lib.stride_tricks.sliding_window_view(seq[:-1], size)  # [L-size, size]
-            hits = np.flatnonzero((windows == seq[-size:]).all(axis=1))
-            if hits.size:
-                start = hits[-1] + size
+        """What followed the latest earlier occurrence of the longest matching suffix n-gram of ``seq``."""
+        length = seq.shape[0]
+        for size in range(min(self.max_ngram, length - 1), self.min_ngram - 1, -1):
+            ends = self._ends.get(tuple(seq[length - size :].tolist()), [])
+            if len(ends) > 1:  # the last occurrence is the suffix itself
+                start = ends[-2] + 1
                 return seq[start : start + n].tolist()
         return []
+
+    def _catch_up(self, prefix: TokenView) -> None:
+        """Make the index that of ``prefix``: unindex the seen tokens it does not share, index its new ones."""
+        common = self._seen.common_prefix(prefix)
+        seen = self._seen.array()  # [m]
+        for key, end in self._ngrams(seen, range(seen.shape[0] - 1, common - 1, -1)):  # newest first: the last entry of its list
+            ends = self._ends[key]
+            ends.pop()
+            if not ends:
+                del self._ends[key]
+        tokens = prefix.array()  # [n]
+        for key, end in self._ngrams(tokens, range(common, tokens.shape[0])):
+            self._ends.setdefault(key, []).append(end)
+        self._seen.become(prefix)
+
+    def _ngrams(self, seq: np.ndarray, ends: range) -> Iterator[tuple[tuple[int, ...], int]]:
+        """(n-gram, end) for each n-gram of ``seq`` that ends at a position in ``ends``, in that order."""
+        if not ends:
+            return
+        base = max(0, min(ends) + 1 - self.max_ngram)
+        window = seq[base : max(ends) + 1].tolist()
+        for end in ends:
+            for size in range(self.min_ngram, min(self.max_ngram, end + 1) + 1):
+                yield tuple(window[end + 1 - size - base : end + 1 - base]), end
 
     def level_stats(self) -> list[LevelStats]:
         return [self.stats]

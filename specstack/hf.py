@@ -203,11 +203,17 @@ class HFCausalLM:
 
     @torch.inference_mode()
     def _rerotate(self, keys: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
-        """Rotate keys [L, H, n, D] by ``delta`` [n] more positions (RoPE angles add up)."""
-        cos, sin = self.module.model.rotary_emb(keys, position_ids=delta[None].to(keys.device))  # [1, n, D]
+        """Rotate keys [L, H, n, D] by ``delta`` [n] more positions (RoPE angles add up), in float32,
+        rounded once to the keys' dtype. The angles are the model's own (its rotary embedding, any
+        scaling of the frequencies included); its attention scaling, already in the keys, is not
+        applied twice."""
+        rotary = self.module.model.rotary_emb
+        exact = keys.float()  # [L, H, n, D]
+        cos, sin = rotary(exact, position_ids=delta[None].to(keys.device))  # [1, n, D] each, float32
+        scale = getattr(rotary, "attention_scaling", 1.0)
         half = keys.shape[-1] // 2
-        rotated = torch.cat([-keys[..., half:], keys[..., :half]], dim=-1)  # rotate_half
-        return keys * cos[0].to(keys.dtype) + rotated * sin[0].to(keys.dtype)
+        rotated = torch.cat([-exact[..., half:], exact[..., :half]], dim=-1)  # rotate_half
+        return ((exact * cos[0] + rotated * sin[0]) / scale).to(keys.dtype)  # [L, H, n, D]
 
 
 def tokenizer_fingerprint(tokenizer) -> str:

@@ -28,7 +28,16 @@ class KVStore:
 
     ``relative_positions``: rotary positions are slot indices rather than sequence positions (the
     StreamingLLM way, for drafts whose trained context is shorter than the sequence); compaction then
-    re-rotates the moved keys by their change of slot with ``rerotate``.
+    re-rotates the moved keys to their new slot with ``rerotate``.
+
+    Re-rotation never compounds. Each key is also kept as the model wrote it (``written``, rotated for
+    ``written_for``, the slot it was written at), and a moved key is that key rotated once, by its
+    new slot minus ``written_for`` (RoPE angles add), so its rounding error stays that of one
+    rotation however often it moves. Rotating the current key instead, by each move's delta,
+    accumulates one rounding to the cache dtype per move: in bf16, after 255 one-slot moves, the
+    worst key's cosine to its exact rotation was 0.954 (0.99999 this way; tests/test_rerotation.py).
+    The price is a second key buffer for such stores (a draft's window: small) and O(moved keys)
+    work per eviction, which StreamingLLM's ``reserve`` makes rare.
     """
 
     def __init__(self, *, layers: int, kv_heads: int, head_dim: int, capacity: int, dtype: torch.dtype,
@@ -40,7 +49,10 @@ class KVStore:
         self.capacity = capacity
         self.length = 0
         self.relative_positions = relative_positions
-        self._rerotate = rerotate
+        self._rerotate = rerotate if relative_positions else None
+        keeps_written = self._rerotate is not None
+        self.written = torch.zeros(shape if keeps_written else (0,), dtype=dtype, device=device)  # [L, H, C, D]: keys as written
+        self.written_for = torch.zeros(capacity if keeps_written else 0, dtype=torch.long, device="cpu")  # [C]; host bookkeeping
         self._incoming = torch.empty(0, dtype=torch.long, device="cpu")  # positions of the tokens being written
         self.horizon = 0  # positions below this were gathered from another store (per-head slots)
         self.gathered = 0  # how many leading slots hold gathered entries
@@ -63,6 +75,8 @@ class KVStore:
     def gather_from(self, source: "KVStore", slots: torch.Tensor, horizon: int) -> None:
         """Fill this store with ``source``'s entries at ``slots`` [L, H, K] (each row ascending, every
         entry below ``horizon``): a retrieval view of a full cache. Later tokens are appended after them."""
+        if self._rerotate is not None:
+            raise SpecstackError("a store with cache-relative positions cannot hold gathered entries")
         k = slots.shape[-1]
         slots = slots.to(self.keys.device)  # [K] or [L, H, K]
         if slots.dim() == 1:  # the same entries for every layer and head
@@ -89,7 +103,7 @@ class KVStore:
             raise SpecstackError("per-head eviction is not supported with cache-relative positions")
         row = (slots[0, 0] if per_head else slots).cpu()  # [K]; indexes the host bookkeeping
         old_positions, old_gathered = self.slot_positions[: self.length].clone(), self.gathered
-        self._take(slots)
+        self._take(slots, row)
         gathered = int((row < old_gathered).sum())  # leading slots without one position for all heads
         if per_head:
             gathered = max(gathered, row.shape[0] - _shared_suffix(slots))
@@ -100,18 +114,24 @@ class KVStore:
         self.gathered = gathered
         self.length = row.shape[0]
 
-    def _take(self, slots: torch.Tensor) -> None:
-        """Move the entries at ``slots`` ([K], or [L, H, K] per layer and head) to slots 0..K."""
+    def _take(self, slots: torch.Tensor, row: torch.Tensor) -> None:
+        """Move the entries at ``slots`` ([K], or [L, H, K] per layer and head; ``row`` [K] its first
+        row on the host) to slots 0..K."""
         n = slots.shape[-1]
         slots = slots.to(self.keys.device)  # [n] or [L, H, n]
         if slots.dim() == 1:
-            moved = self.keys[:, :, slots]  # [L, H, n, D]
-            if self.relative_positions and self._rerotate is not None:
-                moved = self._rerotate(moved, torch.arange(n, device=slots.device) - slots)  # every kept slot moves down
-            self.keys[:, :, :n] = moved
-            self.values[:, :, :n] = self.values[:, :, slots]
+            stay = int((row == torch.arange(n, device="cpu")).cumprod(0).sum())  # leading slots that do not move (sinks)
+            moved = slots[stay:]  # [m]
+            self.values[:, :, stay:n] = self.values[:, :, moved]
             if self.attention is not None:
-                self.attention[:, :, :n] = self.attention[:, :, slots]
+                self.attention[:, :, stay:n] = self.attention[:, :, moved]
+            if self._rerotate is None:
+                self.keys[:, :, stay:n] = self.keys[:, :, moved]
+                return
+            self.written[:, :, stay:n] = self.written[:, :, moved]
+            self.written_for[stay:n] = self.written_for[row[stay:]]
+            delta = torch.arange(stay, n, device="cpu") - self.written_for[stay:n]  # [m]; new slot minus the one each was rotated for
+            self.keys[:, :, stay:n] = self._rerotate(self.written[:, :, stay:n], delta)  # [L, H, m, D]; one rotation from the key as written
             return
         index = slots[..., None].expand(-1, -1, -1, self.keys.shape[-1])  # [L, H, n, D]
         self.keys[:, :, :n] = self.keys.gather(2, index)
@@ -133,6 +153,9 @@ class KVStore:
         m = len(path)
         self.keys[:, :, base : base + m] = self.keys[:, :, source]
         self.values[:, :, base : base + m] = self.values[:, :, source]
+        if self._rerotate is not None:  # each node was rotated for its depth's slot, where it now lands
+            self.written[:, :, base : base + m] = self.written[:, :, source]
+            self.written_for[base : base + m] = self.written_for[source.cpu()]
         if self.attention is not None:
             self.attention[:, :, base : base + m] = self.attention[:, :, source]
         if m:
@@ -158,6 +181,8 @@ class KVStore:
         end = self.length + key.shape[1]
         self.keys[layer, :, self.length : end] = key
         self.values[layer, :, self.length : end] = value
+        if self._rerotate is not None:
+            self.written[layer, :, self.length : end] = key
         if self.attention is not None:
             self.attention[layer, :, self.length : end] = 0.0
         return self.keys[layer, :, :end], self.values[layer, :, :end]
@@ -167,6 +192,8 @@ class KVStore:
         can replay it at other slots); return the whole layer [H, C, D] (its mask hides the rest)."""
         self.keys[layer].index_copy_(1, slots, key)
         self.values[layer].index_copy_(1, slots, value)
+        if self._rerotate is not None:
+            self.written[layer].index_copy_(1, slots, key)
         return self.keys[layer], self.values[layer]
 
     def accumulate_attention(self, layer: int, mass: torch.Tensor) -> None:
@@ -186,6 +213,8 @@ class KVStore:
     def commit(self) -> None:
         n = self._incoming.shape[0]
         self.slot_positions[self.length : self.length + n] = self._incoming
+        if self._rerotate is not None:
+            self.written_for[self.length : self.length + n] = self.rope_positions(self._incoming)
         self.length += n
 
 

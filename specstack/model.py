@@ -17,7 +17,7 @@ from .batch import TokenBatch
 from .channels import FullCacheChannel, QueryLog
 from .errors import SpecstackError
 from .policies import CachePolicy, CacheState, check_selection
-from .types import Capability, Draft, LevelStats
+from .types import Capability, Draft, LevelStats, SeenTokens, TokenView, as_tokens
 
 
 @runtime_checkable
@@ -77,6 +77,11 @@ class CachedModel:
     cache is first rolled back to the longest prefix it already holds (a pointer move), then the
     remaining tokens are fed, in chunks when the policy has to evict on the way. ``tree_logits``
     scores a token tree in one forward pass; ``accept_path`` then keeps the accepted path.
+
+    ``tokens`` is best a :class:`~specstack.types.TokenView` of the generation's shared sequence:
+    finding the prefix already held then compares only the tokens past the last verified point
+    (:class:`~specstack.types.SeenTokens`), so a round's bookkeeping is O(γ), not O(context). Any
+    other ``Sequence[int]`` is copied into a view first (O(n)).
     """
 
     model: CausalLM
@@ -86,7 +91,7 @@ class CachedModel:
     capacity: int = attrs.field(init=False)
     cache: KVCache = attrs.field(init=False)
     _queries: QueryLog | None = attrs.field(init=False, default=None)  # logged for a gathering level below
-    _fed: list[int] = attrs.field(init=False, factory=list)  # token at every position fed so far
+    _fed: SeenTokens = attrs.field(init=False, factory=SeenTokens)  # token at every position fed so far
     _tree: tuple[int, list[int]] | None = attrs.field(init=False, default=None)  # (first slot, tokens) of a scored tree
     _acceptance: float | None = attrs.field(init=False, default=None)  # rolling, of this level's drafts
 
@@ -107,7 +112,7 @@ class CachedModel:
 
     def reset(self) -> None:
         self.cache.truncate(0)
-        self._fed.clear()
+        self._fed.truncate(0)
         self._tree = None
         self._acceptance = None
 
@@ -119,10 +124,13 @@ class CachedModel:
 
     def fed_prefix(self, tokens: Sequence[int]) -> int:
         """How many leading ``tokens`` this level's cache has already seen."""
-        limit = min(len(self._fed), len(tokens))
-        return limit if self._fed[:limit] == list(tokens[:limit]) else _common_prefix(self._fed, tokens, limit)
+        return self._fed.common_prefix(as_tokens(tokens))
 
     def logits(self, tokens: Sequence[int], num_logits: int) -> torch.Tensor:
+        """[num_logits, V]: the logits after each of the last ``num_logits`` of ``tokens`` (0: just feed them)."""
+        tokens = as_tokens(tokens)
+        if not 0 <= num_logits <= len(tokens):
+            raise SpecstackError(f"level '{self.stats.name}' was asked for the logits of the last {num_logits} of {len(tokens)} tokens; ask for 0 to {len(tokens)}")
         self._drop_tree()
         if self.policy.gathers_from_full:
             self._gather_if_due(tokens, num_logits, incoming=0)
@@ -131,14 +139,18 @@ class CachedModel:
         while start < len(tokens):
             size = self._chunk(len(tokens) - start)
             wanted = max(0, min(size, num_logits - (len(tokens) - start - size)))
-            rows.append(self._forward(TokenBatch.chain(tokens[start : start + size], start, wanted)))
+            rows.append(self._forward(TokenBatch.chain(tokens[start : start + size], start, wanted)))  # [wanted, V]
             start += size
-        return torch.cat([r for r in rows if r.shape[0]])  # [num_logits, V]
+        self._fed.mark(tokens)
+        if not rows:  # nothing left to feed and no logits wanted
+            return torch.empty(0, self.model.vocab_size, device=self.device)  # [0, V]
+        return torch.cat(rows)  # [num_logits, V]
 
     def tree_logits(self, prefix: Sequence[int], draft: Draft) -> torch.Tensor:
         """[k+1, V]: the logits after ``prefix`` (row 0) and after each node of ``draft``'s token tree
         (row i+1), from one forward pass over the tokens of ``prefix`` not yet cached and the tree.
         Call :meth:`accept_path` before the next forward."""
+        prefix = as_tokens(prefix)
         self._drop_tree()
         if self.policy.gathers_from_full:
             self._gather_if_due(prefix, 1, incoming=len(draft))
@@ -157,7 +169,7 @@ class CachedModel:
         """Keep the accepted root path ``path`` (indices into the last scored tree), drop the rest."""
         base, tokens = self._tree
         self.cache.keep_path(base, list(path))
-        self._fed.extend(tokens[i] for i in path)
+        self._fed.extend([tokens[i] for i in path])
         self._tree = None
 
     def _drop_tree(self) -> None:
@@ -166,29 +178,32 @@ class CachedModel:
             self.cache.keep_path(self._tree[0], [])
             self._tree = None
 
-    def _rollback(self, tokens: Sequence[int], num_logits: int) -> int:
+    def _rollback(self, tokens: TokenView, num_logits: int) -> int:
         """Roll the cache back to the longest prefix of ``tokens`` it holds, leaving ``num_logits`` to feed."""
-        start = self.fed_prefix(tokens[: len(tokens) - num_logits])
+        start = self._fed.common_prefix(tokens[: len(tokens) - num_logits])
         self.cache.truncate(start)
         if len(self.cache) == 0:  # the rollback reached into evicted or per-head slots: start over
             start = 0
-        del self._fed[start:]
+        self._fed.truncate(start)
         return start
 
-    def _gather_if_due(self, tokens: Sequence[int], num_logits: int, incoming: int) -> None:
+    def _gather_if_due(self, tokens: TokenView, num_logits: int, incoming: int) -> None:
         """Rebuild this level's view through the channel when the policy asks for it; ``incoming``
-        tree nodes will follow ``tokens``."""
+        tree nodes will follow ``tokens``. Nothing is gathered before a token is committed (the
+        prompt of a one-token prompt): the view then simply holds what it is fed."""
         context = tokens[: len(tokens) - num_logits]
-        seen = self.fed_prefix(tokens)  # one comparison serves all three checks below
+        if len(context) == 0:
+            return
+        seen = self._fed.common_prefix(tokens)  # one comparison serves all three checks below
         appended = min(seen, len(context)) - self.cache.horizon
         stale = self.cache.horizon == 0 or appended < 0
         out_of_room = len(self.cache) + len(tokens) - seen + incoming > self.capacity
         if not (stale or out_of_room or self.policy.needs_refresh(appended, self._acceptance)):
             return
         horizon = self.channel.horizon(context)
-        slots = self.policy.gather(self.channel.keys(horizon), self.channel.queries.queries)
+        slots = self.channel.gather(self.policy, horizon)
         self.channel.copy_into(self.cache, slots, horizon)
-        self._fed[:] = list(context[:horizon])
+        self._fed.become(context[:horizon])
         self.stats.gathers += 1
 
     def _chunk(self, remaining: int) -> int:
@@ -217,13 +232,6 @@ class CachedModel:
         attention = self.cache.attention_mass() if Capability.ATTENTION_WEIGHTS in self.policy.requires else None  # [L, H, n]
         state = CacheState(positions=self.cache.positions, capacity=self.capacity, incoming=incoming, attention=attention)
         self.cache.keep(check_selection(self.policy, self.policy.select(state), state))
-
-
-def _common_prefix(a: Sequence[int], b: Sequence[int], limit: int) -> int:
-    for i in range(limit):
-        if a[i] != b[i]:
-            return i
-    return limit
 
 
 def check_window(model: CausalLM, needed: int, what: str) -> None:

@@ -129,17 +129,29 @@ class StreamingLLM(EvictionPolicy):
     (``budget``, if given, sets the window to ``budget - sinks``). With ``relative_positions`` (the
     default, as in the paper) rotary positions are positions inside the cache, so a small draft never
     sees positions beyond its trained context.
+
+    Eviction has hysteresis, like H2O's ``reserve``: when the window is full, it is cut down to its
+    ``window - reserve`` most recent tokens, so the next ``reserve`` tokens are written without
+    evicting. The paper evicts one token per token (``reserve=1``); every eviction moves the whole
+    window down, which with cache-relative positions re-rotates every moved key, O(window) work. With
+    a reserve that work happens once per ``reserve`` tokens, and the price is a window that varies
+    between ``window - reserve`` and ``window`` recent tokens. The default, ``min(16, window // 4)``
+    (at least 1), costs a 256-token window at most 6% of its tokens for 16x fewer evictions.
     """
 
     name = "streaming"
 
-    def __init__(self, *, sinks: int = 16, window: int = 256, budget: int | None = None, relative_positions: bool = True) -> None:
+    def __init__(self, *, sinks: int = 16, window: int = 256, budget: int | None = None, relative_positions: bool = True,
+                 reserve: int | None = None) -> None:
         self.sinks = _positive_int("sinks", sinks, minimum=0)
         if budget is not None:
             if not isinstance(budget, int) or budget < self.sinks + 2:
                 raise SpecstackError(f"streaming budget {budget!r} is not allowed; use an integer >= {self.sinks + 2} ({self.sinks} sinks + a window of at least 2)")
             window = budget - self.sinks
         self.window = _positive_int("window", window, minimum=2)
+        self.reserve = max(1, min(16, self.window // 4)) if reserve is None else _positive_int("reserve", reserve)
+        if self.reserve >= self.window:
+            raise SpecstackError(f"streaming reserve {reserve!r} is not allowed with a window of {self.window}; use an integer in [1, {self.window - 1}]")
         self.relative_positions = bool(relative_positions)
 
     def capacity(self, max_length: int) -> int:
@@ -148,7 +160,7 @@ class StreamingLLM(EvictionPolicy):
     def select(self, state: CacheState) -> torch.Tensor:
         n = state.positions.shape[0]
         sinks = min(self.sinks, n, state.room)
-        recent = max(0, state.room - sinks)
+        recent = max(0, min(state.room - sinks, self.window - self.reserve))  # room for `reserve` more tokens after these
         device = state.positions.device
         return torch.cat([torch.arange(sinks, device=device), torch.arange(max(sinks, n - recent), n, device=device)])  # [K]
 

@@ -46,7 +46,7 @@ class Session:
         if args.threads:
             torch.set_num_threads(args.threads)
         sampling = SamplingConfig(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
-        _status(f"loading the target model on {device}")
+        status(f"loading the target model on {device}")
         dtype = getattr(torch, args.dtype)
         target, tokenizer = load_model(args.target or prepare_target(), dtype=dtype, device=device, name=None if args.target else TARGET_NAME)
         use_cuda_graphs([target], cuda_graphs)
@@ -59,7 +59,7 @@ class Session:
             from .hf import load_model
             from .models import load_default_draft
 
-            _status(f"loading the draft model on {self.draft_device}")
+            status(f"loading the draft model on {self.draft_device}")
             if self.draft_path:
                 self._draft = load_model(self.draft_path, dtype=self.dtype, device=self.draft_device)[0]
             else:
@@ -154,7 +154,7 @@ def _value(text: str) -> object:
     return {"true": True, "false": False}.get(text.lower(), text)
 
 
-def _status(message: str) -> None:
+def status(message: str) -> None:
     print(f"[specstack] {message}", file=sys.stderr, flush=True)
 
 

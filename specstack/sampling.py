@@ -18,6 +18,9 @@ import torch
 
 from .errors import SpecstackError
 
+PREFILTER_FIRST = 64  # top-p first looks at this many of the highest logits, doubling while their mass falls short
+PREFILTER_MARGIN = 1e-6  # how far past top_p their mass must reach: well above the rounding of a float32 cumsum
+
 
 def _temperature(instance, attribute, value: float) -> None:
     if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
@@ -71,13 +74,58 @@ def _nucleus(probs: torch.Tensor, logits: torch.Tensor, top_p: float) -> torch.T
     """Keep the smallest most-likely set whose mass reaches ``top_p``; renormalise. Tokens are ranked
     by their logits: two whose probabilities round to the same float keep their order, so the most
     likely token is never the one dropped."""
+    # the prefilter relies on the CPU's sequential cumsum; a GPU scan may round a prefix differently (and sorts fast)
+    drop = _drop_within_top(probs, logits, top_p) if logits.device.type == "cpu" else None  # [..., V]
+    if drop is None:
+        drop = _drop_by_sort(probs, logits, top_p)
+    probs = probs.masked_fill(drop, 0.0)
+    return probs / probs.sum(dim=-1, keepdim=True)
+
+
+def _drop_by_sort(probs: torch.Tensor, logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """The tokens top-p drops, from a stable sort of the whole vocabulary by logit ([..., V] bool)."""
     order = logits.sort(dim=-1, descending=True, stable=True).indices  # [..., V]
     sorted_probs = probs.gather(-1, order)  # [..., V]
     mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs  # [..., V]
     drop_sorted = mass_before >= top_p  # [..., V]; the first token is never dropped
-    drop = torch.zeros_like(drop_sorted).scatter_(-1, order, drop_sorted)  # [..., V]
-    probs = probs.masked_fill(drop, 0.0)
-    return probs / probs.sum(dim=-1, keepdim=True)
+    return torch.zeros_like(drop_sorted).scatter_(-1, order, drop_sorted)  # [..., V]
+
+
+def _drop_within_top(probs: torch.Tensor, logits: torch.Tensor, top_p: float) -> torch.Tensor | None:
+    """What :func:`_drop_by_sort` returns, found among the k highest logits (k = 64 first, then as
+    many as the nucleus needs at least, up to a quarter of the vocabulary), or None when it may reach
+    further (then sort everything)."""
+    k, most = PREFILTER_FIRST, logits.shape[-1] // 4
+    while k <= most:
+        drop, needed = _drop_among(probs, logits, top_p, k)
+        if drop is not None:
+            return drop
+        if not needed <= most:  # also NaN or inf: sort everything
+            return None
+        k = max(2 * k, 1 << math.ceil(math.log2(max(needed, 1.0))))
+    return None
+
+
+def _drop_among(probs: torch.Tensor, logits: torch.Tensor, top_p: float, k: int) -> tuple[torch.Tensor | None, float]:
+    """The tokens strictly above the k-th highest logit are exactly the first m of the full ranking;
+    ranked by value and then index, they get the full ranking's cumulative mass (on the CPU a cumsum
+    is a sequential scan, so a prefix of it is the scan of the prefix), hence its drop decisions.
+    Every token after them is dropped by the full ranking too once their mass exceeds ``top_p`` by
+    more than rounding can take back. Otherwise: (None, how many tokens the nucleus needs at least)."""
+    index = logits.topk(k, dim=-1, sorted=False).indices.sort(dim=-1).values  # [..., k] ascending
+    values = logits.gather(-1, index)  # [..., k]
+    rank = values.sort(dim=-1, descending=True, stable=True).indices  # [..., k]; ties stay in index order
+    index, values = index.gather(-1, rank), values.gather(-1, rank)  # [..., k] as the full ranking has them
+    certain = values > values[..., -1:]  # [..., k]; a tie at the k-th value may continue outside the top k
+    sorted_probs = probs.gather(-1, index)  # [..., k]
+    mass = sorted_probs.cumsum(dim=-1)  # [..., k]
+    reached = mass.masked_fill(~certain, 0.0).amax(dim=-1)  # [...]; the mass of the first m
+    short = top_p + PREFILTER_MARGIN - reached  # [...]
+    if bool((short > 0).any()):  # each further token holds at most the k-th probability
+        needed = torch.where(short > 0, certain.sum(dim=-1) + short / sorted_probs[..., -1], 0.0)  # [...]
+        return None, float(needed.max())
+    keep_sorted = certain & (mass - sorted_probs < top_p)  # [..., k]
+    return torch.ones_like(probs, dtype=torch.bool).scatter_(-1, index, ~keep_sorted), 0.0  # [..., V]
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator) -> int:

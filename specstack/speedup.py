@@ -87,6 +87,13 @@ class StackCost:
         return self.autoregressive_cost / self.time_per_token()
 
 
+def measured_speedup(baseline_seconds: float, baseline_tokens: int, seconds: float, tokens: int) -> float:
+    """The measured speedup: the baseline's decode seconds per token over the stack's (same process, same prompt)."""
+    if tokens <= 0 or baseline_tokens <= 0 or seconds <= 0:
+        raise SpecstackError(f"a speedup needs tokens and time on both sides; got {tokens} tokens in {seconds} s against {baseline_tokens}")
+    return (baseline_seconds / baseline_tokens) / (seconds / tokens)
+
+
 def triforce(*, c_ar: float, c2: float, c1: float, t0: float,
              alpha: float = 0.9, beta: float = 0.8, gamma1: int = 2, gamma2: int = 6) -> StackCost:
     """TriForce's three levels. Defaults: the paper's γ1 = 2, γ2 = 6 and acceptance rates of its

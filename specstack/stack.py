@@ -26,7 +26,7 @@ from .errors import SpecstackError
 from .model import CachedModel, CausalLM, check_window
 from .policies import CachePolicy, FullCache
 from .sampling import SamplingConfig, warp
-from .types import Capability, Draft, DraftKind, GenerationResult, LevelStats
+from .types import Capability, Draft, DraftKind, GenerationResult, LevelStats, TokenSequence, as_tokens
 from .verify import Verifier, check_verdict, default_verifier
 
 
@@ -45,26 +45,32 @@ class SpeculativeLevel(ModelLevel):
         return self.gamma
 
     def propose(self, prefix: Sequence[int], n: int) -> Draft:
-        """Run rounds until at least ``n`` tokens are emitted (at most ``n + 1``) or a stop token."""
+        """Run rounds until at least ``n`` tokens are emitted (at most ``n + 1``) or a stop token.
+        The emitted tokens are written into the shared sequence behind ``prefix`` as they come."""
+        prefix = as_tokens(prefix)
+        sequence, start = prefix.sequence, len(prefix)
         tokens: list[int] = []
         rows: list[torch.Tensor] = []
         while len(tokens) < n and not (tokens and tokens[-1] in self.stop_tokens):
-            emitted, probs = self.round([*prefix, *tokens], min(self.gamma, n - len(tokens)))
+            emitted, probs = self.round(sequence.view(start + len(tokens)), min(self.gamma, n - len(tokens)))
+            sequence.write(start + len(tokens), emitted)
             tokens += emitted
             rows.append(probs)
         cut = next((i + 1 for i, t in enumerate(tokens) if t in self.stop_tokens), len(tokens))
         probs = torch.cat(rows)[:cut]  # [m, V] on this level's device
         return Draft(tokens=torch.tensor(tokens[:cut], dtype=torch.long, device=probs.device), probs=probs)
 
-    def round(self, prefix: list[int], k: int) -> tuple[list[int], torch.Tensor]:
+    def round(self, prefix: Sequence[int], k: int) -> tuple[list[int], torch.Tensor]:
         """One round: draft ``k`` tokens below (a chain, or a tree of depth ``k``), verify them here.
         Returns the emitted tokens and this level's distribution at each of them ([m+1, V])."""
+        prefix = as_tokens(prefix)
         draft = self.drafter.propose(prefix, k).head(k).stop_at(self.stop_tokens)  # a lower level may overshoot by one
         draft = draft.to(self.lm.device)  # the level below may sit on another device
         if draft.is_tree:
             logits = self.lm.tree_logits(prefix, draft)  # [k+1, V]
         else:
-            logits = self.lm.logits([*prefix, *draft.tokens.tolist()], len(draft) + 1)  # [k+1, V]
+            drafted = prefix.sequence.write(len(prefix), draft.tokens.tolist())  # a model below wrote them there already
+            logits = self.lm.logits(drafted, len(draft) + 1)  # [k+1, V]
         p = warp(logits, self.sampling)  # [k+1, V]
         verdict = check_verdict(self.verifier.verify(draft, p, self.generator), draft, self.vocab_size, self.verifier.name)
         if draft.is_tree:
@@ -208,21 +214,25 @@ class SpeculationStack:
         of this prompt from the previous call (much faster for many samples of one long prompt; still
         lossless, but an evicting cache then starts from a history-dependent view)."""
         prompt = _check_prompt(prompt, self.target, max_new_tokens)
+        sequence = TokenSequence(prompt)  # shared by every level: O(1) prefixes, O(γ) comparisons
         if seed is not None:
             self.generators.manual_seed(seed)
         if not reuse_cache:
             self.top.reset()
         self.generators.synchronize()  # clocks are read only when every device is idle
         began = time.perf_counter()
-        self.top.prefill(prompt)
+        self.top.prefill(sequence.view(len(prompt)))
         self.generators.synchronize()
         prefill_seconds = time.perf_counter() - began
         before = [attrs.evolve(s) for s in self.top.level_stats()]
         began = time.perf_counter()
         tokens: list[int] = []
         while len(tokens) < max_new_tokens and not (tokens and tokens[-1] in self.stop_tokens):
-            draft = self.top.propose([*prompt, *tokens], min(self.top.step, max_new_tokens - len(tokens)))
-            tokens += draft.tokens.tolist()
+            committed = sequence.view(len(prompt) + len(tokens))
+            draft = self.top.propose(committed, min(self.top.step, max_new_tokens - len(tokens)))
+            emitted = draft.tokens.tolist()
+            sequence.write(len(committed), emitted)  # where the top level wrote them already
+            tokens += emitted
             if progress is not None:
                 progress(min(len(tokens), max_new_tokens), max_new_tokens)
         self.generators.synchronize()

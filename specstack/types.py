@@ -11,13 +11,19 @@ Glossary (see docs/architecture.md):
 * **recovered** – the token sampled from the residual distribution after the first rejection.
 * **bonus** – the token sampled from the verifier's own distribution when every drafted token was
   accepted.
+
+The token sequence of a generation is one :class:`TokenSequence` shared by every level, read through
+O(1) :class:`TokenView` prefixes; what a level has taken in of it is a :class:`SeenTokens`.
 """
 
 from __future__ import annotations
 
 import enum
+import sys
+from collections.abc import Sequence
 
 import attrs
+import numpy as np
 import torch
 
 
@@ -246,3 +252,189 @@ class GenerationResult:
             "stopped_by": self.stopped_by,
             "levels": [level.as_dict() for level in self.levels],
         }
+
+
+class TokenSequence:
+    """The tokens of one generation, shared by every level of a stack (host memory).
+
+    One growable buffer: the prompt and the committed tokens at the front, behind them the tokens
+    of the rounds in flight, rewritten in place as drafts are accepted or rejected. The calls of a
+    stack nest, so each call owns the positions past the prefix it was given: the top level writes
+    what it emits behind the committed tokens, the level below writes its draft behind that, and so
+    on down. Nothing ever rewrites a position that an enclosing call still reads.
+
+    Levels read it through :class:`TokenView` prefixes (O(1) to make) and learn what changed since
+    they last looked from a change log: every write that alters a token already written records the
+    lowest position it altered, so "which prefix is unchanged since version v" costs O(writes since
+    v), never O(context) (:meth:`unchanged_since`, used by :class:`SeenTokens`).
+    """
+
+    def __init__(self, tokens: Sequence[int] = ()) -> None:
+        initial = np.asarray(tokens, dtype=np.int64).reshape(-1)  # [n]
+        self._data = np.zeros(max(64, 2 * initial.shape[0]), dtype=np.int64)  # [capacity]
+        self._data[: initial.shape[0]] = initial
+        self._written = initial.shape[0]  # positions ever written; the rest of the buffer is unused
+        self._altered: list[int] = []  # version v -> the lowest position write v altered
+
+    def __len__(self) -> int:
+        """Positions written so far (the longest view there can be)."""
+        return self._written
+
+    @property
+    def version(self) -> int:
+        """How many writes altered a token already written."""
+        return len(self._altered)
+
+    def view(self, length: int) -> "TokenView":
+        """The first ``length`` tokens."""
+        if not 0 <= length <= self._written:
+            raise ValueError(f"a view of {length} tokens of a sequence holding {self._written}")
+        return TokenView(self, length)
+
+    def write(self, start: int, tokens: Sequence[int]) -> "TokenView":
+        """Put ``tokens`` at positions ``start, start+1, …`` (rewriting what was there, if anything)
+        and return the view that ends after them. Rewriting a token with itself changes nothing."""
+        new = np.asarray(tokens, dtype=np.int64).reshape(-1)  # [k]
+        end = start + new.shape[0]
+        if not 0 <= start <= self._written:
+            raise ValueError(f"a write at position {start} of a sequence holding {self._written} tokens leaves a gap")
+        if end > self._data.shape[0]:
+            self._data = np.concatenate([self._data, np.zeros(max(end, 2 * self._data.shape[0]) - self._data.shape[0], dtype=np.int64)])
+        overlap = min(end, self._written) - start
+        if overlap > 0:
+            differ = np.flatnonzero(self._data[start : start + overlap] != new[:overlap])
+            if differ.size:
+                self._altered.append(start + int(differ[0]))
+        self._data[start:end] = new
+        self._written = max(self._written, end)
+        return TokenView(self, end)
+
+    def unchanged_since(self, version: int) -> int:
+        """Every position below the returned one holds the token it held at ``version``."""
+        return min(self._altered[version:], default=sys.maxsize)
+
+
+class TokenView(Sequence):
+    """The first ``len(view)`` tokens of a :class:`TokenSequence`, read in place (a ``Sequence[int]``).
+
+    Slicing a prefix (``view[:n]``) gives another view; any other slice a list. ``array()`` is a
+    read-only numpy view. A view is valid until its tokens are rewritten (an enclosing call never
+    rewrites them while a call it made runs); reading a stale view in bulk raises.
+    """
+
+    __slots__ = ("sequence", "_length", "_version")
+
+    def __init__(self, sequence: TokenSequence, length: int, version: int | None = None) -> None:
+        self.sequence = sequence
+        self._length = length
+        self._version = sequence.version if version is None else version  # the sequence's version when it was made
+
+    def __len__(self) -> int:
+        return self._length
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            start, stop, step = index.indices(self._length)
+            if step != 1:
+                return self.tolist()[index]
+            if start == 0:
+                return TokenView(self.sequence, max(stop, 0), self._version)
+            return self.array()[start:stop].tolist()
+        if index < 0:
+            index += self._length
+        if not 0 <= index < self._length:
+            raise IndexError(f"token {index} of a view of {self._length}")
+        return int(self.sequence._data[index])
+
+    def __iter__(self):
+        return iter(self.tolist())
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        return np.array(self.array(), dtype=dtype)  # a copy: the buffer's tail is rewritten later
+
+    def __repr__(self) -> str:
+        return f"TokenView({self._length} tokens)"
+
+    def array(self) -> np.ndarray:
+        """[n] the tokens, read-only, in place (valid while the view is)."""
+        if self.sequence.unchanged_since(self._version) < self._length:
+            raise RuntimeError("a token view was read after its tokens were rewritten; make a new view")
+        out = self.sequence._data[: self._length].view()  # [n]
+        out.flags.writeable = False
+        return out
+
+    def tolist(self) -> list[int]:
+        return self.array().tolist()
+
+
+def as_tokens(tokens: Sequence[int]) -> TokenView:
+    """``tokens`` as a view: itself if it is one, else a view of a new sequence holding a copy (O(n):
+    for callers outside a stack's rounds, such as tests and benchmarks)."""
+    if isinstance(tokens, TokenView):
+        return tokens
+    return TokenSequence(tokens).view(len(tokens))
+
+
+@attrs.define(eq=False)
+class SeenTokens:
+    """What a level has taken in of a token sequence (fed to its cache, or indexed), and how many
+    leading tokens of a new :class:`TokenView` it shares with that.
+
+    ``common_prefix`` compares only past the point it last found equal in the same
+    :class:`TokenSequence`, capped by what the sequence's change log says is unchanged since: one
+    round costs O(γ), not O(context). A view of another sequence is compared from the start.
+    """
+
+    _tokens: np.ndarray = attrs.field(init=False, factory=lambda: np.zeros(64, dtype=np.int64))  # [capacity]
+    _length: int = attrs.field(init=False, default=0)
+    _sequence: TokenSequence | None = attrs.field(init=False, default=None)  # the sequence last compared with
+    _version: int = attrs.field(init=False, default=0)  # its version then
+    _equal: int = attrs.field(init=False, default=0)  # leading tokens then known equal to it
+
+    def __len__(self) -> int:
+        return self._length
+
+    def array(self) -> np.ndarray:
+        """[n] the tokens taken in (a view into the buffer)."""
+        return self._tokens[: self._length]
+
+    def common_prefix(self, tokens: TokenView) -> int:
+        """How many leading ``tokens`` equal the tokens taken in."""
+        limit = min(self._length, len(tokens))
+        start = min(self._verified(tokens.sequence), limit)
+        new = tokens.array()  # [n]
+        differ = np.flatnonzero(self._tokens[start:limit] != new[start:limit])
+        common = start + int(differ[0]) if differ.size else limit
+        self._remember(tokens.sequence, common)
+        return common
+
+    def mark(self, tokens: TokenView) -> None:
+        """The tokens taken in are now exactly ``tokens`` (the caller fed them)."""
+        self._remember(tokens.sequence, len(tokens))
+
+    def truncate(self, length: int) -> None:
+        self._length = min(self._length, length)
+        self._equal = min(self._equal, length)
+
+    def extend(self, tokens: Sequence[int] | np.ndarray) -> None:
+        new = np.asarray(tokens, dtype=np.int64).reshape(-1)  # [k]
+        end = self._length + new.shape[0]
+        if end > self._tokens.shape[0]:
+            self._tokens = np.concatenate([self._tokens, np.zeros(max(end, 2 * self._tokens.shape[0]) - self._tokens.shape[0], dtype=np.int64)])
+        self._tokens[self._length : end] = new
+        self._length = end
+
+    def become(self, tokens: TokenView) -> None:
+        """Take in exactly ``tokens``, copying only those past the common prefix."""
+        common = self.common_prefix(tokens)
+        self.truncate(common)
+        self.extend(tokens.array()[common:])
+        self.mark(tokens)
+
+    def _verified(self, sequence: TokenSequence) -> int:
+        if sequence is not self._sequence:
+            return 0
+        return min(self._equal, sequence.unchanged_since(self._version))
+
+    def _remember(self, sequence: TokenSequence, equal: int) -> None:
+        self._sequence, self._version, self._equal = sequence, sequence.version, min(equal, self._length)

@@ -9,16 +9,17 @@ from specstack.batch import TokenBatch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from specstack import CachedModel, CacheState, EvictionPolicy, FullCache, LevelStats, SpecstackError, StreamingLLM
+from specstack import (CachedModel, CacheState, EvictionPolicy, FullCache, GatheringPolicy, Level, LevelStats, SpecstackError,
+                       SpeculationStack, StreamingLLM)
 from specstack.kvstore import KVStore
 from specstack.policies import check_selection
-from specstack.synthetic import SyntheticLM
+from specstack.synthetic import SyntheticLM, greedy_decode
 
 
 @settings(max_examples=300)
-@given(st.integers(0, 8), st.integers(2, 32), st.integers(0, 64), st.integers(1, 8))
-def test_streaming_keeps_sinks_and_the_most_recent_within_budget(sinks, window, n, incoming) -> None:
-    policy = StreamingLLM(sinks=sinks, window=window)
+@given(st.integers(0, 8), st.integers(2, 32), st.integers(0, 64), st.integers(1, 8), st.integers(0, 31))
+def test_streaming_keeps_sinks_and_the_most_recent_within_budget(sinks, window, n, incoming, reserve) -> None:
+    policy = StreamingLLM(sinks=sinks, window=window, **({"reserve": reserve} if 1 <= reserve < window else {}))
     capacity = policy.capacity(10_000)
     assume(incoming <= capacity)
     state = CacheState(positions=torch.arange(n) * 2, capacity=capacity, incoming=incoming)
@@ -29,6 +30,31 @@ def test_streaming_keeps_sinks_and_the_most_recent_within_budget(sinks, window, 
     assert keep[: min(sinks, n, room)].tolist() == list(range(min(sinks, n, room)))
     if n and keep.numel() > min(sinks, n):
         assert keep[-1] == n - 1  # the newest slot is always kept
+    if n > room:  # an eviction leaves room for `reserve` more tokens, when the window has it
+        assert keep.numel() <= min(sinks, n, room) + window - policy.reserve
+
+
+def test_streaming_reserve_is_checked() -> None:
+    assert StreamingLLM(window=256).reserve == 16 and StreamingLLM(window=6).reserve == 1
+    with pytest.raises(SpecstackError, match="reserve 8 is not allowed with a window of 8"):
+        StreamingLLM(window=8, reserve=8)
+
+
+def test_streaming_evicts_once_every_reserve_tokens() -> None:
+    """Hysteresis: a full window is cut to window - reserve, so drafting token by token evicts once
+    per ``reserve`` tokens, not on every token (each eviction moves and re-rotates the whole window)."""
+    target = SyntheticLM(vocab_size=16, seed=4, sharpness=2.0)
+    draft = SyntheticLM(vocab_size=16, seed=5, base=target, noise=0.5)
+    stack = SpeculationStack.build([Level(model=draft, policy=StreamingLLM(sinks=4, window=64)), Level(model=target, gamma=4)])
+    lm = stack.top.drafter.lm
+    keeps = []
+    keep = lm.cache.keep
+    lm.cache.keep = lambda slots: (keeps.append(slots.shape[-1]), keep(slots))
+    prompt = [int(t) for t in torch.randint(0, 16, (100,), generator=torch.Generator().manual_seed(1))]
+    result = stack.generate(prompt, 96)  # the prompt (100 tokens) is fed in chunks: a few evictions there too
+    assert len(keeps) <= len(result.tokens) / 8, f"{len(keeps)} evictions for {len(result.tokens)} tokens"
+    assert set(keeps[-3:]) == {4 + 64 - 16}  # sinks + window - reserve
+    assert list(result.tokens) == greedy_decode(target, prompt, 96)
 
 
 def test_rollback_is_a_pointer_move() -> None:
@@ -123,3 +149,33 @@ def test_per_head_selections_are_checked_row_by_row() -> None:
     unsorted = torch.tensor([[[0, 1, 9], [1, 0, 9]]])  # [1, 2, 3]; the second row is not ascending
     with pytest.raises(SpecstackError, match="not strictly ascending"):
         check_selection(FullCache(), unsorted, state)
+
+
+class Everything(GatheringPolicy):
+    """Gathers every committed entry: the simplest gathering view."""
+
+    name = "everything"
+
+    def gather(self, keys: torch.Tensor, queries: torch.Tensor) -> torch.Tensor:
+        return torch.arange(keys.shape[2], device=keys.device)  # [K]
+
+
+def test_a_one_token_prompt_under_a_gathering_level() -> None:
+    """At a one-token prompt nothing is committed yet, so there is nothing to gather: the view is fed
+    the token (the old code asked the full level for logits of an empty context and crashed)."""
+    target = SyntheticLM(vocab_size=8, seed=1, sharpness=2.0)
+    draft = SyntheticLM(vocab_size=8, seed=2, base=target, noise=0.3)
+    levels = [Level(model=draft, policy=StreamingLLM(sinks=1, window=4)), Level(model=target, policy=Everything(), gamma=2),
+              Level(model=target, gamma=3)]
+    out = SpeculationStack.build(levels).generate([3], 8)
+    assert list(out.tokens) == greedy_decode(target, [3], 8)
+
+
+def test_logits_of_nothing_more_to_feed_or_of_no_tokens() -> None:
+    model = SyntheticLM(vocab_size=7, seed=3)
+    lm = CachedModel(model, FullCache(), LevelStats(name="t"))
+    assert lm.logits([1, 2, 3], 0).shape == (0, 7) and len(lm.cache) == 3  # fed, no logits wanted
+    assert lm.logits([1, 2, 3], 0).shape == (0, 7) and lm.stats.forward_calls == 1  # nothing left to feed
+    with pytest.raises(SpecstackError, match=r"asked for the logits of the last 1 of 0 tokens") as error:
+        lm.logits([], 1)
+    assert "\n" not in str(error.value)

@@ -1,11 +1,13 @@
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from specstack import SamplingConfig, SpecstackError, warp
+from specstack import SamplingConfig, SpecstackError, sampling, warp
 
 logit_rows = st.lists(st.floats(-20, 20, allow_nan=False), min_size=2, max_size=12).map(torch.tensor)
 
@@ -61,3 +63,101 @@ def test_warp_works_on_batches() -> None:
 def test_bad_sampling_values_are_named(kwargs, message) -> None:
     with pytest.raises(SpecstackError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
         SamplingConfig(**kwargs)
+
+
+# -- top-p's prefilter: the k highest logits first, the whole vocabulary only when needed ----------
+
+
+def _nucleus_by_full_sort(probs: torch.Tensor, logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """specstack's top-p before the prefilter (commit 455465a), kept verbatim as the reference."""
+    order = logits.sort(dim=-1, descending=True, stable=True).indices  # [..., V]
+    sorted_probs = probs.gather(-1, order)  # [..., V]
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs  # [..., V]
+    drop_sorted = mass_before >= top_p  # [..., V]
+    drop = torch.zeros_like(drop_sorted).scatter_(-1, order, drop_sorted)  # [..., V]
+    probs = probs.masked_fill(drop, 0.0)
+    return probs / probs.sum(dim=-1, keepdim=True)
+
+
+def _reference_warp(logits: torch.Tensor, config: SamplingConfig) -> torch.Tensor:
+    plain = warp(logits, SamplingConfig(temperature=config.temperature, top_k=config.top_k))  # [..., V]; no top-p
+    scaled = logits.float() / config.temperature
+    if config.top_k is not None and config.top_k < logits.shape[-1]:
+        scaled = scaled.masked_fill(scaled < scaled.topk(config.top_k, dim=-1).values[..., -1:], float("-inf"))
+    return _nucleus_by_full_sort(plain, scaled, config.top_p)
+
+
+def _adversarial_logits(family: str, rows: int, vocab: int, generator: torch.Generator) -> torch.Tensor:
+    """[rows, V] logits of one family: ordinary, peaked, flat, all equal, a few values tied in
+    runs, a tie straddling the 64th place, or powers of two whose masses hit top_p exactly."""
+    normal = torch.randn(rows, vocab, generator=generator)  # [rows, V]
+    if family == "peaked":
+        return normal * 8
+    if family == "flat":
+        return normal * 0.01
+    if family == "equal":
+        return torch.zeros(rows, vocab)
+    if family == "ties":
+        return torch.randint(0, 6, (rows, vocab), generator=generator).float() * 2
+    if family == "tie-at-k":  # 40 clear winners, then 100 tokens tied across the 64th place
+        logits = normal - 20
+        places = torch.randperm(vocab, generator=generator)[:140]
+        logits[:, places[:40]] = 10 + torch.randn(rows, 40, generator=generator)
+        logits[:, places[40:]] = 9.0
+        return logits
+    if family == "halves":  # p = 1/2, 1/4, 1/8, ...: cumulative masses land exactly on 0.5, 0.75, 0.875
+        logits = torch.full((rows, vocab), -1e4)
+        logits[:, :20] = -torch.arange(20).float() * math.log(2)
+        return logits[:, torch.randperm(vocab, generator=generator)]
+    return normal * 3
+
+
+FAMILIES = ["normal", "peaked", "flat", "equal", "ties", "tie-at-k", "halves"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("vocab", [300, 4096])
+def test_top_p_prefilter_gives_the_full_sort_bit_for_bit(family, vocab) -> None:
+    generator = torch.Generator().manual_seed(vocab)
+    for trial in range(24):
+        rows = (1, 7, 3)[trial % 3]
+        logits = _adversarial_logits(family, rows, vocab, generator)  # [rows, V]
+        config = SamplingConfig(temperature=(1.0, 0.5, 1.7)[trial % 3], top_p=(0.5, 0.75, 0.9, 0.95, 0.999, 0.875)[trial % 6],
+                                top_k=(None, None, 100, 3)[trial % 4])
+        got, want = warp(logits, config), _reference_warp(logits, config)  # [rows, V]
+        assert torch.equal(got > 0, want > 0), f"kept other tokens than the full sort ({family}, trial {trial})"
+        assert torch.equal(got, want), f"probabilities differ from the full sort ({family}, trial {trial})"
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_top_p_prefilter_decides_as_the_full_sort_at_the_real_vocabulary(family) -> None:
+    """V = 49152 (SmolLM2): the prefilter's drop mask, whenever it answers, is the full sort's."""
+    generator = torch.Generator().manual_seed(7)
+    answered = 0
+    for rows, top_p in ((1, 0.9), (7, 0.5), (7, 0.95)):
+        logits = _adversarial_logits(family, rows, 49152, generator)  # [rows, V]
+        probs = logits.softmax(dim=-1)  # [rows, V]
+        drop = sampling._drop_within_top(probs, logits, top_p)  # [rows, V] or None
+        if drop is not None:
+            answered += 1
+            assert torch.equal(drop, sampling._drop_by_sort(probs, logits, top_p))
+        assert torch.equal(warp(logits, SamplingConfig(temperature=1.0, top_p=top_p)), _nucleus_by_full_sort(probs, logits, top_p))
+    if family in ("normal", "peaked", "tie-at-k", "halves"):
+        assert answered == 3, "the prefilter should settle peaked distributions without a full sort"
+
+
+def test_top_p_prefilter_never_settles_a_nucleus_that_may_reach_past_a_split_tie() -> None:
+    """100 tokens tie across the 64th place and the nucleus needs some of them: which ones is the
+    full ranking's call (lowest indices first), so the 64 highest logits must not decide alone."""
+    logits = torch.full((1, 4096), -30.0)
+    logits[0, 1000:1100] = 0.0  # [1, V]; top-k may return any 64 of these
+    probs = logits.softmax(dim=-1)
+    assert sampling._drop_among(probs, logits, 0.5, 64)[0] is None
+    kept = torch.nonzero(warp(logits, SamplingConfig(temperature=1.0, top_p=0.5))[0]).flatten()
+    assert kept.tolist() == list(range(1000, 1050))
+
+
+def test_top_p_prefilter_works_on_batches() -> None:
+    logits = torch.randn(2, 3, 4096, generator=torch.Generator().manual_seed(1)) * 4  # [B, T, V]
+    config = SamplingConfig(temperature=0.8, top_p=0.9)
+    assert torch.equal(warp(logits, config), _reference_warp(logits, config))

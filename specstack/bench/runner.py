@@ -23,6 +23,7 @@ from ..model import check_window
 from ..registry import Registry
 from ..run import use_cuda_graphs
 from ..sampling import SamplingConfig
+from ..speedup import measured_speedup
 from .grid import Point
 from .models import ModelSource, Models, device_of, devices_of
 from .stacks import Catalog, Measurement, RunSetup
@@ -185,9 +186,9 @@ def _speedup(run: Measurement, reference: Measurement | Failure | None) -> float
     """Baseline seconds per token / this run's seconds per token, on the same kind of timing."""
     if not isinstance(reference, Measurement) or reference.timing != run.timing or not run.tokens or not reference.tokens:
         return None
-    mine = run.timed_seconds / len(run.tokens)
-    theirs = reference.timed_seconds / len(reference.tokens)
-    return theirs / mine if mine > 0 else None
+    if run.timed_seconds <= 0:
+        return None
+    return measured_speedup(reference.timed_seconds, len(reference.tokens), run.timed_seconds, len(run.tokens))
 
 
 def _identical(run: Measurement, reference: Measurement | Failure | None) -> bool | None:

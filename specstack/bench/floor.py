@@ -1,0 +1,287 @@
+"""``specstack floor``: the forward cost of each TriForce level against this machine's floor.
+
+Measures the machine's roofs (:func:`specstack.floor.measure_machine`), then times
+``HFCausalLM.forward`` of T new tokens (a chain, or with ``--tree`` a token tree of T tokens) for
+each kind of forward a TriForce round makes on the embedded default:
+
+- ``full``: the target over its full cache of each ``--cache`` length (L2, and autoregressive decoding),
+- ``retrieval``: the target over a retrieval view of ``--budget`` slots (L1),
+- ``draft``: the draft over its StreamingLLM window of ``--window`` slots (L0, cache-relative positions).
+
+Each KV store is filled with random keys and values written straight into it (ascending positions:
+no prefill), and rolled back with ``truncate`` after every forward, so every repeat runs over the
+same cache length. Each figure is the median of ``--repeats`` forwards after one warm-up, with a
+fresh :class:`~specstack.batch.TokenBatch` each time, and is reported as a ratio to
+:func:`specstack.floor.forward_floor`. See docs/benchmarks.md, "Forward cost against the floor".
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from typing import Callable, Sequence
+
+import attrs
+import torch
+
+from ..errors import SpecstackError
+from ..floor import DTYPES, Floor, Machine, ModelShape, dtype_name, forward_floor, measure_machine
+
+LEVELS = {"full": "L2 target+full", "retrieval": "L1 target+retrieval", "draft": "L0 draft+streaming"}
+CACHES = (1024, 4096, 7500)
+TOKENS = (1, 2, 4, 8, 16, 32, 64)
+BUDGET = 512  # TriForce's retrieval budget on the embedded default (docs/benchmarks.md)
+WINDOW = 272  # the draft's StreamingLLM window: 256 recent + 16 sinks
+
+
+@attrs.frozen(kw_only=True)
+class Level:
+    """One kind of forward: ``model`` over a KV store of each of ``caches`` slots."""
+
+    name: str  # e.g. "L2 target+full"
+    role: str  # "target" or "draft": which model, in the machine's GEMM table
+    model: object  # an HFCausalLM
+    caches: tuple[int, ...]
+    relative_positions: bool = False
+
+    @property
+    def shape(self) -> ModelShape:
+        return ModelShape.from_config(self.model.module.config)
+
+
+@attrs.frozen(kw_only=True)
+class Row:
+    """One measured forward and its floor."""
+
+    level: str
+    cache: int
+    tokens: int
+    tree: bool
+    seconds: float
+    floor: Floor
+
+    @property
+    def ratio(self) -> float:
+        return self.seconds / self.floor.seconds
+
+    def as_dict(self) -> dict:
+        return {"level": self.level, "cache": self.cache, "tokens": self.tokens, "shape": "tree" if self.tree else "chain",
+                "ms": 1e3 * self.seconds, **self.floor.as_dict(), "ratio": self.ratio}
+
+
+def fill(store, cached: int, generator: torch.Generator) -> None:
+    """Write ``cached`` random keys and values at positions 0 … cached-1 into an empty ``store``
+    (the same random entries in every layer: the cost of attending to them is what counts)."""
+    layers, heads, _, dim = store.keys.shape
+    store.begin(torch.arange(cached, device="cpu"))
+    keys = torch.randn(heads, cached, dim, generator=generator, device="cpu").to(store.keys.device, store.keys.dtype)  # [H, n, D]
+    values = torch.randn(heads, cached, dim, generator=generator, device="cpu").to(store.keys.device, store.keys.dtype)  # [H, n, D]
+    for layer in range(layers):
+        store.write(layer, keys, values)
+    store.commit()
+
+
+def tree_parents(k: int) -> torch.Tensor:
+    """[k] parents of a binary token tree in breadth-first order: nodes 0 and 1 are children of the
+    last committed token, nodes 2i+2 and 2i+3 children of node i."""
+    return torch.tensor([(i - 2) // 2 if i >= 2 else -1 for i in range(k)], dtype=torch.long, device="cpu")
+
+
+def _batch_maker(vocab: int, cached: int, tokens: int, tree: bool, generator: torch.Generator) -> Callable[[], object]:
+    """A function building the batch of one forward: a chain of ``tokens`` tokens, or one committed
+    token followed by a binary tree of ``tokens - 1`` nodes (logits for ``tokens`` rows either way)."""
+    from ..batch import TokenBatch
+    from ..types import Draft, DraftKind
+
+    ids = torch.randint(vocab, (tokens,), generator=generator, device="cpu").tolist()
+    if not tree:
+        return lambda: TokenBatch.chain(ids, cached, tokens)
+    k = tokens - 1
+    draft = Draft(tokens=torch.tensor(ids[1:], dtype=torch.long, device="cpu"), probs=torch.zeros(k, vocab, device="cpu"),
+                  parents=tree_parents(k), kind=DraftKind.TREE_DETERMINISTIC)
+    return lambda: TokenBatch.tree(ids[:1], cached, draft)
+
+
+def time_forward(model, store, *, cached: int, tokens: int, tree: bool, repeats: int, generator: torch.Generator, warmup: int = 1) -> float:
+    """Median seconds of ``model.forward`` of a fresh batch over ``store`` holding ``cached`` slots,
+    rolled back to them after each forward."""
+    make = _batch_maker(model.vocab_size, cached, tokens, tree, generator)
+    times = []
+    for i in range(warmup + repeats):
+        began = time.perf_counter()
+        model.forward(make(), store)
+        elapsed = time.perf_counter() - began
+        store.truncate(cached)
+        if len(store) != cached:
+            raise AssertionError(f"the store holds {len(store)} slots after rollback, not {cached}")
+        if i >= warmup:
+            times.append(elapsed)
+    return statistics.median(times)
+
+
+def measure(levels: Sequence[Level], machine: Machine, *, tokens: Sequence[int], tree: bool = False, repeats: int = 5,
+            seed: int = 0, progress: Callable[[str], None] | None = None) -> list[Row]:
+    """Time every level's forward at each cache length and number of tokens (chains, and trees of
+    2 tokens or more with ``tree``) and pair each with its floor."""
+    generator = torch.Generator(device="cpu").manual_seed(seed)
+    rows = []
+    for level in levels:
+        shape, dtype = level.shape, level.model.dtype
+        for cached in level.caches:
+            if progress:
+                progress(f"{level.name} over {cached} slots")
+            store = level.model.new_cache(cached + max(tokens), relative_positions=level.relative_positions)
+            fill(store, cached, generator)
+            for t in tokens:
+                for is_tree in (False, True) if tree and t >= 2 else (False,):
+                    seconds = time_forward(level.model, store, cached=cached, tokens=t, tree=is_tree, repeats=repeats, generator=generator)
+                    rows.append(Row(level=level.name, cache=cached, tokens=t, tree=is_tree, seconds=seconds,
+                                    floor=forward_floor(shape, dtype, t, cached, t, machine)))
+            del store
+    return rows
+
+
+# -- the report -----------------------------------------------------------------------------------
+
+def machine_lines(machine: Machine) -> list[str]:
+    """The roofs, then matrix-product GFLOP/s by what and rows."""
+    bf16 = {True: "oneDNN bf16 kernels", False: "no oneDNN bf16 kernels", None: "oneDNN bf16 unknown"}[machine.onednn_bf16]
+    peaks = ", ".join(f"{name} {flops / 1e9:.1f}" for name, flops in machine.gemm_peak.items())
+    lines = [f"machine: {machine.threads} torch threads, CPU capability {machine.cpu_capability or '?'}, {bf16}",
+             f"read bandwidth: {machine.read_bandwidth / 1e9:.1f} GB/s (sum of a {machine.bandwidth_mib} MiB buffer, best of several)",
+             f"GEMM peak (GFLOP/s, best measured): {peaks}"]
+    rows = sorted({g.rows for g in machine.gemm if not g.what.startswith("square")})
+    head = f"  {'dtype':<9} {'F.linear of':<14}" + "".join(f"{r:>8}" for r in rows) + "   rows"
+    lines += ["", "GEMM GFLOP/s by rows:", head]
+    for dtype in machine.gemm_peak:
+        for what in dict.fromkeys(g.what for g in machine.gemm if g.dtype == dtype):
+            found = {g.rows: g.flops_per_s for g in machine.gemm if g.dtype == dtype and g.what == what}
+            if what.startswith("square"):
+                lines.append(f"  {dtype:<9} {what:<14}{next(iter(found.values())) / 1e9:>8.1f}")
+            else:
+                lines.append(f"  {dtype:<9} {what:<14}" + "".join(f"{found[r] / 1e9:>8.1f}" if r in found else f"{'':>8}" for r in rows))
+    return lines
+
+
+def table(rows: Sequence[Row]) -> list[str]:
+    lines = [f"{'level':<20} {'cache':>6} {'T':>3} {'shape':<5} {'ms':>8} {'floor ms':>9} {'memory ms':>9} {'compute ms':>10} "
+             f"{'MB read':>8} {'GFLOP':>6} {'bound':<7} {'ratio':>6}"]
+    for r in rows:
+        f = r.floor
+        lines.append(f"{r.level:<20} {r.cache:>6} {r.tokens:>3} {'tree' if r.tree else 'chain':<5} {1e3 * r.seconds:>8.2f} "
+                     f"{1e3 * f.seconds:>9.2f} {1e3 * f.memory_s:>9.2f} {1e3 * f.compute_s:>10.2f} {f.bytes / 1e6:>8.1f} "
+                     f"{f.flops / 1e9:>6.2f} {f.bound:<7} {r.ratio:>6.2f}")
+    return lines
+
+
+# -- the command line -----------------------------------------------------------------------------
+
+def add_floor_parser(commands) -> argparse.ArgumentParser:
+    """Add the ``floor`` subcommand to ``commands`` (an argparse subparsers object). Numbers are
+    read as text and checked in :func:`options`, so that a bad one is a one-line error."""
+    floor = commands.add_parser("floor", help="measure memory bandwidth and GEMM throughput, and each level's forward cost against its floor",
+                                description="Each TriForce level's forward cost on the embedded default, against T tokens and cache "
+                                            "length, as a ratio to the floor max(bytes / bandwidth, flops / GEMM peak).")
+    floor.add_argument("--dtype", default="float32", help="weights and KV cache: float32 (default) or bfloat16")
+    floor.add_argument("--cache", nargs="+", metavar="N", default=[str(n) for n in CACHES],
+                       help=f"full-cache lengths of the target (default: {' '.join(map(str, CACHES))})")
+    floor.add_argument("--tokens", nargs="+", metavar="T", default=[str(t) for t in TOKENS],
+                       help=f"new tokens per forward (default: {' '.join(map(str, TOKENS))})")
+    floor.add_argument("--tree", action="store_true", help="also time token trees of each T >= 2 (one committed token and a binary tree)")
+    floor.add_argument("--levels", nargs="+", metavar="LEVEL", default=list(LEVELS), help=f"which forwards (default: {' '.join(LEVELS)})")
+    floor.add_argument("--budget", default=str(BUDGET), metavar="N", help=f"slots of the retrieval view (default: {BUDGET})")
+    floor.add_argument("--window", default=str(WINDOW), metavar="N", help=f"slots of the draft's StreamingLLM window (default: {WINDOW})")
+    floor.add_argument("--repeats", default="5", metavar="N", help="timed forwards per figure, after one warm-up; the median is reported (default: 5)")
+    floor.add_argument("--threads", default=None, metavar="N", help="torch intra-op threads (default: torch's choice)")
+    floor.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    floor.set_defaults(run=run_floor)
+    return floor
+
+
+@attrs.frozen(kw_only=True)
+class Options:
+    dtype: str
+    caches: tuple[int, ...]
+    tokens: tuple[int, ...]
+    levels: tuple[str, ...]
+    budget: int
+    window: int
+    repeats: int
+    threads: int | None
+    tree: bool
+
+
+def _int(text: str, flag: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise SpecstackError(f"{flag} {text!r} is not allowed; use an integer >= 1") from None
+    if value < 1:
+        raise SpecstackError(f"{flag} {text!r} is not allowed; use an integer >= 1")
+    return value
+
+
+def options(args: argparse.Namespace) -> Options:
+    """The checked options of ``specstack floor``; a bad one is a :class:`SpecstackError`."""
+    unknown = [name for name in args.levels if name not in LEVELS]
+    if unknown:
+        raise SpecstackError(f"unknown level {unknown[0]!r}; available: {', '.join(LEVELS)}")
+    return Options(dtype=dtype_name(args.dtype), caches=tuple(_int(n, "--cache") for n in args.cache),
+                   tokens=tuple(dict.fromkeys(_int(t, "--tokens") for t in args.tokens)), levels=tuple(dict.fromkeys(args.levels)),
+                   budget=_int(args.budget, "--budget"), window=_int(args.window, "--window"), repeats=_int(args.repeats, "--repeats"),
+                   threads=None if args.threads is None else _int(args.threads, "--threads"), tree=args.tree)
+
+
+def default_levels(opts: Options) -> list[Level]:
+    """The embedded default's levels (the draft loaded only when wanted), checked against its context."""
+    from transformers.utils import logging as hf_logging
+
+    from ..hf import load_model
+    from ..models import TARGET_NAME, load_default_draft, prepare_target
+
+    hf_logging.disable_progress_bar()
+    dtype = DTYPES[opts.dtype]
+    target = load_model(prepare_target(), dtype=dtype, name=TARGET_NAME)[0]
+    caches = {"full": opts.caches, "retrieval": (opts.budget,), "draft": (opts.window,)}
+    levels = []
+    for key in opts.levels:
+        model = load_default_draft(target, dtype=dtype) if key == "draft" else target
+        levels.append(Level(name=LEVELS[key], role="draft" if key == "draft" else "target", model=model, caches=caches[key], relative_positions=key == "draft"))
+    for level in levels:
+        longest = max(level.caches) + max(opts.tokens)
+        if longest > level.model.max_length:
+            raise SpecstackError(f"{level.name}: {max(level.caches)} cached + {max(opts.tokens)} new tokens exceed the model's "
+                                 f"{level.model.max_length} positions; use a shorter --cache or fewer --tokens")
+    return levels
+
+
+def status(message: str) -> None:
+    print(f"[specstack] {message}", file=sys.stderr, flush=True)
+
+
+def run_floor(args: argparse.Namespace, levels: Sequence[Level] | None = None) -> int:
+    """``specstack floor``; ``levels`` replaces the embedded default (tests pass random-weight models)."""
+    opts = options(args)  # before any weights are read
+    threads = torch.get_num_threads()
+    if opts.threads:
+        torch.set_num_threads(opts.threads)
+    try:
+        status("loading the models" if levels is None else "using the given models")
+        levels = default_levels(opts) if levels is None else levels
+        shapes = {level.role: level.shape for level in levels}
+        status("measuring read bandwidth and GEMM throughput")
+        machine = measure_machine(shapes, opts.tokens)
+        rows = measure(levels, machine, tokens=opts.tokens, tree=opts.tree, repeats=opts.repeats, progress=status)
+    finally:
+        torch.set_num_threads(threads)
+    if args.json:
+        print(json.dumps({"dtype": opts.dtype, "repeats": opts.repeats, "machine": machine.as_dict(),
+                          "models": {name: attrs.asdict(shape) for name, shape in shapes.items()},
+                          "rows": [row.as_dict() for row in rows]}))
+        return 0
+    print("\n".join([*machine_lines(machine), "", f"forwards ({opts.dtype}, median of {opts.repeats} after one warm-up; "
+                     "ratio = ms / floor ms, floor = max(memory, compute)):", *table(rows)]))
+    return 0

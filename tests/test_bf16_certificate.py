@@ -1,0 +1,222 @@
+"""bf16: every registered stack's greedy output, certified against bf16 autoregressive decoding.
+
+In bf16 a T-token verify and a 1-token step round differently, so a stack's greedy output may leave
+autoregressive decoding's at a near-tie. ``specstack.testing.certificate`` checks that the first such
+divergence is one: the margin between the two tokens in autoregressive decoding's own logits is at
+most twice the difference measured between T-token and 1-token logits there. Bit-exact equality is
+tested in fp32 (test_real_model.py); docs/exactness.md states the guarantee.
+
+The certificate must also fail on broken components: a verifier that emits the second-best token, a
+target that hands a verifying level its logits one row off, a cache that is not rolled back.
+
+Sizes: 28 generations (every stack, two prompts) each prefill their prompt in bf16, and on a CPU
+without avx512_bf16 a bf16 forward costs about as much per token as T one-token steps (a 256-token
+bf16 prefill takes seconds). So the book prompt is 256 tokens, not the thousands TriForce is for, and
+32 tokens are generated; both still show bf16 divergences (docs/exactness.md).
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import ClassVar
+
+import attrs
+import pytest
+import torch
+
+from specstack import Kind, Registry, SamplingConfig, SpeculationStack
+from specstack.data import book_tokens
+from specstack.hf import HFCausalLM
+from specstack.kvstore import KVStore
+from specstack.testing.certificate import GreedyReference
+from specstack.types import Draft, Verdict
+from specstack.verify import GreedyVerifier
+
+pytestmark = pytest.mark.real_model
+
+NEW_TOKENS = 32
+BOOK_TOKENS, BOOK_OFFSET = 256, 50_000  # Pride and Prejudice, chapter 21; short: see the module docstring
+HELD_OUT = """<|im_start|>system
+You are a helpful assistant.<|im_end|>
+<|im_start|>user
+This Python function should merge overlapping intervals, but it is wrong for some inputs:
+
+def merge(intervals):
+    intervals.sort()
+    out = [intervals[0]]
+    for start, end in intervals[1:]:
+        if start < out[-1][1]:
+            out[-1][1] = end
+        else:
+            out.append([start, end])
+    return out
+
+merge([[1, 4], [2, 3]]) returns [[1, 3]] instead of [[1, 4]], and merge([[1, 2], [2, 5]]) returns two
+intervals. Explain both bugs briefly and give a corrected version.<|im_end|>
+<|im_start|>assistant
+"""  # a chat turn about code: no Austen, no prose of the kind the draft was distilled on
+PROMPTS = ("austen", "held-out")
+
+# Every registered stack, plugins' included (Sequoia's token trees). A recipe whose options lack a
+# default cannot be built here and is skipped with its name; today none is.
+STACKS = Registry.create().names(Kind.STACK)
+
+
+@pytest.fixture(scope="module")
+def models():
+    from specstack.models import load_default
+
+    return load_default(dtype=torch.bfloat16)  # target, draft, tokenizer
+
+
+@pytest.fixture(scope="module")
+def prompts(models) -> dict[str, list[int]]:
+    tokenizer = models[2]
+    return {"austen": book_tokens(tokenizer, BOOK_TOKENS, offset=BOOK_OFFSET), "held-out": tokenizer(HELD_OUT).input_ids}
+
+
+@pytest.fixture(scope="module")
+def references(models, prompts):
+    """Per prompt, bf16 autoregressive decoding (the registered stack), replayed on demand."""
+    made: dict[str, GreedyReference] = {}
+
+    def reference(kind: str) -> GreedyReference:
+        if kind not in made:
+            ar = Registry.create().stack("autoregressive", target=models[0]).generate(prompts[kind], NEW_TOKENS)
+            made[kind] = GreedyReference(models[0], prompts[kind], ar.tokens)
+        return made[kind]
+
+    return reference
+
+
+@pytest.fixture(scope="module")
+def outputs(models, prompts):
+    """Per stack and prompt, its bf16 greedy output (computed once, shared by the tests below)."""
+    made: dict[tuple[str, str], tuple[int, ...]] = {}
+
+    def output(name: str, kind: str) -> tuple[int, ...]:
+        if (name, kind) not in made:
+            made[name, kind] = build(name, models, len(prompts[kind])).generate(prompts[kind], NEW_TOKENS).tokens
+        return made[name, kind]
+
+    return output
+
+
+def small_options(recipe, context: int) -> dict[str, object]:
+    """Options that keep a stack quick on a short prompt: a retrieval budget a quarter of the context
+    (re-gathered every 16 tokens), StreamingLLM windows of 128; the rest as registered."""
+    wanted = {"budget": context // 32 * 8, "stride": 16, "window": 128, "draft_window": 128}
+    return {key: value for key, value in wanted.items() if key in recipe.options()}
+
+
+def build(name: str, models, context: int, **extra):
+    registry = Registry.create()
+    recipe = registry.stack_recipe(name)
+    missing = [key for key, default in recipe.options().items() if default is inspect.Parameter.empty]
+    if missing:
+        pytest.skip(f"stack '{name}' needs options without a default: {', '.join(missing)}")
+    target, draft, _ = models
+    with_draft = {"draft": draft} if recipe.needs_draft else {}
+    return registry.stack(name, target=target, **with_draft, **{**small_options(recipe, context), **extra})
+
+
+@pytest.mark.parametrize("kind", PROMPTS)
+@pytest.mark.parametrize("name", STACKS)
+def test_bf16_greedy_output_is_certified(references, outputs, name, kind) -> None:
+    certificate = references(kind).certify(outputs(name, kind))
+    print(f"{name} on {kind}: {certificate.describe()}")
+    assert certificate.holds, f"{name} on {kind}: {certificate.describe()}"
+    if name == "autoregressive":
+        assert certificate.diverged_at is None
+
+
+def test_identical_output_passes_trivially(references) -> None:
+    reference = references("held-out")
+    certificate = reference.certify(reference.tokens)
+    assert certificate.diverged_at is None and certificate.holds
+    assert certificate.describe() == "identical to autoregressive decoding"
+
+
+def test_the_replay_reproduces_autoregressive_decoding(references) -> None:
+    """Every token autoregressive decoding emitted is the argmax of the replayed l1 (raises otherwise)."""
+    reference = references("held-out")
+    assert reference.logits(NEW_TOKENS - 1).argmax() == reference.tokens[-1]
+
+
+# -- the certificate fails on broken components ----------------------------------------------------------
+
+
+@attrs.define(eq=False)
+class SecondBest(GreedyVerifier):
+    """Greedy verification, except that generated token ``at`` becomes ``token`` (a second-best one)."""
+
+    name: ClassVar[str] = "second-best"
+    at: int
+    token: int
+    emitted: int = 0
+
+    def verify(self, draft: Draft, p: torch.Tensor, generator: torch.Generator) -> Verdict:
+        verdict = super().verify(draft, p, generator)
+        offset = self.at - self.emitted  # where the replaced token falls in this round's output
+        self.emitted += verdict.num_accepted + 1
+        if 0 <= offset <= verdict.num_accepted:
+            return Verdict(accepted=verdict.accepted[:offset], next_token=self.token, bonus=False)
+        return verdict
+
+
+def first_divergence(a, b) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def test_the_certificate_fails_when_the_verifier_accepts_the_second_best_token(models, prompts, references, outputs) -> None:
+    """At the token autoregressive decoding was surest of, before the honest stack's own first divergence."""
+    reference = references("held-out")
+    honest = first_divergence(reference.tokens, outputs("prompt-lookup", "held-out"))
+    if honest == 0:
+        pytest.skip("honest prompt lookup leaves autoregressive decoding at its first token: no earlier token to break")
+    margins = [float(-torch.diff(reference.logits(i).topk(2).values)) for i in range(honest)]
+    at = max(range(honest), key=margins.__getitem__)
+    token = int(reference.logits(at).topk(2).indices[1])
+    registry = Registry.create()
+    levels = registry.stack_recipe("prompt-lookup").levels(registry, target=models[0])
+    stack = SpeculationStack.build(levels, verifier=SecondBest(at=at, token=token))
+    certificate = reference.certify(stack.generate(prompts["held-out"], NEW_TOKENS).tokens)
+    assert (certificate.diverged_at, certificate.stack_token, certificate.margin) == (at, token, margins[at])
+    assert not certificate.holds, certificate.describe()
+
+
+def test_the_certificate_fails_when_verify_logits_are_one_row_off(models, prompts, references) -> None:
+    """The target's multi-token forwards return the logits of the next position in each row."""
+    target = models[0]
+    forward = HFCausalLM.forward
+
+    def shifted(self, batch, cache):
+        logits = forward(self, batch, cache)  # [num_logits, V]
+        return torch.cat([logits[1:], logits[-1:]]) if self is target and logits.shape[0] > 1 else logits
+
+    certificate = broken_certificate(models, prompts, references, HFCausalLM, "forward", shifted)
+    assert certificate.diverged_at is not None and not certificate.holds, certificate.describe()
+
+
+def test_the_certificate_fails_when_rejected_tokens_stay_in_the_cache(models, prompts, references) -> None:
+    """The KV store ignores every rollback but a reset, so rejected draft tokens stay visible."""
+    truncate = KVStore.truncate
+
+    def stale(self, position: int) -> None:
+        if position == 0:
+            truncate(self, position)
+
+    certificate = broken_certificate(models, prompts, references, KVStore, "truncate", stale)
+    assert certificate.diverged_at is not None and not certificate.holds, certificate.describe()
+
+
+def broken_certificate(models, prompts, references, owner, attribute: str, broken):
+    """The certificate of prompt lookup on the held-out prompt with ``owner.attribute`` replaced by ``broken``."""
+    reference = references("held-out")  # replayed outside the patch below
+    stack = build("prompt-lookup", models, len(prompts["held-out"]))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(owner, attribute, broken)
+        output = stack.generate(prompts["held-out"], NEW_TOKENS).tokens
+    certificate = reference.certify(output)
+    print(certificate.describe())
+    return certificate

@@ -1,0 +1,45 @@
+"""`specstack demo` on the embedded default: TriForce and the fastest stack against autoregressive
+decoding, γ tuned, with the exactness result of each (a short prompt, so that it runs in CI)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from specstack.cli import main
+
+pytestmark = pytest.mark.real_model
+
+
+def _demo_json(capsys, *extra: str) -> dict:
+    assert main(["demo", "--prompt-tokens", "500", "--max-new-tokens", "12", "--threads", "2", "--json", *extra]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_demo_compares_triforce_and_the_fast_stack_with_tuned_gammas(capsys) -> None:
+    record = _demo_json(capsys)
+    assert record["dtype"] == "float32" and record["prompt_tokens"] > 500
+    assert [row["stack"] for row in record["stacks"]] == ["triforce", "triforce-lookup"]
+    for row in record["stacks"]:
+        assert row["identical"] is True, row
+        assert row["exactness"] == "identical to autoregressive decoding, token for token"
+        assert row["speedup"] > 0 and row["tokens_per_target_forward"] >= 1
+        assert set(row["acceptance"]) == {"target+retrieval", "target"}
+        assert len(row["tuning"]["gammas"]) == 2 and all(1 <= g <= 8 for g in row["tuning"]["gammas"])
+    assert record["text"].strip()
+
+
+def test_demo_reads_a_prompt_file_and_keeps_default_gammas_without_tuning(capsys, tmp_path) -> None:
+    path = tmp_path / "prompt.txt"
+    path.write_text("The quick brown fox jumps over the lazy dog. " * 40, encoding="utf-8")
+    record = _demo_json(capsys, "--prompt-file", str(path), "--stacks", "prompt-lookup", "--no-tune")
+    assert record["prompt"] == str(path)
+    (row,) = record["stacks"]
+    assert row["stack"] == "prompt-lookup" and row["tuning"] is None and row["identical"] is True
+
+
+def test_demo_names_an_unknown_stack_in_one_line(capsys) -> None:
+    assert main(["demo", "--prompt-tokens", "300", "--max-new-tokens", "4", "--stacks", "no-such-stack", "--no-tune"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("specstack demo: error:") and "no-such-stack" in err[-1]
