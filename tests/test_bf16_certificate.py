@@ -62,6 +62,16 @@ PROMPTS = ("austen", "held-out")
 STACKS = Registry.create().names(Kind.STACK)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """One intra-op thread: on the shared 2-core machine a second one mostly waits on other processes
+    (two of these tests took 58 s with one thread and 130 s with two, at a load of 5)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def models():
     from specstack.models import load_default
@@ -171,11 +181,11 @@ def first_divergence(a, b) -> int:
 def test_the_certificate_fails_when_the_verifier_accepts_the_second_best_token(models, prompts, references, outputs) -> None:
     """At the token autoregressive decoding was surest of, before the honest stack's own first divergence."""
     reference = references("held-out")
-    honest = first_divergence(reference.tokens, outputs("prompt-lookup", "held-out"))
-    if honest == 0:
+    flip = first_divergence(reference.tokens, outputs("prompt-lookup", "held-out"))  # the honest stack's own
+    if flip == 0:
         pytest.skip("honest prompt lookup leaves autoregressive decoding at its first token: no earlier token to break")
-    margins = [float(-torch.diff(reference.logits(i).topk(2).values)) for i in range(honest)]
-    at = max(range(honest), key=margins.__getitem__)
+    margins = [float(-torch.diff(reference.logits(i).topk(2).values)) for i in range(flip)]
+    at = max(range(flip), key=margins.__getitem__)
     token = int(reference.logits(at).topk(2).indices[1])
     registry = Registry.create()
     levels = registry.stack_recipe("prompt-lookup").levels(registry, target=models[0])
@@ -185,7 +195,7 @@ def test_the_certificate_fails_when_the_verifier_accepts_the_second_best_token(m
     assert not certificate.holds, certificate.describe()
 
 
-def test_the_certificate_fails_when_verify_logits_are_one_row_off(models, prompts, references) -> None:
+def test_the_certificate_fails_when_verify_logits_are_one_row_off(models, prompts, references, outputs) -> None:
     """The target's multi-token forwards return the logits of the next position in each row."""
     target = models[0]
     forward = HFCausalLM.forward
@@ -194,11 +204,11 @@ def test_the_certificate_fails_when_verify_logits_are_one_row_off(models, prompt
         logits = forward(self, batch, cache)  # [num_logits, V]
         return torch.cat([logits[1:], logits[-1:]]) if self is target and logits.shape[0] > 1 else logits
 
-    certificate = broken_certificate(models, prompts, references, HFCausalLM, "forward", shifted)
-    assert certificate.diverged_at is not None and not certificate.holds, certificate.describe()
+    certificate = broken_certificate(models, prompts, references, outputs, HFCausalLM, "forward", shifted)
+    assert not certificate.holds, certificate.describe()
 
 
-def test_the_certificate_fails_when_rejected_tokens_stay_in_the_cache(models, prompts, references) -> None:
+def test_the_certificate_fails_when_rejected_tokens_stay_in_the_cache(models, prompts, references, outputs) -> None:
     """The KV store ignores every rollback but a reset, so rejected draft tokens stay visible."""
     truncate = KVStore.truncate
 
@@ -206,17 +216,20 @@ def test_the_certificate_fails_when_rejected_tokens_stay_in_the_cache(models, pr
         if position == 0:
             truncate(self, position)
 
-    certificate = broken_certificate(models, prompts, references, KVStore, "truncate", stale)
-    assert certificate.diverged_at is not None and not certificate.holds, certificate.describe()
+    certificate = broken_certificate(models, prompts, references, outputs, KVStore, "truncate", stale)
+    assert not certificate.holds, certificate.describe()
 
 
-def broken_certificate(models, prompts, references, owner, attribute: str, broken):
-    """The certificate of prompt lookup on the held-out prompt with ``owner.attribute`` replaced by ``broken``."""
+def broken_certificate(models, prompts, references, outputs, owner, attribute: str, broken):
+    """The certificate of prompt lookup on the held-out prompt with ``owner.attribute`` replaced by
+    ``broken``; skipped if the honest stack's own rounding flip comes first (the break is then unseen)."""
     reference = references("held-out")  # replayed outside the patch below
+    honest = outputs("prompt-lookup", "held-out")
     stack = build("prompt-lookup", models, len(prompts["held-out"]))
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(owner, attribute, broken)
         output = stack.generate(prompts["held-out"], NEW_TOKENS).tokens
-    certificate = reference.certify(output)
-    print(certificate.describe())
-    return certificate
+    flip = first_divergence(honest, reference.tokens)  # the honest stack's own first divergence
+    if output[: flip + 1] == honest[: flip + 1]:
+        pytest.skip(f"the honest stack's own bf16 flip at token {flip} comes before the break shows")
+    return reference.certify(output)

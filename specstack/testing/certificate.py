@@ -12,13 +12,17 @@ the prompt plus the i tokens both emitted:
   (the prompt in one forward, then one token per forward over the KV cache);
 - ``m = l1[a] - l1[s]``: how far the stack's token s is below the autoregressive choice a;
 - ``d = max_v |lT[v] - l1[v]|``: the largest difference measured between ``l1`` and the logits
-  ``lT`` a T-token forward computes at the same position, over the verify widths T, both for one
-  T-token forward over the autoregressive cache and for the whole generated part fed in T-token
-  forwards (as a stack whose rounds all have width T writes its cache).
+  ``lT`` that a T-token computation gives at the same position, for the verify widths T, computed
+  three ways (:meth:`GreedyReference.gaps`): one T-token forward ending there, one starting there
+  (both over the autoregressive cache), and everything after the prefill fed T tokens at a time (as
+  a stack whose rounds all have width T writes its cache). They are tried cheapest first, until one
+  explains the margin.
 
 The certificate holds when ``0 <= m <= 2 d``: a rounding difference of d in each logit can move the
 two apart by 2 d, so the flip is explained by the two computations' rounding. A stale cache, a wrong
-row or a wrong mask moves logits by whole units, not by a rounding step, and fails it.
+row or a wrong mask moves logits by whole units, not by a rounding step, and fails it. Everything is
+computed by the target's own forward (any :class:`~specstack.model.CausalLM`), so the check holds
+for whatever attention kernel the model uses.
 """
 
 from __future__ import annotations
@@ -35,7 +39,6 @@ from ..sampling import SamplingConfig, warp
 from ..types import LevelStats
 
 WIDTHS = (2, 3, 4, 5, 6, 7, 8, 16)  # verify widths (γ + 1) of the registered stacks, and a wide tree
-WAYS = ("end", "start", "rounds")  # how lT is computed; see GreedyReference.gaps
 
 
 @attrs.frozen(kw_only=True)
@@ -48,7 +51,7 @@ class Certificate:
     margin: float = 0.0  # m = l1[a] - l1[s]
     rounding: float = 0.0  # d: the largest max_v |lT - l1| measured
     width: int | None = None  # the T that gave d
-    way: str | None = None  # how that lT was computed (one of WAYS)
+    way: str | None = None  # how that lT was computed: "end", "start" or "rounds" (GreedyReference.gaps)
     holds: bool = True
 
     def describe(self) -> str:
@@ -92,9 +95,9 @@ class GreedyReference:
         a, s = self.tokens[i], output[i]
         l1 = self.logits(i)  # [V]
         margin = float(l1[a] - l1[s])
-        rounding, width, way = -1.0, None, None
+        rounding, width, way = 0.0, None, None
         for how, size, gap in self.gaps(i):
-            if gap > rounding:
+            if width is None or gap > rounding:
                 rounding, width, way = gap, size, how
             if 0 <= margin <= 2 * rounding:
                 break
