@@ -10,9 +10,10 @@ The certificate must also fail on broken components: a verifier that emits the s
 target that hands a verifying level its logits one row off, a cache that is not rolled back.
 
 Sizes: 28 generations (every stack, two prompts) each prefill their prompt in bf16, and on a CPU
-without avx512_bf16 a bf16 forward costs about as much per token as T one-token steps (a 256-token
-bf16 prefill takes seconds). So the book prompt is 256 tokens, not the thousands TriForce is for, and
-32 tokens are generated; both still show bf16 divergences (docs/exactness.md).
+without avx512_bf16 (this project's machine today) a bf16 forward of T tokens costs about T one-token
+steps: a 256-token prefill takes seconds. So the book prompt is 256 tokens, not the thousands
+TriForce is for, and 32 tokens are generated; both still show bf16 divergences. The module takes
+minutes, not seconds (docs/exactness.md).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import attrs
 import pytest
 import torch
 
-from specstack import Kind, Registry, SamplingConfig, SpeculationStack
+from specstack import Kind, Registry, SpeculationStack
 from specstack.data import book_tokens
 from specstack.hf import HFCausalLM
 from specstack.kvstore import KVStore
@@ -100,11 +101,14 @@ def references(models, prompts):
 
 
 @pytest.fixture(scope="module")
-def outputs(models, prompts):
-    """Per stack and prompt, its bf16 greedy output (computed once, shared by the tests below)."""
+def outputs(models, prompts, references):
+    """Per stack and prompt, its bf16 greedy output (computed once, shared by the tests below);
+    the autoregressive stack's is the one its reference was made from."""
     made: dict[tuple[str, str], tuple[int, ...]] = {}
 
     def output(name: str, kind: str) -> tuple[int, ...]:
+        if name == "autoregressive":
+            return tuple(references(kind).tokens)
         if (name, kind) not in made:
             made[name, kind] = build(name, models, len(prompts[kind])).generate(prompts[kind], NEW_TOKENS).tokens
         return made[name, kind]
@@ -119,7 +123,7 @@ def small_options(recipe, context: int) -> dict[str, object]:
     return {key: value for key, value in wanted.items() if key in recipe.options()}
 
 
-def build(name: str, models, context: int, **extra):
+def build(name: str, models, context: int):
     registry = Registry.create()
     recipe = registry.stack_recipe(name)
     missing = [key for key, default in recipe.options().items() if default is inspect.Parameter.empty]
@@ -127,7 +131,7 @@ def build(name: str, models, context: int, **extra):
         pytest.skip(f"stack '{name}' needs options without a default: {', '.join(missing)}")
     target, draft, _ = models
     with_draft = {"draft": draft} if recipe.needs_draft else {}
-    return registry.stack(name, target=target, **with_draft, **{**small_options(recipe, context), **extra})
+    return registry.stack(name, target=target, **with_draft, **small_options(recipe, context))
 
 
 @pytest.mark.parametrize("kind", PROMPTS)
@@ -136,8 +140,6 @@ def test_bf16_greedy_output_is_certified(references, outputs, name, kind) -> Non
     certificate = references(kind).certify(outputs(name, kind))
     print(f"{name} on {kind}: {certificate.describe()}")
     assert certificate.holds, f"{name} on {kind}: {certificate.describe()}"
-    if name == "autoregressive":
-        assert certificate.diverged_at is None
 
 
 def test_identical_output_passes_trivially(references) -> None:
@@ -150,7 +152,7 @@ def test_identical_output_passes_trivially(references) -> None:
 def test_the_replay_reproduces_autoregressive_decoding(references) -> None:
     """Every token autoregressive decoding emitted is the argmax of the replayed l1 (raises otherwise)."""
     reference = references("held-out")
-    assert reference.logits(NEW_TOKENS - 1).argmax() == reference.tokens[-1]
+    assert reference.logits(len(reference.tokens) - 1).argmax() == reference.tokens[-1]
 
 
 # -- the certificate fails on broken components ----------------------------------------------------------
@@ -191,6 +193,7 @@ def test_the_certificate_fails_when_the_verifier_accepts_the_second_best_token(m
     levels = registry.stack_recipe("prompt-lookup").levels(registry, target=models[0])
     stack = SpeculationStack.build(levels, verifier=SecondBest(at=at, token=token))
     certificate = reference.certify(stack.generate(prompts["held-out"], NEW_TOKENS).tokens)
+    print(certificate.describe())
     assert (certificate.diverged_at, certificate.stack_token, certificate.margin) == (at, token, margins[at])
     assert not certificate.holds, certificate.describe()
 
@@ -232,4 +235,6 @@ def broken_certificate(models, prompts, references, outputs, owner, attribute: s
     flip = first_divergence(honest, reference.tokens)  # the honest stack's own first divergence
     if output[: flip + 1] == honest[: flip + 1]:
         pytest.skip(f"the honest stack's own bf16 flip at token {flip} comes before the break shows")
-    return reference.certify(output)
+    certificate = reference.certify(output)
+    print(certificate.describe())
+    return certificate
