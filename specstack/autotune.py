@@ -81,13 +81,15 @@ def best_gammas(draft_cost: float, verify_costs: Sequence[dict[int, float]], acc
 
 
 def tune(stack: SpeculationStack, prompt: Sequence[int], *, calibration_tokens: int = 32, max_gamma: int = 8,
-         repeats: int = 3, seed: int = 0) -> Tuning:
-    """Calibrate on ``prompt``, then set the best γ on every verifying level of ``stack`` (see the module docstring)."""
+         repeats: int = 3, seed: int = 0, prefill_progress=None, reuse_cache: bool = False) -> Tuning:
+    """Calibrate on ``prompt``, then set the best γ on every verifying level of ``stack`` (see the module
+    docstring); ``prefill_progress(done, total)`` follows the calibration run's prefill, which keeps
+    what the caches hold of ``prompt`` with ``reuse_cache`` (see ``SpeculationStack.generate``)."""
     levels = verifying_levels(stack)
     if not levels:
         raise SpecstackError("gamma=auto needs a stack with at least one verifying level; 'autoregressive' has none")
     before = tuple(level.gamma for level in levels)
-    calibration = stack.generate(prompt, calibration_tokens, seed=seed)
+    calibration = stack.generate(prompt, calibration_tokens, seed=seed, prefill_progress=prefill_progress, reuse_cache=reuse_cache)
     stats = calibration.levels  # bottom first: level 0, then one per verifying level
     acceptances = tuple(s.token_acceptance_rate for s in stats[1:])
     draft_cost = _draft_cost(levels[0].drafter, stats[0])

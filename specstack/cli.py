@@ -10,6 +10,7 @@ from typing import Sequence
 
 from .bench.cli import add_bench_parser
 from .bench.floor import add_floor_parser
+from .bench.quality import add_quality_parser
 from .errors import SpecstackError
 from .registry import Kind, Registry
 
@@ -56,7 +57,8 @@ def _parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
     generate.set_defaults(run=_generate)
 
     demo = commands.add_parser("demo", help="TriForce and the fastest stack vs autoregressive decoding on the embedded default, one process")
-    demo.add_argument("--prompt-tokens", type=int, default=7000, help="tokens of Pride and Prejudice before the summary request")
+    demo.add_argument("--prompt-tokens", type=int, default=None,
+                      help="tokens of Pride and Prejudice before the summary request (default: 7000, or what fills --context)")
     demo.add_argument("--prompt-file", help="use this file's text as the prompt instead ('-' for stdin)")
     demo.add_argument("--stacks", nargs="+", default=["triforce", "triforce-lookup"], metavar="NAME", help="stacks to compare (default: triforce triforce-lookup)")
     demo.add_argument("--no-tune", dest="tune", action="store_false", help="keep each stack's default γ instead of tuning it (gamma=auto)")
@@ -67,6 +69,7 @@ def _parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
 
     add_bench_parser(commands)
     add_floor_parser(commands)
+    add_quality_parser(commands)
 
     commands.add_parser("distill", help="train a small draft model on the target's outputs (see `specstack distill --help`)")
     if not argv or argv[0] not in commands.choices:  # a built-in command needs no plugins loaded
@@ -104,10 +107,20 @@ def _add_stack_options(parser: argparse.ArgumentParser, *, default_stack: str | 
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="weights and KV cache dtype")
+    add_window_options(parser)
     parser.add_argument("--device", default="cpu", help="the target's device: cpu, cuda or cuda:N (default: cpu)")
     parser.add_argument("--draft-device", default=None, help="the draft model's device (default: --device)")
     parser.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
                         help="run transformers models without CUDA graphs (no effect on the CPU)")
+
+
+def add_window_options(parser: argparse.ArgumentParser) -> None:
+    """``--context`` and ``--rope-scaling``: the target's window (see specstack.hf.load_model)."""
+    parser.add_argument("--context", type=int, default=None, metavar="N",
+                        help="the target's window in tokens (default: its trained one); beyond it, RoPE-scaled (--rope-scaling)")
+    parser.add_argument("--rope-scaling", default="yarn", choices=["yarn", "linear", "extrapolate", "none"],
+                        help="how a --context beyond the trained window stretches RoPE (default: yarn; none refuses such a context; "
+                             "extrapolate keeps RoPE as trained, for measurements)")
 
 
 def _plugins(args: argparse.Namespace) -> int:
@@ -140,8 +153,9 @@ def _generate(args: argparse.Namespace) -> int:
     options, auto = auto_options(args.option)
     stack = session.stack(args.stack, options)
     if auto:
-        run.status(tune(stack, prompt, seed=args.seed).describe())
-    result = stack.generate(prompt, args.max_new_tokens, progress=run.progress_printer("decoding"), reuse_cache=auto)
+        run.status(tune(stack, prompt, seed=args.seed, prefill_progress=run.progress_printer("prefill", long_only=True)).describe())
+    result = stack.generate(prompt, args.max_new_tokens, progress=run.progress_printer("decoding"), reuse_cache=auto,
+                            prefill_progress=run.progress_printer("prefill", long_only=True))
     text = session.tokenizer.decode(list(result.tokens))
     if args.json:
         print(json.dumps({"stack": args.stack, "device": str(session.target.device), "text": text, **result.as_dict()}))

@@ -68,6 +68,16 @@ def task_prompt(tokenizer, *, book: str, length: int) -> list[int]:
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 
+TASK_ROOM = 64  # tokens of the chat template and the request around the passage
+
+
+def passage_tokens(args) -> int:
+    """``--prompt-tokens``; by default 7,000 (the trained 8K window), or what fills a ``--context`` window."""
+    if args.prompt_tokens is not None:
+        return args.prompt_tokens
+    return 7000 if args.context is None else args.context - args.max_new_tokens - TASK_ROOM
+
+
 def triforce_demo(args) -> int:
     """The README's main job: each of ``args.stacks`` (TriForce and the fastest stack on this machine,
     γ tuned by :mod:`specstack.autotune` unless ``--no-tune``) against autoregressive decoding on
@@ -79,14 +89,19 @@ def triforce_demo(args) -> int:
     if args.prompt_file is not None:
         prompt, source = session.prompt_tokens(prompt=None, prompt_file=args.prompt_file, book=None, length=None), args.prompt_file
     else:
-        prompt, source = task_prompt(session.tokenizer, book="prideprejudice", length=args.prompt_tokens), "Pride and Prejudice + a summary request"
+        prompt, source = task_prompt(session.tokenizer, book="prideprejudice", length=passage_tokens(args)), "Pride and Prejudice + a summary request"
     sampling = session.sampling
     run.status(f"prompt: {source}, {len(prompt)} tokens; {args.max_new_tokens} new tokens; temperature {sampling.temperature}; "
                f"{session.dtype}; torch threads {torch.get_num_threads()}; device {session.target.device}")
     options, auto = autotune.auto_options(args.option)
     stacks = {name: session.stack(name, options) for name in args.stacks}  # bad names and options fail before any decoding
-    reference = session.stack("autoregressive", []).generate(prompt, args.max_new_tokens, seed=args.seed, progress=run.progress_printer("autoregressive"))
-    rows = [_demo_row(session, name, stack, args.tune or auto, args, prompt, reference) for name, stack in stacks.items()]
+    autoregressive = session.stack("autoregressive", [])
+    reference = autoregressive.generate(prompt, args.max_new_tokens, seed=args.seed, progress=run.progress_printer("autoregressive"),
+                                        prefill_progress=run.progress_printer("autoregressive: prefill", long_only=True))
+    rows = []
+    for name, stack in stacks.items():
+        shared = stack.share_prefill(autoregressive, prompt)  # the target's prefill, paid once
+        rows.append(_demo_row(session, name, stack, args.tune or auto, args, prompt, reference, shared))
     text = session.tokenizer.decode(list(reference.tokens))
     if args.json:
         print(json.dumps({"prompt": source, "prompt_tokens": len(prompt), "new_tokens": args.max_new_tokens, "dtype": str(session.dtype).removeprefix("torch."),
@@ -105,16 +120,17 @@ def triforce_demo(args) -> int:
     return 0
 
 
-def _demo_row(session, name: str, stack, tune: bool, args, prompt: list[int], reference) -> DemoRow:
+def _demo_row(session, name: str, stack, tune: bool, args, prompt: list[int], reference, shared: bool) -> DemoRow:
     from . import autotune, run
     from .speedup import measured_speedup
 
     tuning = None
     if tune:
         run.status(f"{name}: tuning γ (calibration run and forward timings)")
-        tuning = autotune.tune(stack, prompt, seed=args.seed)
+        tuning = autotune.tune(stack, prompt, seed=args.seed, prefill_progress=run.progress_printer(f"{name}: prefill", long_only=True), reuse_cache=shared)
         run.status(tuning.describe())
-    result = stack.generate(prompt, args.max_new_tokens, seed=args.seed, progress=run.progress_printer(name), reuse_cache=tuning is not None)
+    result = stack.generate(prompt, args.max_new_tokens, seed=args.seed, progress=run.progress_printer(name), reuse_cache=shared or tuning is not None,
+                            prefill_progress=run.progress_printer(f"{name}: prefill", long_only=True))
     target = result.levels[-1]
     identical = list(result.tokens) == list(reference.tokens) if session.sampling.greedy else None
     return DemoRow(

@@ -57,6 +57,8 @@ def grouped_attention(module, query, key, value, attention_mask, scaling=None, d
         causal = causal_lower_right(t, n) if 1 < t < n else None  # t == n: plain is_causal, fast on the CPU too
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=causal, is_causal=1 < t == n, scale=scaling, enable_gqa=hq != hkv)  # [1, Hq, T, D]
         return out.transpose(1, 2), None
+    if batch.is_chain and t >= SPLIT_FROM and _CPU_FLASH is not None:  # a prefill chunk, a long chain
+        return _split_attention(query, key, value, scaling), None
     # on the CPU, folding the GQA group into the query length reads each key once: faster than SDPA's
     # grouped path there; a token tree needs its mask anyway
     mask = batch.mask(n - t, hq // hkv, query.device) if t > 1 else None  # [G*T, n]
@@ -71,6 +73,37 @@ def _folded_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     q = query.reshape(1, hkv, hq // hkv * t, d)  # [1, Hkv, G*T, D]
     out = F.scaled_dot_product_attention(q, key, value, attn_mask=mask, scale=scaling)  # [1, Hkv, G*T, D]
     return out.reshape(1, hq, t, d).transpose(1, 2)  # [1, T, Hq, D]
+
+
+# A chain of at least this many new tokens over cached keys takes _split_attention on the CPU: measured
+# against the masked folded kernel (one thread, 8K-16K keys) 0.85x the time at 16-256 tokens and 0.5x
+# at 2,048; for fewer tokens the two are level.
+SPLIT_FROM = 16
+_CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)  # (out, logsumexp)
+
+
+def _split_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling) -> torch.Tensor:
+    """Causal attention of T new tokens over n keys, the last T their own, with no [T, n] mask:
+    query [1, Hq, T, D], key/value [1, Hkv, n, D] -> [1, T, Hq, D].
+
+    The cached keys are visible to every new token, so that part is unmasked flash attention with
+    the query heads of each KV group folded into the query length; the new tokens' own keys need
+    plain top-left causal attention. The two partial softmaxes are merged by their log-sum-exps, as
+    flash-decoding merges its splits (Dao et al., 2023): out = Σ_i e^{lse_i - m} o_i / Σ_i e^{lse_i - m}.
+    A chunked prefill then costs what one causal prefill does, and its memory stays O(T·D).
+    """
+    _, hq, t, d = query.shape
+    hkv, n = key.shape[1], key.shape[2]
+    group = hq // hkv
+    past, past_lse = _CPU_FLASH(query.reshape(1, hkv, group * t, d), key[:, :, : n - t], value[:, :, : n - t], scale=scaling)  # [1, Hkv, G*T, D], [1, Hkv, G*T]
+    own_keys = key[:, :, n - t :].repeat_interleave(group, 1)  # [1, Hq, T, D]
+    own_values = value[:, :, n - t :].repeat_interleave(group, 1)  # [1, Hq, T, D]
+    own, own_lse = _CPU_FLASH(query, own_keys, own_values, is_causal=True, scale=scaling)  # [1, Hq, T, D], [1, Hq, T]
+    past_lse = past_lse.reshape(1, hq, t)  # [1, Hq, T]
+    top = torch.maximum(past_lse, own_lse)  # [1, Hq, T]
+    w_past, w_own = (past_lse - top).exp()[..., None], (own_lse - top).exp()[..., None]  # [1, Hq, T, 1] each
+    out = (past.reshape(1, hq, t, d).float() * w_past + own.float() * w_own) / (w_past + w_own)  # [1, Hq, T, D]
+    return out.to(query.dtype).transpose(1, 2)  # [1, T, Hq, D]
 
 
 def _explicit_attention(module, query, key, value, batch: TokenBatch, store: KVStore, scaling) -> torch.Tensor:
@@ -222,8 +255,20 @@ def tokenizer_fingerprint(tokenizer) -> str:
     return hashlib.sha1(vocab.encode()).hexdigest()[:16]
 
 
-def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32, device: str = "cpu", name: str | None = None):
-    """Load ``(model, tokenizer)`` from a transformers directory, a ``.gguf`` file or a hub id."""
+ROPE_SCALINGS = ("yarn", "linear")  # transformers' rope types that stretch a window by a factor
+EXTRAPOLATE = "extrapolate"  # beyond the trained window with RoPE unchanged: to measure what scaling buys
+
+
+def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32, device: str = "cpu", name: str | None = None,
+               context: int | None = None, rope_scaling: str | None = None):
+    """Load ``(model, tokenizer)`` from a transformers directory, a ``.gguf`` file or a hub id.
+
+    ``context``: the window to run the model with (default: its trained one). A window beyond the
+    trained one needs ``rope_scaling`` (``"yarn"`` or ``"linear"``), applied through transformers' own
+    ``rope_parameters`` with factor context / trained window; a shorter one only bounds the caches.
+    ``"extrapolate"`` opens the window with RoPE unchanged: the model is then outside what it was
+    trained on (docs/long-context.md measures how far outside), for measurements only.
+    """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = Path(path)
@@ -233,9 +278,38 @@ def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32, device: 
         raise SpecstackError(f"model file {str(path)!r} does not exist; give a transformers directory or a .gguf file")
     try:
         tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
-        module = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **kwargs).to(device)
+        config = window_config(source, kwargs, context, rope_scaling)
+        module = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, config=config, **kwargs).to(device)
     except (OSError, ValueError, KeyError, RuntimeError) as error:
         first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise SpecstackError(f"cannot load model {str(path)!r}: {first[:300]}") from None
     model = HFCausalLM(module=module, tokenizer_id=tokenizer_fingerprint(tokenizer), name=name or path.name)
     return model, tokenizer
+
+
+def window_config(source: str, kwargs: dict, context: int | None, rope_scaling: str | None):
+    """The model's config, its window set to ``context`` (RoPE-scaled beyond the trained window)."""
+    from transformers import AutoConfig
+
+    if rope_scaling is not None and rope_scaling not in (*ROPE_SCALINGS, EXTRAPOLATE):
+        raise SpecstackError(f"rope scaling {rope_scaling!r} is not allowed; use {', '.join(ROPE_SCALINGS)} or {EXTRAPOLATE} (or none)")
+    if context is not None and (not isinstance(context, int) or isinstance(context, bool) or context < 1):
+        raise SpecstackError(f"context {context!r} is not allowed; use a number of tokens >= 1")
+    config = AutoConfig.from_pretrained(source, **kwargs)
+    trained = config.max_position_embeddings
+    if context is None or context <= trained:
+        config.max_position_embeddings = context or trained  # a shorter window: smaller caches, same model
+        return config
+    if rope_scaling is None:
+        raise SpecstackError(f"context {context} is beyond the model's trained window of {trained} tokens; "
+                             f"allowed beyond it only with a RoPE scaling method: {' or '.join(ROPE_SCALINGS)}")
+    config.max_position_embeddings = context
+    if rope_scaling == EXTRAPOLATE:
+        return config
+    rope = dict(config.rope_parameters or {})
+    if rope.get("rope_type", "default") != "default":
+        raise SpecstackError(f"the model already uses RoPE scaling {rope['rope_type']!r}; context {context} would stack "
+                             f"{rope_scaling!r} on top of it; use a context of at most {trained}")
+    rope.update(rope_type=rope_scaling, factor=context / trained, original_max_position_embeddings=trained)
+    config.rope_parameters = rope
+    return config

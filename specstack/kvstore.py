@@ -62,6 +62,12 @@ class KVStore:
         return self.length
 
     @property
+    def nbytes(self) -> int:
+        """Bytes of the preallocated buffers (keys, values, keys as written, attention mass)."""
+        buffers = (self.keys, self.values, self.written) + ((self.attention,) if self.attention is not None else ())
+        return sum(buffer.numel() * buffer.element_size() for buffer in buffers)
+
+    @property
     def positions(self) -> torch.Tensor:
         return self.slot_positions[: self.length]  # [n]
 
@@ -138,6 +144,18 @@ class KVStore:
         self.values[:, :, :n] = self.values.gather(2, index)
         if self.attention is not None:
             self.attention[:, :, :n] = self.attention.gather(2, slots)
+
+    def copy_prefix(self, source: "KVStore", length: int) -> None:
+        """Become a copy of ``source``'s first ``length`` slots (a store of the same model that holds
+        positions 0 … length-1 in order): one O(length) copy instead of a prefill."""
+        if source.gathered or source._rerotate is not None or self._rerotate is not None or length > min(source.length, self.capacity):
+            raise SpecstackError(f"cannot copy {length} slots from a store holding {source.length} (gathered {source.gathered}) into one of {self.capacity}")
+        self.keys[:, :, :length] = source.keys[:, :, :length]
+        self.values[:, :, :length] = source.values[:, :, :length]
+        self.slot_positions[:length] = source.slot_positions[:length]
+        self.length, self.gathered, self.horizon = length, 0, 0
+        if self.attention is not None:
+            self.attention[:, :, :length] = 0.0
 
     def keys_before(self, horizon: int) -> torch.Tensor:
         """[L, H, horizon, D]: the keys of the first ``horizon`` slots (what a gathering level scores)."""

@@ -98,6 +98,7 @@ class CachedModel:
     def __attrs_post_init__(self) -> None:
         self.capacity = self.policy.capacity(self.model.max_length)
         self.cache = self.model.new_cache(self.capacity, relative_positions=self.policy.relative_positions)
+        self.stats.cache_bytes = getattr(self.cache, "nbytes", 0)
         if self.policy.gathers_from_full and self.channel is None:
             raise SpecstackError(f"cache policy '{self.policy.name}' needs a full-cache level of the same model above it")
 
@@ -145,6 +146,19 @@ class CachedModel:
         if not rows:  # nothing left to feed and no logits wanted
             return torch.empty(0, self.model.vocab_size, device=self.device)  # [0, V]
         return torch.cat(rows)  # [num_logits, V]
+
+    def adopt(self, source: "CachedModel", tokens: Sequence[int]) -> None:
+        """Hold ``tokens`` by copying ``source``'s cache of them instead of prefilling: both levels run
+        the same model over complete caches (the target levels of two stacks given one prompt)."""
+        tokens = as_tokens(tokens)
+        if source.model is not self.model or not (self.policy.complete and source.policy.complete):
+            raise SpecstackError(f"level '{self.stats.name}' can adopt the cache of a level of the same model only, both with complete caches")
+        held = source.fed_prefix(tokens)
+        if held < len(tokens):
+            raise SpecstackError(f"level '{source.stats.name}' holds {held} of the {len(tokens)} tokens level '{self.stats.name}' would adopt")
+        self._drop_tree()
+        self.cache.copy_prefix(source.cache, len(tokens))
+        self._fed.become(tokens)
 
     def tree_logits(self, prefix: Sequence[int], draft: Draft) -> torch.Tensor:
         """[k+1, V]: the logits after ``prefix`` (row 0) and after each node of ``draft``'s token tree
@@ -212,6 +226,7 @@ class CachedModel:
         return max(1, min(remaining, self.capacity // 4))
 
     def _forward(self, batch: TokenBatch) -> torch.Tensor:
+        self._check_window(batch)
         self._make_room(len(batch))
         batch.queries = self._queries
         batch.record_attention = Capability.ATTENTION_WEIGHTS in self.policy.requires
@@ -225,6 +240,16 @@ class CachedModel:
         self.stats.forward_tokens += len(batch)
         self.stats.forward_seconds += time.perf_counter() - began
         return out
+
+    def _check_window(self, batch: TokenBatch) -> None:
+        """A level whose rotary positions are sequence positions must stay inside its model's window
+        (a draft with cache-relative positions, StreamingLLM's, never leaves it)."""
+        if self.policy.relative_positions or len(batch) == 0:
+            return
+        last = int(batch.positions.max())  # [T] -> the furthest position written
+        if last >= self.model.max_length:
+            raise SpecstackError(f"level '{self.stats.name}' reached position {last}, beyond its model's window of {self.model.max_length} tokens; "
+                                 f"give that level a cache with slot positions (StreamingLLM), a longer window (--context), or a shorter prompt")
 
     def _make_room(self, incoming: int) -> None:
         if len(self.cache) + incoming <= self.capacity:

@@ -87,14 +87,16 @@ def draft_dir() -> Path:
 
 
 def load_default(*, dtype: torch.dtype = torch.float32, with_draft: bool = True, device: str | torch.device = "cpu",
-                 draft_device: str | torch.device | None = None):
+                 draft_device: str | torch.device | None = None, context: int | None = None, rope_scaling: str | None = None):
     """``(target, draft, tokenizer)`` of the embedded default (draft ``None`` if not wanted): the target
-    on ``device``, the draft on ``draft_device`` (default: the target's), each ``cpu``, ``cuda`` or ``cuda:N``."""
+    on ``device``, the draft on ``draft_device`` (default: the target's), each ``cpu``, ``cuda`` or ``cuda:N``.
+    ``context``/``rope_scaling`` set the target's window (see :func:`specstack.hf.load_model`); the
+    draft keeps its own, which a StreamingLLM cache never leaves (its positions are slots)."""
     from .hf import load_model
     from .run import check_devices
 
     device, draft_device = check_devices(device, draft_device)  # before any weights are read
-    target, tokenizer = load_model(prepare_target(), dtype=dtype, device=device, name=TARGET_NAME)
+    target, tokenizer = load_model(prepare_target(), dtype=dtype, device=device, name=TARGET_NAME, context=context, rope_scaling=rope_scaling)
     draft = load_default_draft(target, dtype=dtype, device=draft_device) if with_draft else None
     return target, draft, tokenizer
 

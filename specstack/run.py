@@ -48,7 +48,9 @@ class Session:
         sampling = SamplingConfig(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
         status(f"loading the target model on {device}")
         dtype = getattr(torch, args.dtype)
-        target, tokenizer = load_model(args.target or prepare_target(), dtype=dtype, device=device, name=None if args.target else TARGET_NAME)
+        context, scaling = getattr(args, "context", None), getattr(args, "rope_scaling", "yarn")
+        target, tokenizer = load_model(args.target or prepare_target(), dtype=dtype, device=device, name=None if args.target else TARGET_NAME,
+                                       context=context, rope_scaling=None if scaling == "none" else scaling)
         use_cuda_graphs([target], cuda_graphs)
         return cls(registry=Registry.create(), target=target, tokenizer=tokenizer, draft_path=args.draft, sampling=sampling, seed=args.seed,
                    dtype=dtype, draft_device=draft_device, cuda_graphs=cuda_graphs)
@@ -158,9 +160,16 @@ def status(message: str) -> None:
     print(f"[specstack] {message}", file=sys.stderr, flush=True)
 
 
-def progress_printer(label: str):
-    """A ``progress(done, total)`` callback drawing one updating line on stderr."""
+def progress_printer(label: str, *, long_only: bool = False):
+    """A ``progress(done, total)`` callback drawing one updating line on stderr; ``long_only``: silent
+    when the work is done in one step (a prompt prefilled in one chunk)."""
+    first = True
+
     def show(done: int, total: int) -> None:
+        nonlocal first
+        if long_only and first and done >= total:
+            return
+        first = False
         end = "\n" if done >= total else ""
         print(f"\r[specstack] {label}: {done}/{total} tokens", end=end, file=sys.stderr, flush=True)
 
@@ -172,5 +181,6 @@ def summary(result: GenerationResult) -> str:
     for level in result.levels:
         ms = 1000 * level.forward_seconds / max(level.forward_calls, 1)
         accept = f"acceptance {level.acceptance_rate:.3f} ({level.accepted}/{level.drafted})" if level.rounds else f"drafted {level.drafted}"
-        lines.append(f"  {level.name:<20} {accept:<28} {level.forward_calls:>5} forwards, {ms:6.1f} ms each")
+        cache = f", KV cache {level.cache_bytes / 2**20:.1f} MiB" if level.cache_bytes else ""
+        lines.append(f"  {level.name:<20} {accept:<28} {level.forward_calls:>5} forwards, {ms:6.1f} ms each{cache}")
     return "\n".join(lines)

@@ -167,6 +167,9 @@ def _full_device(device: torch.device | str) -> torch.device:
     return device
 
 
+PREFILL_CHUNK = 2048
+
+
 @attrs.define(eq=False)
 class SpeculationStack:
     """A built stack. ``generate`` decodes from the top level, which emits the target's distribution."""
@@ -177,6 +180,7 @@ class SpeculationStack:
     generators: Generators
     stop_tokens: frozenset[int]
     depth: int
+    prefill_chunk: int = PREFILL_CHUNK  # prompt tokens per prefill step (each level feeds a chunk, top level first)
 
     @classmethod
     def build(
@@ -206,10 +210,11 @@ class SpeculationStack:
         return cls(top=drafter, target=levels[-1].model, sampling=sampling, generators=generators, stop_tokens=stops, depth=len(levels))
 
     def generate(self, prompt: Sequence[int], max_new_tokens: int, *, seed: int | None = None, progress=None,
-                 reuse_cache: bool = False) -> GenerationResult:
+                 reuse_cache: bool = False, prefill_progress=None) -> GenerationResult:
         """Decode up to ``max_new_tokens`` tokens after ``prompt``, stopping after a stop token.
 
-        ``progress(done, total)`` is called after each top-level round. Each call starts from empty
+        ``progress(done, total)`` is called after each top-level round, ``prefill_progress(done, total)``
+        after each chunk of ``prefill_chunk`` prompt tokens. Each call starts from empty
         caches, so equal seeds give equal outputs; ``reuse_cache=True`` keeps whatever the caches hold
         of this prompt from the previous call (much faster for many samples of one long prompt; still
         lossless, but an evicting cache then starts from a history-dependent view)."""
@@ -221,7 +226,7 @@ class SpeculationStack:
             self.top.reset()
         self.generators.synchronize()  # clocks are read only when every device is idle
         began = time.perf_counter()
-        self.top.prefill(sequence.view(len(prompt)))
+        self._prefill(sequence, len(prompt), prefill_progress)
         self.generators.synchronize()
         prefill_seconds = time.perf_counter() - began
         before = [attrs.evolve(s) for s in self.top.level_stats()]
@@ -244,6 +249,26 @@ class SpeculationStack:
             prompt_length=len(prompt), tokens=tuple(tokens), levels=stats, seconds=seconds,
             prefill_seconds=prefill_seconds, stopped_by=stopped,
         )
+
+
+    def share_prefill(self, source: "SpeculationStack", prompt: Sequence[int]) -> bool:
+        """Give this stack's target level ``source``'s cache of ``prompt`` (same target, both over its
+        full cache), so that ``generate(prompt, reuse_cache=True)`` prefills only the levels below it:
+        stacks compared on one long prompt pay its full prefill once. False where the top levels
+        are not both such levels (nothing is copied)."""
+        mine, theirs = getattr(self.top, "lm", None), getattr(source.top, "lm", None)
+        if mine is None or theirs is None or mine.model is not theirs.model or not (mine.policy.complete and theirs.policy.complete):
+            return False
+        mine.adopt(theirs, prompt)
+        return True
+
+    def _prefill(self, sequence: TokenSequence, length: int, progress) -> None:
+        """Feed the prompt in chunks: every level's cache only ever extends (a level feeds what it has
+        not seen), so activations stay O(chunk) and a long prompt reports its progress."""
+        for end in [*range(self.prefill_chunk, length, self.prefill_chunk), length]:
+            self.top.prefill(sequence.view(end))
+            if progress is not None:
+                progress(end, length)
 
 
 def _cached_models(levels: Sequence[Level]) -> list[CachedModel | None]:
@@ -331,5 +356,5 @@ def _check_prompt(prompt: Sequence[int], target: CausalLM, max_new_tokens: int) 
 
 
 def _delta(after: LevelStats, before: LevelStats) -> LevelStats:
-    counters = {f.name: getattr(after, f.name) - getattr(before, f.name) for f in attrs.fields(LevelStats) if f.name != "name"}
-    return LevelStats(name=after.name, **counters)
+    counters = {f.name: getattr(after, f.name) - getattr(before, f.name) for f in attrs.fields(LevelStats) if f.name not in ("name", "cache_bytes")}
+    return LevelStats(name=after.name, cache_bytes=after.cache_bytes, **counters)

@@ -200,6 +200,7 @@ class LevelStats:
     forward_tokens: int = 0
     forward_seconds: float = 0.0
     gathers: int = 0
+    cache_bytes: int = 0  # a gauge, not a counter: the level's preallocated KV cache (its memory, whatever it holds)
 
     @property
     def acceptance_rate(self) -> float:

@@ -123,6 +123,25 @@ def test_no_cuda_graphs_reaches_the_transformers_models_of_a_job(tmp_path, regis
     assert record["environment"]["device"] == "cpu" and record["environment"]["draft_device"] is None and record["peak_cuda_mb"] is None
 
 
+def test_the_runs_of_a_group_pay_the_targets_prefill_once(tmp_path, registry) -> None:
+    """The autoregressive baseline prefills; every later run over the target's full cache copies it
+    and decodes what it would have decoded after its own prefill."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from specstack.hf import HFCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=256, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                         num_key_value_heads=1, max_position_embeddings=256)
+    target = HFCausalLM(module=LlamaForCausalLM(config), tokenizer_id=None, name="tiny-llama")
+    grid = Grid(stacks=["autoregressive", "prompt-lookup", "self-speculative:policy=streaming"], context_lengths=[160], max_new_tokens=12)
+    table = run_grid(grid, tmp_path, models=(target, None, ByteTokenizer()), registry=registry, progress=False)
+    records = {r["stack"]: r for r in table.rows}
+    assert all(r["status"] == "ok" for r in records.values()), [r.get("error") for r in records.values()]
+    assert [records[name]["notes"]["prefill_shared"] for name in ("autoregressive", "prompt-lookup", "self-speculative")] == [False, True, True]
+    assert records["prompt-lookup"]["identical_to_baseline"] and records["self-speculative"]["identical_to_baseline"]
+
+
 def test_point_ids_are_stable_and_follow_the_configuration(registry) -> None:
     catalog = Catalog(registry=registry)
     ids = lambda grid: [p.id for group in expand(grid, catalog, "synthetic") for p in group]  # noqa: E731

@@ -175,6 +175,8 @@ class Grid:
     device: str | None = attrs.field(default=None, validator=_device)  # the target's; None: cpu (given models: theirs)
     draft_device: str | None = attrs.field(default=None, validator=_device)  # None: the target's
     cuda_graphs: bool = attrs.field(default=True, validator=_scalar("true or false", lambda v: isinstance(v, bool)))
+    context: int | None = attrs.field(default=None, validator=_scalar("an integer >= 1 or absent", _is_int(1), allow_none=True))  # the target's window
+    rope_scaling: str = attrs.field(default="yarn", validator=_scalar("yarn, linear, extrapolate or none", lambda v: v in ("yarn", "linear", "extrapolate", "none")))
     stop_at_eos: bool = attrs.field(default=False, validator=_scalar("true or false", lambda v: isinstance(v, bool)))
     warmup: bool = attrs.field(default=True, validator=_scalar("true or false", lambda v: isinstance(v, bool)))
 

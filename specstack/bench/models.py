@@ -63,17 +63,22 @@ class DefaultModels:
     dtype: str = "float32"
     device: str = "cpu"
     draft_device: str = "cpu"
+    context: int | None = None  # the target's window; None: its trained one
+    rope_scaling: str | None = "yarn"  # how a window beyond the trained one is reached
 
     @property
     def label(self) -> str:
+        """The target's name, and its window when one was set (a RoPE-scaled model is another model:
+        its runs never share ids with the unscaled one's)."""
         from ..models import TARGET_NAME
 
-        return TARGET_NAME
+        return TARGET_NAME if self.context is None else f"{TARGET_NAME}@{self.context}:{self.rope_scaling}"
 
     def load(self) -> Models:
         from ..models import load_default
 
-        target, draft, tokenizer = load_default(dtype=getattr(torch, self.dtype), device=self.device, draft_device=self.draft_device)
+        target, draft, tokenizer = load_default(dtype=getattr(torch, self.dtype), device=self.device, draft_device=self.draft_device,
+                                                context=self.context, rope_scaling=self.rope_scaling)
         return Models(target=target, draft=draft, tokenizer=tokenizer)
 
 
@@ -158,7 +163,8 @@ def model_source(models: Any, grid: Any) -> ModelSource:
     ``device`` and ``draft_device`` say, if it says."""
     if models is None:
         device = grid.device or "cpu"
-        return DefaultModels(dtype=grid.dtype, device=device, draft_device=grid.draft_device or device)
+        scaling = None if grid.rope_scaling == "none" else grid.rope_scaling
+        return DefaultModels(dtype=grid.dtype, device=device, draft_device=grid.draft_device or device, context=grid.context, rope_scaling=scaling)
     if isinstance(models, Models):
         source = GivenModels(models=models)
     elif isinstance(models, (tuple, list)) and len(models) == 3:

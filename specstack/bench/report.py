@@ -248,6 +248,8 @@ class Plot:
 
 
 PLOTS = (
+    Plot(file="speedup_vs_context_length.png", title="speedup vs context length", x_label="context length (tokens)",
+         field="context_length", panels=(SPEEDUP,)),
     Plot(file="acceptance_vs_context_length.png", title="acceptance vs context length", x_label="context length (tokens)",
          field="context_length", panels=(ACCEPTANCE,)),
     Plot(file="speedup_vs_temperature.png", title="speedup vs temperature", x_label="temperature", field="temperature", panels=(SPEEDUP,)),

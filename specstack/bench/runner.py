@@ -26,7 +26,7 @@ from ..sampling import SamplingConfig
 from ..speedup import measured_speedup
 from .grid import Point
 from .models import ModelSource, Models, device_of, devices_of
-from .stacks import Catalog, Measurement, RunSetup
+from .stacks import Catalog, Measurement, RunSetup, SharedPrefill
 from .tasks import Books, Prompt, task_by_name
 
 
@@ -89,12 +89,13 @@ class Runner:
         if not todo:
             return
         prompt = self._prompt(todo[0])
+        prefill = None if isinstance(prompt, Failure) else SharedPrefill(prompt=prompt.tokens)
         needed = {p.baseline for p in todo if p.baseline}
         measured: dict[str, Measurement | Failure] = {}
         for point in points:
             if point.id not in pending and not (point.stack in needed and not point.options):
                 continue
-            outcome = prompt if isinstance(prompt, Failure) else self._measure(point, prompt)
+            outcome = prompt if isinstance(prompt, Failure) else self._measure(point, prompt, prefill)
             if point.stack in needed and not point.options:
                 measured[point.stack] = outcome
             if point.id in pending:
@@ -106,11 +107,11 @@ class Runner:
         except Exception as error:  # noqa: BLE001 - recorded, the grid goes on
             return Failure.of(error)
 
-    def _measure(self, point: Point, prompt: Prompt) -> Measurement | Failure:
+    def _measure(self, point: Point, prompt: Prompt, prefill: SharedPrefill | None = None) -> Measurement | Failure:
         try:
             stack = self.catalog.get(point.stack)
             _check_point(point, self.models.target)
-            run = self._setup(point, prompt)
+            run = attrs.evolve(self._setup(point, prompt), prefill=prefill)
             self._warm_up(stack, run)
             devices = self.models.cuda_devices
             self.models.synchronize()  # the warm-up's work is done before the clock starts

@@ -30,6 +30,24 @@ WARMUP_PROMPT = 32
 WARMUP_TOKENS = 4
 
 
+@attrs.define(eq=False)
+class SharedPrefill:
+    """The target's full-cache prefill of one prompt, paid once by the runs of a group: the first
+    stack whose top level holds the target's full cache keeps it, later ones copy it
+    (``SpeculationStack.share_prefill``) and prefill only their lower levels."""
+
+    prompt: tuple[int, ...]
+    source: Any = None  # a SpeculationStack that prefilled ``prompt``
+
+    def lend(self, stack: Any) -> bool:
+        return self.source is not None and stack.share_prefill(self.source, self.prompt)
+
+    def keep(self, stack: Any) -> None:
+        lm = getattr(stack.top, "lm", None)
+        if self.source is None and lm is not None and lm.policy.complete:
+            self.source = stack
+
+
 @attrs.frozen(kw_only=True, eq=False)
 class RunSetup:
     """What one timed run needs."""
@@ -41,10 +59,11 @@ class RunSetup:
     prompt: tuple[int, ...]
     max_new_tokens: int
     seed: int
+    prefill: SharedPrefill | None = None  # the group's shared target prefill (None: every run prefills)
 
     def short(self) -> "RunSetup":
         """The same run on a short prompt and a few tokens (warm-up)."""
-        return attrs.evolve(self, prompt=self.prompt[:WARMUP_PROMPT], max_new_tokens=WARMUP_TOKENS)
+        return attrs.evolve(self, prompt=self.prompt[:WARMUP_PROMPT], max_new_tokens=WARMUP_TOKENS, prefill=None)
 
 
 @attrs.frozen(kw_only=True, eq=False)
@@ -102,10 +121,13 @@ class RecipeStack:
         draft = run.models.draft if self.recipe.needs_draft else None
         stack = run.registry.stack(self.recipe.name, target=run.models.target, draft=draft, sampling=run.sampling,
                                    stop_tokens=run.stop_tokens, seed=run.seed, **options)
+        shared = run.prefill is not None and run.prefill.lend(stack)
         run.models.synchronize()  # building the stack queues cache allocations: not part of the timed prefill
-        result = stack.generate(list(run.prompt), run.max_new_tokens, seed=run.seed)  # synchronizes before each clock reading
+        result = stack.generate(list(run.prompt), run.max_new_tokens, seed=run.seed, reuse_cache=shared)  # synchronizes before each clock reading
+        if run.prefill is not None:
+            run.prefill.keep(stack)
         return Measurement(tokens=result.tokens, levels=result.levels, decode_seconds=result.seconds, prefill_seconds=result.prefill_seconds,
-                           total_seconds=result.seconds + result.prefill_seconds, timing="decode")
+                           total_seconds=result.seconds + result.prefill_seconds, timing="decode", notes={"prefill_shared": shared})
 
 
 # -- transformers baselines ---------------------------------------------------------------------

@@ -7,7 +7,8 @@ from importlib import resources
 
 from ..errors import SpecstackError
 
-BOOKS = ("prideprejudice", "sensesensibility", "mansfieldpark", "emma", "northangerabbey", "persuasion")
+AUSTEN = ("prideprejudice", "sensesensibility", "mansfieldpark", "emma", "northangerabbey", "persuasion")
+BOOKS = (*AUSTEN, "kjv")  # kjv: the King James Bible, a public-domain text of another kind (held out from every shipped model)
 DEFAULT_BOOK = "prideprejudice"
 
 
