@@ -17,8 +17,6 @@ from .registry import Kind, Registry
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["distill"]:  # its own argument parser
-        return _distill(argv[1:])
     parser = _parser(argv)
     args = parser.parse_args(argv)
     if not hasattr(args, "run"):
@@ -71,7 +69,6 @@ def _parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
     add_floor_parser(commands)
     add_quality_parser(commands)
 
-    commands.add_parser("distill", help="train a small draft model on the target's outputs (see `specstack distill --help`)")
     if not argv or argv[0] not in commands.choices:  # a built-in command needs no plugins loaded
         _add_plugin_commands(commands)
     return parser
@@ -174,16 +171,6 @@ def _demo(args: argparse.Namespace) -> int:
     from .demo import triforce_demo
 
     return triforce_demo(args)
-
-
-def _distill(argv: list[str]) -> int:
-    from .distill import main as distill_main
-
-    try:
-        return distill_main(argv) or 0
-    except SpecstackError as error:
-        print(f"specstack distill: error: {error}", file=sys.stderr)
-        return 2
 
 
 if __name__ == "__main__":  # pragma: no cover

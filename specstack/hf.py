@@ -57,10 +57,10 @@ def grouped_attention(module, query, key, value, attention_mask, scaling=None, d
         causal = causal_lower_right(t, n) if 1 < t < n else None  # t == n: plain is_causal, fast on the CPU too
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=causal, is_causal=1 < t == n, scale=scaling, enable_gqa=hq != hkv)  # [1, Hq, T, D]
         return out.transpose(1, 2), None
-    if batch.is_chain and t >= SPLIT_FROM and _CPU_FLASH is not None:  # a prefill chunk, a long chain
-        return _split_attention(query, key, value, scaling), None
-    # on the CPU, folding the GQA group into the query length reads each key once: faster than SDPA's
-    # grouped path there; a token tree needs its mask anyway
+    if 1 < t < n and _CPU_FLASH is not None and not query.is_cuda:  # verifies, trees, prefill chunks
+        return _split_attention(query, key, value, scaling, None if batch.is_chain else batch.sees), None
+    # one token (or no CPU flash kernel): folding the GQA group into the query length reads each key
+    # once, faster than SDPA's grouped path on the CPU
     mask = batch.mask(n - t, hq // hkv, query.device) if t > 1 else None  # [G*T, n]
     return _folded_attention(query, key, value, mask, scaling), None
 
@@ -75,22 +75,22 @@ def _folded_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     return out.reshape(1, hq, t, d).transpose(1, 2)  # [1, T, Hq, D]
 
 
-# A chain of at least this many new tokens over cached keys takes _split_attention on the CPU: measured
-# against the masked folded kernel (one thread, 8K-16K keys) 0.85x the time at 16-256 tokens and 0.5x
-# at 2,048; for fewer tokens the two are level.
-SPLIT_FROM = 16
-_CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)  # (out, logsumexp)
+# The CPU's flash kernel, which also returns each row's log-sum-exp (None where torch lacks it).
+_CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
-def _split_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling) -> torch.Tensor:
-    """Causal attention of T new tokens over n keys, the last T their own, with no [T, n] mask:
-    query [1, Hq, T, D], key/value [1, Hkv, n, D] -> [1, T, Hq, D].
+def _split_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling, sees: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention of T new tokens over n keys, the last T their own, with no [T, n] mask: query
+    [1, Hq, T, D], key/value [1, Hkv, n, D], ``sees`` [T, T] among the new tokens (None: causal, a
+    chain) -> [1, T, Hq, D].
 
-    The cached keys are visible to every new token, so that part is unmasked flash attention with
-    the query heads of each KV group folded into the query length; the new tokens' own keys need
-    plain top-left causal attention. The two partial softmaxes are merged by their log-sum-exps, as
-    flash-decoding merges its splits (Dao et al., 2023): out = Σ_i e^{lse_i - m} o_i / Σ_i e^{lse_i - m}.
-    A chunked prefill then costs what one causal prefill does, and its memory stays O(T·D).
+    Every new token sees every cached key, so that part is unmasked flash attention with the query
+    heads of each KV group folded into the query length (each key read once); the new tokens' own
+    keys take a T x T mask (a chain's is top-left causal, a tree's its ancestry). The two partial
+    softmaxes are merged by their log-sum-exps, as flash-decoding merges its splits (Dao et al.,
+    2023): out = Σ_i e^{lse_i - m} o_i / Σ_i e^{lse_i - m}. Measured on the CPU (one thread, 8K-16K
+    keys) against the masked folded kernel: 0.85x the time at 16-256 tokens, 0.5x at 2,048, level
+    below 16; a chunked prefill costs what one causal prefill does, in O(T·D) memory.
     """
     _, hq, t, d = query.shape
     hkv, n = key.shape[1], key.shape[2]
@@ -98,7 +98,11 @@ def _split_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     past, past_lse = _CPU_FLASH(query.reshape(1, hkv, group * t, d), key[:, :, : n - t], value[:, :, : n - t], scale=scaling)  # [1, Hkv, G*T, D], [1, Hkv, G*T]
     own_keys = key[:, :, n - t :].repeat_interleave(group, 1)  # [1, Hq, T, D]
     own_values = value[:, :, n - t :].repeat_interleave(group, 1)  # [1, Hq, T, D]
-    own, own_lse = _CPU_FLASH(query, own_keys, own_values, is_causal=True, scale=scaling)  # [1, Hq, T, D], [1, Hq, T]
+    if sees is None:
+        own, own_lse = _CPU_FLASH(query, own_keys, own_values, is_causal=True, scale=scaling)  # [1, Hq, T, D], [1, Hq, T]
+    else:
+        bias = torch.zeros(t, t, dtype=query.dtype, device=query.device).masked_fill(~sees.to(query.device), float("-inf"))  # [T, T]
+        own, own_lse = _CPU_FLASH(query, own_keys, own_values, attn_mask=bias, scale=scaling)  # [1, Hq, T, D], [1, Hq, T]
     past_lse = past_lse.reshape(1, hq, t)  # [1, Hq, T]
     top = torch.maximum(past_lse, own_lse)  # [1, Hq, T]
     w_past, w_own = (past_lse - top).exp()[..., None], (own_lse - top).exp()[..., None]  # [1, Hq, T, 1] each
@@ -280,6 +284,8 @@ def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32, device: 
         tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
         config = window_config(source, kwargs, context, rope_scaling)
         module = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, config=config, **kwargs).to(device)
+    except SpecstackError:  # a bad window: already one line of its own
+        raise
     except (OSError, ValueError, KeyError, RuntimeError) as error:
         first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise SpecstackError(f"cannot load model {str(path)!r}: {first[:300]}") from None

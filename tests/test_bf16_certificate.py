@@ -88,15 +88,18 @@ def prompts(models) -> dict[str, list[int]]:
 
 @pytest.fixture(scope="module")
 def references(models, prompts):
-    """Per prompt, bf16 autoregressive decoding (the registered stack), replayed on demand."""
+    """Per prompt, bf16 autoregressive decoding (the registered stack), replayed on demand; the
+    stacks that decoded them are kept in ``references.stacks`` (their target prefill is shared below)."""
     made: dict[str, GreedyReference] = {}
+    stacks: dict[str, SpeculationStack] = {}
 
     def reference(kind: str) -> GreedyReference:
         if kind not in made:
-            ar = Registry.create().stack("autoregressive", target=models[0]).generate(prompts[kind], NEW_TOKENS)
-            made[kind] = GreedyReference(models[0], prompts[kind], ar.tokens)
+            stacks[kind] = Registry.create().stack("autoregressive", target=models[0])
+            made[kind] = GreedyReference(models[0], prompts[kind], stacks[kind].generate(prompts[kind], NEW_TOKENS).tokens)
         return made[kind]
 
+    reference.stacks = stacks
     return reference
 
 
@@ -110,7 +113,10 @@ def outputs(models, prompts, references):
         if name == "autoregressive":
             return tuple(references(kind).tokens)
         if (name, kind) not in made:
-            made[name, kind] = build(name, models, len(prompts[kind])).generate(prompts[kind], NEW_TOKENS).tokens
+            stack = build(name, models, len(prompts[kind]))
+            references(kind)
+            shared = stack.share_prefill(references.stacks[kind], prompts[kind])  # the same one-chunk prefill, copied
+            made[name, kind] = stack.generate(prompts[kind], NEW_TOKENS, reuse_cache=shared).tokens
         return made[name, kind]
 
     return output

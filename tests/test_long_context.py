@@ -128,6 +128,24 @@ def test_split_attention_is_causal_attention_aligned_to_the_last_key(dtype, t, n
     torch.testing.assert_close(got.float(), expected.transpose(1, 2), **tolerance)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("t, n", [(2, 40), (9, 100), (31, 32)])
+def test_split_attention_with_a_tree_mask_is_attention_under_that_mask(dtype, t, n) -> None:
+    """Among the new tokens, a token tree's ancestry (random parents); every cached key is visible."""
+    generator = torch.Generator().manual_seed(t + n)
+    parents = [int(torch.randint(-1, i, (), generator=generator)) if i else -1 for i in range(t)]
+    sees = torch.eye(t, dtype=torch.bool)  # [T, T]
+    for i, parent in enumerate(parents):
+        if parent >= 0:
+            sees[i] |= sees[parent]
+    query, key, value = (torch.randn(1, h, length, 16, generator=generator).to(dtype) for h, length in ((6, t), (2, n), (2, n)))
+    mask = torch.cat([torch.ones(t, n - t, dtype=torch.bool), sees], dim=1)  # [T, n]
+    expected = F.scaled_dot_product_attention(query.float(), key.float(), value.float(), attn_mask=mask, enable_gqa=True)
+    got = _split_attention(query, key, value, None, sees)  # [1, T, Hq, D]
+    tolerance = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
+    torch.testing.assert_close(got.float(), expected.transpose(1, 2), **tolerance)
+
+
 def prefill_caches(model: HFCausalLM, prompt: list[int], chunk: int, progress=None):
     stack = SpeculationStack.build([Level(model=model)])
     stack.prefill_chunk = chunk

@@ -20,15 +20,14 @@ small next-token cross-entropy term. The learning-rate schedule is driven by
 wall-clock time, so ``minutes`` fixes the training budget. The checkpoint with
 the best held-out greedy agreement is kept.
 
-CLI::
+Command line (:mod:`specstack_training.command`)::
 
-    python -m specstack.distill --target DIR --text a.txt --text b.txt \\
-        --eval-text held_out.txt --out OUT_DIR --minutes 60
+    specstack train draft --target DIR --text a.txt --text emma \\
+        --eval-text held_out.txt --out OUT_DIR --minutes 60 [--set key=value ...]
 """
 
 from __future__ import annotations
 
-import argparse
 import copy
 import json
 import math
@@ -41,6 +40,8 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+from specstack import SpecstackError
 
 DEFAULTS = dict(
     hidden=576,  # student residual width d (576 = the target's: embedding copied exactly)
@@ -336,12 +337,17 @@ def save_student(student: LlamaForCausalLM, target_dir: str, out_dir: str) -> No
 # ----------------------------------------------------------------------------
 
 
+def check_hyperparameters(hyperparams: dict) -> None:
+    """Every key must be one of :data:`DEFAULTS` (one error line naming the first that is not)."""
+    unknown = sorted(set(hyperparams) - set(DEFAULTS))
+    if unknown:
+        raise SpecstackError(f"hyperparameter {unknown[0]!r} is not allowed; use {', '.join(DEFAULTS)}")
+
+
 def distill(*, target_dir: str, texts: list[str], out_dir: str, minutes: float, seed: int = 0,
             eval_text: str | None = None, log=print, **hyperparams) -> dict:
     """Build, train (for `minutes` of wall clock) and save a draft model; return metrics."""
-    unknown = set(hyperparams) - set(DEFAULTS)
-    if unknown:
-        raise ValueError(f"unknown hyperparameters: {sorted(unknown)}")
+    check_hyperparameters(hyperparams)
     hp = {**DEFAULTS, **hyperparams, "seed": seed}
     torch.set_num_threads(hp["threads"])
     torch.manual_seed(seed)
@@ -368,44 +374,3 @@ def distill(*, target_dir: str, texts: list[str], out_dir: str, minutes: float, 
     with open(os.path.join(out_dir, "distill_metrics.json"), "w") as f:
         json.dump(metrics, f, indent=2)
     return metrics
-
-
-def _read(path: str) -> str:
-    """A text file, or the name of a book shipped in specstack.data (e.g. ``emma``)."""
-    from .data import BOOKS, load_book
-
-    if path in BOOKS and not os.path.exists(path):
-        return load_book(path)
-    if not os.path.isfile(path):
-        raise SystemExit(f"specstack distill: no such file or shipped book: {path}; books: {', '.join(BOOKS)}")
-    with open(path, encoding="utf-8") as f:
-        return f.read()
-
-
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="specstack distill", description="Distil a draft model from a target model.")
-    ap.add_argument("--target", default=None, help="target model directory (default: the embedded SmolLM2-135M)")
-    ap.add_argument("--text", action="append", required=True, help="training text file or shipped book name (repeatable)")
-    ap.add_argument("--out", required=True, help="output directory for the draft model")
-    ap.add_argument("--minutes", type=float, default=60.0, help="wall-clock training budget")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--eval-text", help="held-out text file or shipped book for greedy-agreement evaluation")
-    args = ap.parse_args(argv)
-    if args.target is None:
-        from .models import prepare_target
-
-        args.target = str(prepare_target())
-    if not os.path.isfile(os.path.join(args.target, "config.json")):
-        raise SystemExit(f"specstack distill: not a model directory: {args.target}")
-    if args.minutes <= 0:
-        raise SystemExit("specstack distill: --minutes must be positive")
-    texts = [_read(p) for p in args.text]
-    eval_text = _read(args.eval_text) if args.eval_text else None
-    m = distill(target_dir=args.target, texts=texts, out_dir=args.out, minutes=args.minutes,
-                seed=args.seed, eval_text=eval_text, log=lambda s: print(s, flush=True))
-    print(json.dumps({k: v for k, v in m.items() if k != "hyperparams"}, indent=2))
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -1,0 +1,63 @@
+"""``specstack train``: the training plugin (plugins/training), registered through the entry points.
+
+Bad input is one error line and exit code 2, found before any weights are read; a smoke
+configuration of ``train draft`` trains for seconds on the embedded default and its draft runs in
+a lossless stack.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from specstack.cli import main
+
+
+def error_line(capsys) -> str:
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1, lines
+    return lines[0]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["train"], "specstack train: error: name what to train; allowed: draft"),
+    (["train", "draft", "--text", "no-such-file", "--out", "unused"],
+     "specstack train: error: text 'no-such-file' is neither a file nor a shipped book; books: "
+     "prideprejudice, sensesensibility, mansfieldpark, emma, northangerabbey, persuasion, kjv"),
+    (["train", "draft", "--text", "emma", "--out", "unused", "--minutes", "0"],
+     "specstack train: error: --minutes 0 is not allowed; use a positive number"),
+    (["train", "draft", "--text", "emma", "--out", "unused", "--set", "learning_rate=1"],
+     "specstack train: error: hyperparameter 'learning_rate' is not allowed; use hidden, layers, heads, kv_heads, intermediate, "
+     "seq_len, batch, top_k, replay, lr, emb_lr, ce_weight, warmup, weight_decay, eval_positions, eval_every, teacher_bf16, autocast, threads"),
+])
+def test_bad_training_input_is_one_line_and_exit_code_2(capsys, argv, message) -> None:
+    assert main(argv) == 2
+    assert error_line(capsys) == message
+
+
+def test_a_target_that_is_not_a_model_directory_is_one_line(capsys, tmp_path) -> None:
+    assert main(["train", "draft", "--text", "emma", "--out", str(tmp_path / "out"), "--target", str(tmp_path)]) == 2
+    assert error_line(capsys) == f"specstack train: error: --target {str(tmp_path)!r} is not a model directory (no config.json)"
+
+
+@pytest.mark.real_model
+def test_a_smoke_distillation_trains_a_draft_that_a_lossless_stack_runs(tmp_path, capsys) -> None:
+    from specstack import Registry
+    from specstack.data import book_tokens
+    from specstack.hf import load_model
+    from specstack.models import load_default
+
+    out = tmp_path / "draft"
+    argv = ["train", "draft", "--text", "emma", "--eval-text", "persuasion", "--out", str(out), "--minutes", "0.05",
+            "--set", "seq_len=64", "--set", "batch=1", "--set", "top_k=8", "--set", "eval_positions=128", "--set", "threads=2",
+            "--set", "teacher_bf16=false", "--set", "autocast=false"]  # fp32: a CPU without bf16 instructions runs it several times faster
+    assert main(argv) == 0
+    metrics = json.loads((out / "distill_metrics.json").read_text())
+    assert metrics["eval_positions"] == 128 and 0.0 <= metrics["best_agreement"] <= 1.0
+    target, _, tokenizer = load_default(with_draft=False)
+    draft = load_model(out)[0]
+    prompt = book_tokens(tokenizer, 300, name="kjv")
+    registry = Registry.create()
+    reference = registry.stack("autoregressive", target=target).generate(prompt, 12)
+    assert registry.stack("speculative", target=target, draft=draft).generate(prompt, 12).tokens == reference.tokens
