@@ -86,7 +86,7 @@ def check_edges(edges: Sequence[int], length: int) -> tuple[int, ...]:
 
 def perplexity_by_position(model, tokens: Sequence[int], edges: Sequence[int], *, chunk: int = CHUNK, progress=None) -> tuple[Bucket, ...]:
     """One pass of ``tokens[:edges[-1]]`` through ``model`` (full cache, ``chunk`` tokens per forward):
-    bucket i sums -log p(token t | tokens before t) over t in [edges[i-1], edges[i]) (edges[-1] = 0)."""
+    bucket i sums -log p(token t | tokens before t) over t in [edges[i-1], edges[i]), bucket 0 from t = 1."""
     from ..model import CachedModel
     from ..policies import FullCache
     from ..types import LevelStats
@@ -306,6 +306,11 @@ def report(record: dict) -> list[str]:
         lines += ["", f"{ppl['seconds']:.1f} s, peak memory {ppl['peak_mib']:.0f} MiB"]
     if record["passkey"]:
         lines += ["", "| length | depth | key | found | answer |", "| ---: | ---: | ---: | --- | --- |"]
-        lines += [f"| {p['length']} | {p['depth']} | {p['key']} | {'yes' if p['found'] else 'no'} | {json.dumps(p['answer'])} |"
+        lines += [f"| {p['length']} | {p['depth']} | {p['key']} | {'yes' if p['found'] else 'no'} | {_cell(p['answer'])} |"
                   for p in record["passkey"]]
     return lines
+
+
+def _cell(text: str) -> str:
+    """``text`` quoted for one markdown table cell (a ``|`` of a chat template would end the cell)."""
+    return json.dumps(text).replace("|", "\\|")
