@@ -226,7 +226,7 @@ class SpeculationStack:
             self.top.reset()
         self.generators.synchronize()  # clocks are read only when every device is idle
         began = time.perf_counter()
-        self._prefill(sequence, len(prompt), prefill_progress)
+        self._prefill(sequence, len(prompt), prefill_progress, chunked=not reuse_cache)
         self.generators.synchronize()
         prefill_seconds = time.perf_counter() - began
         before = [attrs.evolve(s) for s in self.top.level_stats()]
@@ -262,10 +262,13 @@ class SpeculationStack:
         mine.adopt(theirs, prompt)
         return True
 
-    def _prefill(self, sequence: TokenSequence, length: int, progress) -> None:
+    def _prefill(self, sequence: TokenSequence, length: int, progress, *, chunked: bool) -> None:
         """Feed the prompt in chunks: every level's cache only ever extends (a level feeds what it has
-        not seen), so activations stay O(chunk) and a long prompt reports its progress."""
-        for end in [*range(self.prefill_chunk, length, self.prefill_chunk), length]:
+        not seen), so activations stay O(chunk) and a long prompt reports its progress. Caches kept
+        from an earlier call (or a shared prefill) are fed in one step: a chunk shorter than what a
+        level already holds would roll it back."""
+        step = self.prefill_chunk if chunked else length
+        for end in [*range(step, length, step), length]:
             self.top.prefill(sequence.view(end))
             if progress is not None:
                 progress(end, length)
