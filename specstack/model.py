@@ -147,11 +147,15 @@ class CachedModel:
             return torch.empty(0, self.model.vocab_size, device=self.device)  # [0, V]
         return torch.cat(rows)  # [num_logits, V]
 
+    def can_adopt(self, source: "CachedModel") -> bool:
+        """Whether :meth:`adopt` may copy ``source``'s cache: the same model, both caches complete."""
+        return source.model is self.model and self.policy.complete and source.policy.complete
+
     def adopt(self, source: "CachedModel", tokens: Sequence[int]) -> None:
         """Hold ``tokens`` by copying ``source``'s cache of them instead of prefilling: both levels run
         the same model over complete caches (the target levels of two stacks given one prompt)."""
         tokens = as_tokens(tokens)
-        if source.model is not self.model or not (self.policy.complete and source.policy.complete):
+        if not self.can_adopt(source):
             raise SpecstackError(f"level '{self.stats.name}' can adopt the cache of a level of the same model only, both with complete caches")
         held = source.fed_prefix(tokens)
         if held < len(tokens):

@@ -257,7 +257,7 @@ class SpeculationStack:
         stacks compared on one long prompt pay its full prefill once. False where the top levels
         are not both such levels (nothing is copied)."""
         mine, theirs = getattr(self.top, "lm", None), getattr(source.top, "lm", None)
-        if mine is None or theirs is None or mine.model is not theirs.model or not (mine.policy.complete and theirs.policy.complete):
+        if mine is None or theirs is None or not mine.can_adopt(theirs):
             return False
         mine.adopt(theirs, prompt)
         return True
