@@ -16,8 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import resource
-import sys
 import time
 from typing import Sequence
 
@@ -233,15 +231,6 @@ def options(args: argparse.Namespace) -> Options:
                    seed=_int(args.seed, "--seed", minimum=0))
 
 
-def status(message: str) -> None:
-    print(f"[specstack] {message}", file=sys.stderr, flush=True)
-
-
-def peak_mib() -> float:
-    """This process's peak resident memory so far (Linux: ru_maxrss is in KiB)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
 def run_quality(args: argparse.Namespace, loaded=None) -> int:
     """``specstack quality``; ``loaded`` = (model, tokenizer) replaces the embedded default (tests)."""
     opts = options(args)  # before any weights are read
@@ -259,6 +248,8 @@ def run_quality(args: argparse.Namespace, loaded=None) -> int:
 def _measure(opts: Options, loaded) -> dict:
     """The record of one ``quality`` run: perplexity buckets and passkey answers."""
     from ..floor import DTYPES
+    from ..run import status
+    from .runner import peak_rss_mb
 
     if loaded is None:
         from transformers.utils import logging as hf_logging
@@ -278,12 +269,14 @@ def _measure(opts: Options, loaded) -> dict:
         for depth in opts.depths:
             began = time.perf_counter()
             result = passkey(model, tokenizer, length, depth, opts.seed, book=opts.book, offset=opts.offset)
-            record["passkey"].append({**result.as_dict(), "seconds": time.perf_counter() - began, "peak_mib": peak_mib()})
+            record["passkey"].append({**result.as_dict(), "seconds": time.perf_counter() - began, "peak_mib": peak_rss_mb()})
             status(f"passkey {length} tokens, depth {depth}: {'found' if result.found else 'missed'} {result.key} in {result.answer!r}")
     return record
 
 
 def _measure_perplexity(model, tokenizer, opts: Options) -> dict:
+    from ..run import status
+    from .runner import peak_rss_mb
     from .tasks import Books
 
     text = Books(tokenizer).tokens(opts.book, opts.tokens, opts.offset)
@@ -291,7 +284,7 @@ def _measure_perplexity(model, tokenizer, opts: Options) -> dict:
     began = time.perf_counter()
     buckets = perplexity_by_position(model, text, opts.edges, progress=lambda done, n: status(f"perplexity: {done}/{n} tokens"))
     return {"buckets": [b.as_dict() for b in buckets], "all": total(buckets).as_dict(),
-            "seconds": time.perf_counter() - began, "peak_mib": peak_mib()}
+            "seconds": time.perf_counter() - began, "peak_mib": peak_rss_mb()}
 
 
 def report(record: dict) -> list[str]:

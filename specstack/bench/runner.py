@@ -173,7 +173,7 @@ def metrics(run: Measurement, reference: Measurement | Failure | None, prompt: P
         "identical_to_baseline": _identical(run, reference) if greedy else None,
         "levels": [level.as_dict() for level in run.levels],
         "time_split": _time_split(run),
-        "peak_rss_mb": _peak_rss_mb(),
+        "peak_rss_mb": peak_rss_mb(),
         "peak_cuda_mb": run.peak_cuda_mb,
         "accuracy": prompt.score(text),
         "task_info": dict(prompt.info),
@@ -210,7 +210,7 @@ def _time_split(run: Measurement) -> dict[str, float] | None:
             "cache_maintenance_seconds": max(0.0, run.decode_seconds - drafting - verifying)}
 
 
-def _peak_rss_mb() -> float | None:
+def peak_rss_mb() -> float | None:
     """The process's high-water mark of resident memory so far."""
     try:
         import resource  # Unix only
