@@ -9,7 +9,9 @@ every root-to-leaf path of the tree as if it had been decoded on its own.
 
 The batch also carries what the level's cache policy asked of this forward: a query log for a
 gathering level below (:class:`~specstack.channels.QueryLog`), attention recording (H2O) and a
-sparse attention filter (the Top-K oracle). The attention mask is built here, once per forward, and
+sparse attention filter (the Top-K oracle), and whether to keep the hidden states of the scored rows
+(``keep_hidden``; the model leaves them in ``hidden`` for a drafter that reads them, Medusa's heads).
+The attention mask is built here, once per forward, and
 shared by every layer.
 """
 
@@ -38,6 +40,8 @@ class TokenBatch:
     queries: QueryLog | None = None
     record_attention: bool = False
     attend: Select | None = None
+    keep_hidden: bool = False  # asked of a model with Capability.HIDDEN_STATES
+    hidden: torch.Tensor | None = None  # [num_logits, H]: left here by the model when keep_hidden is set
     _masks: dict = attrs.field(init=False, factory=dict)
 
     @classmethod

@@ -10,6 +10,11 @@ full KV cache of the same model one level up. What it may read of that level is 
 
 :class:`FullCacheChannel` is that channel; the full-cache level opens it
 (:meth:`~specstack.model.CachedModel.open_channel`) and logs its queries into a :class:`QueryLog`.
+
+A drafter that reads the hidden states of the level it drafts for (Medusa's heads) reads them
+through a :class:`HiddenStateChannel`, which that level opens
+(:meth:`~specstack.model.CachedModel.open_hidden_channel`) and fills through a :class:`HiddenLog`:
+the last hidden state of each recently scored position, and the level's own output head.
 """
 
 from __future__ import annotations
@@ -22,6 +27,8 @@ import torch
 if TYPE_CHECKING:
     from .model import CachedModel, KVCache
     from .policies import GatheringPolicy
+
+HIDDEN_ROOM = 256  # positions a HiddenLog remembers (a ring): a few rounds of any level
 
 MEAN_BLOCK = 1 << 22  # key elements turned into float32 at once when chunk means are computed (16 MiB)
 
@@ -155,3 +162,69 @@ class FullCacheChannel:
     def copy_into(self, store: "KVCache", slots: torch.Tensor, horizon: int) -> None:
         """Fill ``store`` with the full cache's entries at ``slots`` ([K] or [L, H, K])."""
         store.gather_from(self._source.cache, slots, horizon)
+
+
+@attrs.define(eq=False)
+class HiddenLog:
+    """The last hidden state (after the final norm, what the output head reads) of the recently scored
+    positions of one level, in a ring of ``room`` positions: O(1) memory in the context.
+
+    A forward that writes positions from ``start`` on makes every state at ``start`` or later stale
+    (``forget_from``), then ``record``s the states of the rows it scored."""
+
+    room: int = HIDDEN_ROOM
+    _positions: torch.Tensor = attrs.field(init=False)  # [room] int64 on the host: the position held in each slot, -1: none
+    _states: torch.Tensor | None = attrs.field(init=False, default=None)  # [room, H]
+
+    def __attrs_post_init__(self) -> None:
+        self._positions = torch.full((self.room,), -1, dtype=torch.long, device="cpu")  # [room]
+
+    def forget_from(self, position: int) -> None:
+        self._positions.masked_fill_(self._positions >= position, -1)
+
+    def record(self, positions: torch.Tensor, states: torch.Tensor) -> None:
+        """``states`` [n, H] of the rows at ``positions`` [n] (host)."""
+        if self._states is None or self._states.shape[1:] != states.shape[1:] or self._states.device != states.device:
+            self._states = torch.zeros(self.room, *states.shape[1:], dtype=states.dtype, device=states.device)  # [room, H]
+            self._positions.fill_(-1)
+        slots = positions.cpu() % self.room  # [n]
+        self._positions[slots] = positions.cpu()
+        self._states[slots.to(states.device)] = states
+
+    def at(self, position: int) -> torch.Tensor | None:
+        """[H] the state of ``position``, or None if it is not held."""
+        slot = position % self.room
+        return self._states[slot] if position >= 0 and int(self._positions[slot]) == position else None
+
+
+@attrs.define(eq=False)
+class HiddenStateChannel:
+    """What a drafter reads of the level it drafts for: the hidden state of the last positions that
+    level committed, and that level's output head (Medusa's heads end in the target's own LM head)."""
+
+    _source: "CachedModel"
+    log: HiddenLog
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self._source.model.hidden_size)
+
+    @property
+    def device(self) -> torch.device:
+        return self._source.device
+
+    def latest(self, prefix: Sequence[int]) -> tuple[int, torch.Tensor] | None:
+        """(q, state [H]) for the latest position q of ``prefix`` whose state the level holds, among
+        the last two (the last token is usually the one the level emitted, not yet fed: then q is
+        ``len(prefix) - 2``, whose state predicted it). None when neither is held: the level has not
+        scored this prefix (a cache adopted from another stack, the level above rejected its tokens)."""
+        held = self._source.fed_prefix(prefix)
+        for q in (len(prefix) - 1, len(prefix) - 2):
+            state = self.log.at(q) if 0 <= q < held else None
+            if state is not None:
+                return q, state
+        return None
+
+    def output_logits(self, states: torch.Tensor) -> torch.Tensor:
+        """[n, H] hidden states -> [n, V] float32 logits through the level's own output head."""
+        return self._source.model.output_logits(states)

@@ -14,6 +14,7 @@ import attrs
 import numpy as np
 import torch
 
+from .channels import HiddenStateChannel
 from .errors import SpecstackError
 from .model import CachedModel
 from .sampling import SamplingConfig, sample, warp
@@ -62,6 +63,10 @@ class Drafter(abc.ABC):
 
     def observe(self, drafted: int, accepted: int) -> None:
         """How the level above judged this drafter's last draft (used by refreshable caches)."""
+
+    def attach_hidden_states(self, channel: HiddenStateChannel) -> None:
+        """Called once when the stack is built, for a drafter whose ``requires`` holds
+        ``Capability.HIDDEN_STATES``: the channel to the hidden states of the level it drafts for."""
 
 
 @attrs.define(eq=False, kw_only=True)

@@ -86,8 +86,8 @@ class ForwardGraphs:
     @staticmethod
     def applies(batch: TokenBatch, store: KVStore) -> bool:
         """Whether this forward may be graphed: a short chain over a bounded CUDA store, with nothing
-        asked of its attention (no query log, attention weights or sparse attention)."""
-        plain = batch.queries is None and not batch.record_attention and batch.attend is None
+        asked of its attention (no query log, attention weights or sparse attention) nor its hidden states."""
+        plain = batch.queries is None and not batch.record_attention and batch.attend is None and not batch.keep_hidden
         return store.keys.is_cuda and batch.is_chain and plain and len(batch) <= MAX_TOKENS and store.capacity <= MAX_CAPACITY
 
     def forward(self, batch: TokenBatch, store: KVStore, rope: torch.Tensor) -> torch.Tensor:

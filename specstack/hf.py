@@ -181,7 +181,8 @@ class HFCausalLM:
     tokenizer_id: str | None
     name: str = "model"
     capabilities: frozenset[Capability] = frozenset(
-        {Capability.KEYS, Capability.QUERIES, Capability.ATTENTION_WEIGHTS, Capability.SPARSE_ATTENTION, Capability.TREE_ATTENTION})
+        {Capability.KEYS, Capability.QUERIES, Capability.ATTENTION_WEIGHTS, Capability.SPARSE_ATTENTION, Capability.TREE_ATTENTION,
+         Capability.HIDDEN_STATES})
     cuda_graphs: bool = True  # replay short chain forwards over bounded stores as CUDA graphs (specstack.graphs)
     vocab_size: int = attrs.field(init=False)
     max_length: int = attrs.field(init=False)
@@ -206,6 +207,15 @@ class HFCausalLM:
     def device(self) -> torch.device:
         return next(self.module.parameters()).device
 
+    @property
+    def hidden_size(self) -> int:
+        return int(self.module.config.hidden_size)
+
+    @torch.inference_mode()
+    def output_logits(self, states: torch.Tensor) -> torch.Tensor:
+        """[n, H] last hidden states -> [n, V] float32 logits: the model's own LM head."""
+        return self.module.lm_head(states.to(self.dtype)).float()
+
     def new_cache(self, capacity: int, *, relative_positions: bool = False) -> KVStore:
         config = self.module.config
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -223,20 +233,22 @@ class HFCausalLM:
             logits = self.graphs.forward(batch, cache, rope)  # [num_logits, V]
         else:
             tokens, rope = batch.tokens[None].to(self.device), rope[None].to(self.device)  # [1, T] each
-            logits = self._run(tokens, rope, StoreCache(cache), batch.num_logits, specstack_batch=batch, specstack_store=cache)
+            logits, hidden = self._run(tokens, rope, StoreCache(cache), batch.num_logits, specstack_batch=batch, specstack_store=cache)
+            batch.hidden = hidden if batch.keep_hidden else None
         cache.commit()
         return logits
 
     def _static_forward(self, store: KVStore, tokens: torch.Tensor, rope: torch.Tensor, view: StaticView, num_logits: int) -> torch.Tensor:
         """The forward a CUDA graph captures: static device inputs, the store seen through ``view``."""
-        return self._run(tokens, rope, StoreCache(store, view), num_logits, specstack_view=view, specstack_store=store)
+        return self._run(tokens, rope, StoreCache(store, view), num_logits, specstack_view=view, specstack_store=store)[0]
 
-    def _run(self, tokens: torch.Tensor, rope: torch.Tensor, cache: StoreCache, num_logits: int, **attention) -> torch.Tensor:
-        """The module over tokens and rotary positions [1, T] -> the logits of the last ``num_logits`` [num_logits, V]
-        (transformers reads ``logits_to_keep=0`` as all of them, so at least one is computed)."""
-        out = self.module(input_ids=tokens, position_ids=rope, past_key_values=cache, use_cache=True,
-                          logits_to_keep=max(num_logits, 1), **attention)
-        return out.logits[0, out.logits.shape[1] - num_logits :].float()  # [num_logits, V]
+    def _run(self, tokens: torch.Tensor, rope: torch.Tensor, cache: StoreCache, num_logits: int, **attention) -> tuple[torch.Tensor, torch.Tensor]:
+        """The module over tokens and rotary positions [1, T] -> the logits [num_logits, V] and last hidden
+        states [num_logits, H] of the last ``num_logits`` tokens, as the model's own forward computes them
+        (its decoder, then its LM head over those rows only)."""
+        out = self.module.model(input_ids=tokens, position_ids=rope, past_key_values=cache, use_cache=True, **attention)
+        hidden = out.last_hidden_state[0, out.last_hidden_state.shape[1] - num_logits :]  # [num_logits, H]
+        return self.module.lm_head(hidden).float(), hidden  # [num_logits, V], [num_logits, H]
 
     @torch.inference_mode()
     def _rerotate(self, keys: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:

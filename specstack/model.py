@@ -14,7 +14,7 @@ import attrs
 import torch
 
 from .batch import TokenBatch
-from .channels import FullCacheChannel, QueryLog
+from .channels import FullCacheChannel, HiddenLog, HiddenStateChannel, QueryLog
 from .errors import SpecstackError
 from .policies import CachePolicy, CacheState, check_selection
 from .types import Capability, Draft, LevelStats, SeenTokens, TokenView, as_tokens
@@ -66,7 +66,10 @@ class CausalLM(Protocol):
     def forward(self, batch: TokenBatch, cache: KVCache) -> torch.Tensor:
         """Append ``batch``'s tokens to ``cache`` and return the logits of its last ``batch.num_logits``
         tokens ([num_logits, V]); each token attends to the cache and to the new tokens ``batch.sees``
-        allows (a chain, or a token tree with ``Capability.TREE_ATTENTION``)."""
+        allows (a chain, or a token tree with ``Capability.TREE_ATTENTION``). A model with
+        ``Capability.HIDDEN_STATES`` leaves the last hidden states of those tokens in ``batch.hidden``
+        ([num_logits, H]) when ``batch.keep_hidden`` is set, and has ``hidden_size`` and
+        ``output_logits(states [n, H]) -> [n, V]``, its output head."""
 
 
 @attrs.define(eq=False)
@@ -91,8 +94,10 @@ class CachedModel:
     capacity: int = attrs.field(init=False)
     cache: KVCache = attrs.field(init=False)
     _queries: QueryLog | None = attrs.field(init=False, default=None)  # logged for a gathering level below
+    _hidden: HiddenLog | None = attrs.field(init=False, default=None)  # logged for a drafter that reads hidden states
     _fed: SeenTokens = attrs.field(init=False, factory=SeenTokens)  # token at every position fed so far
-    _tree: tuple[int, list[int]] | None = attrs.field(init=False, default=None)  # (first slot, tokens) of a scored tree
+    _tree: tuple[int, list[int], int] | None = attrs.field(init=False, default=None)  # (first slot, tokens, root position) of a scored tree
+    _tree_hidden: torch.Tensor | None = attrs.field(init=False, default=None)  # [k+1, H] its rows' hidden states, until a path is kept
     _acceptance: float | None = attrs.field(init=False, default=None)  # rolling, of this level's drafts
 
     def __attrs_post_init__(self) -> None:
@@ -111,7 +116,16 @@ class CachedModel:
         self._queries = self._queries or QueryLog()
         return FullCacheChannel(self, self._queries)
 
+    def open_hidden_channel(self) -> HiddenStateChannel:
+        """The channel through which the drafter below reads this level's hidden states."""
+        if Capability.HIDDEN_STATES not in self.model.capabilities:
+            raise SpecstackError(f"level '{self.stats.name}' cannot hand hidden states to a drafter: its model does not provide them")
+        self._hidden = self._hidden or HiddenLog()
+        return HiddenStateChannel(self, self._hidden)
+
     def reset(self) -> None:
+        if self._hidden is not None:
+            self._hidden.forget_from(0)
         self.cache.truncate(0)
         self._fed.truncate(0)
         self._tree = None
@@ -161,6 +175,8 @@ class CachedModel:
         if held < len(tokens):
             raise SpecstackError(f"level '{source.stats.name}' holds {held} of the {len(tokens)} tokens level '{self.stats.name}' would adopt")
         self._drop_tree()
+        if self._hidden is not None:
+            self._hidden.forget_from(0)  # copied keys come without the states that made them
         self.cache.copy_prefix(source.cache, len(tokens))
         self._fed.become(tokens)
 
@@ -180,12 +196,16 @@ class CachedModel:
         if len(batch) > self.capacity:
             raise SpecstackError(f"a tree of {len(draft)} tokens does not fit level '{self.stats.name}', whose cache holds {self.capacity} slots; use a smaller tree or a larger budget")
         self._make_room(len(batch))
-        self._tree = (len(self.cache) + len(prefix) - start, draft.tokens.tolist())
+        self._tree = (len(self.cache) + len(prefix) - start, draft.tokens.tolist(), int(batch.positions[batch.query_row]))
         return self._forward(batch)
 
     def accept_path(self, path: Sequence[int]) -> None:
         """Keep the accepted root path ``path`` (indices into the last scored tree), drop the rest."""
-        base, tokens = self._tree
+        base, tokens, root = self._tree
+        if self._hidden is not None and self._tree_hidden is not None:  # row 0 (the root) and the path's rows
+            rows = torch.tensor([0, *(i + 1 for i in path)], dtype=torch.long, device="cpu")  # [m+1]
+            self._hidden.record(root + torch.arange(len(rows), device="cpu"), self._tree_hidden[rows.to(self._tree_hidden.device)])
+        self._tree_hidden = None
         self.cache.keep_path(base, list(path))
         self._fed.extend([tokens[i] for i in path])
         self._tree = None
@@ -194,7 +214,7 @@ class CachedModel:
         """A tree scored but never resolved (the round was abandoned): forget all of it."""
         if self._tree is not None:
             self.cache.keep_path(self._tree[0], [])
-            self._tree = None
+            self._tree = self._tree_hidden = None
 
     def _rollback(self, tokens: TokenView, num_logits: int) -> int:
         """Roll the cache back to the longest prefix of ``tokens`` it holds, leaving ``num_logits`` to feed."""
@@ -235,8 +255,10 @@ class CachedModel:
         batch.queries = self._queries
         batch.record_attention = Capability.ATTENTION_WEIGHTS in self.policy.requires
         batch.attend = self.policy.attend if Capability.SPARSE_ATTENTION in self.policy.requires else None
+        batch.keep_hidden = self._hidden is not None
         began = time.perf_counter()
         out = self.model.forward(batch, self.cache)  # [num_logits, V]
+        self._log_hidden(batch)
         if out.is_cuda:  # the forward is queued, not done: wait for it, so that forward_seconds means its time
             torch.cuda.synchronize(out.device)
         self._fed.extend(batch.chain_tokens())
@@ -244,6 +266,18 @@ class CachedModel:
         self.stats.forward_tokens += len(batch)
         self.stats.forward_seconds += time.perf_counter() - began
         return out
+
+    def _log_hidden(self, batch: TokenBatch) -> None:
+        """Log the hidden states of the rows this forward scored: by position for a chain; for a tree,
+        those on the accepted path once :meth:`accept_path` knows it. Every state from the forward's
+        first position on is stale: those positions were written again."""
+        if self._hidden is None:
+            return
+        self._hidden.forget_from(int(batch.positions[0]))
+        if not batch.is_chain:
+            self._tree_hidden = batch.hidden  # [k+1, H]
+        elif batch.num_logits:
+            self._hidden.record(batch.positions[len(batch) - batch.num_logits :], batch.hidden)  # [num_logits], [num_logits, H]
 
     def _check_window(self, batch: TokenBatch) -> None:
         """A level whose rotary positions are sequence positions must stay inside its model's window

@@ -15,12 +15,15 @@ class StackRecipe:
     """``build(registry, target=…, draft=…, **options)`` returns the levels, lowest first.
 
     ``needs_draft`` says whether the recipe needs a draft model in addition to the target.
+    ``conformance_options(vocab)``, for a recipe whose default weights are made for one model (Medusa's
+    heads), gives the options under which it runs on the conformance suite's synthetic models.
     """
 
     name: str
     description: str
     build: Callable
     needs_draft: bool = False
+    conformance_options: Callable[[int], dict] | None = None
 
     def options(self) -> dict[str, object]:
         """The recipe's tunable parameters and their defaults."""

@@ -203,6 +203,8 @@ class SpeculationStack:
         for index, (level, lm) in enumerate(zip(levels[1:], lms[1:]), start=1):
             chosen = level.verifier or verifier or default_verifier(drafter.draft_kind, sampling)
             _check_verifier(index, level, drafter, chosen, sampling)
+            if Capability.HIDDEN_STATES in drafter.requires:
+                drafter.attach_hidden_states(lm.open_hidden_channel())
             drafter = SpeculativeLevel(
                 drafter=drafter, lm=lm, verifier=chosen, gamma=level.gamma, sampling=sampling,
                 generator=generators.on(lm.device), stop_tokens=stops,

@@ -9,6 +9,10 @@ Its cache is the real :class:`~specstack.kvstore.KVStore` (one layer, one head):
 random token embeddings and each value carries its token id, so every cache policy (eviction,
 per-head eviction, gathering, attention-weighted, sparse attention) runs on it exactly as on a
 transformer, and what a token "sees" is the set of slots its attention may reach.
+
+Its hidden state (``Capability.HIDDEN_STATES``) is another hash-seeded vector of the visible context,
+and its output head a fixed random matrix: enough for a drafter that reads hidden states (Medusa's
+heads) to draft from them, well or badly, while the logits stay the known ones.
 """
 
 from __future__ import annotations
@@ -42,14 +46,26 @@ class SyntheticLM:
     support: tuple[int, ...] | None = None
     max_length: int = 4096
     tokenizer_id: str | None = "synthetic"
-    capabilities: frozenset[Capability] = frozenset(Capability) - {Capability.HIDDEN_STATES}
+    capabilities: frozenset[Capability] = frozenset(Capability)
     head_dim: int = 4
+    hidden_size: int = 8
     device: torch.device = attrs.field(default="cpu", converter=torch.device)  # where its KV cache and logits live
     _embeddings: torch.Tensor = attrs.field(init=False)  # [2, V, D]: key and query embedding of each token
+    _head: torch.Tensor = attrs.field(init=False)  # [V, H]: the output head hidden states are read through
 
     def __attrs_post_init__(self) -> None:
         generator = torch.Generator(device="cpu").manual_seed(self.seed)
         self._embeddings = torch.randn(2, self.vocab_size, self.head_dim, generator=generator, device="cpu")  # [2, V, D]
+        self._head = torch.randn(self.vocab_size, self.hidden_size, generator=generator, device="cpu")  # [V, H]
+
+    def hidden_for(self, context: Sequence[int]) -> torch.Tensor:
+        """[H] the hidden state after ``context``: hash-seeded, like the logits."""
+        generator = torch.Generator(device="cpu").manual_seed(hash(("hidden", self.seed, *context)) & 0x7FFF_FFFF_FFFF_FFFF)
+        return torch.randn(self.hidden_size, generator=generator, device="cpu")  # [H]
+
+    def output_logits(self, states: torch.Tensor) -> torch.Tensor:
+        """[n, H] -> [n, V]: the fixed output head."""
+        return states.float().cpu() @ self._head.T
 
     def logits_for(self, context: Sequence[int]) -> torch.Tensor:
         generator = torch.Generator(device="cpu").manual_seed(hash((self.seed, *context)) & 0x7FFF_FFFF_FFFF_FFFF)
@@ -76,8 +92,10 @@ class SyntheticLM:
         cache.commit()
         ids = values[0, :, 0].long()  # [n+T]
         t = len(batch)
-        rows = [self.logits_for(ids[seen[i]].tolist()) for i in range(t - batch.num_logits, t)]
-        logits = torch.stack(rows) if rows else torch.empty(0, self.vocab_size, device="cpu")  # [num_logits, V]
+        contexts = [ids[seen[i]].tolist() for i in range(t - batch.num_logits, t)]
+        logits = torch.stack([self.logits_for(c) for c in contexts]) if contexts else torch.empty(0, self.vocab_size, device="cpu")  # [num_logits, V]
+        if batch.keep_hidden:
+            batch.hidden = torch.stack([self.hidden_for(c) for c in contexts]) if contexts else torch.empty(0, self.hidden_size, device="cpu")  # [num_logits, H]
         return logits.to(self.device)
 
     def _visible(self, queries: torch.Tensor, keys: torch.Tensor, batch: TokenBatch, cache: KVStore) -> torch.Tensor:

@@ -1,8 +1,8 @@
 """``specstack train``: the training plugin (plugins/training), registered through the entry points.
 
-Bad input is one error line and exit code 2, found before any weights are read; a smoke
-configuration of ``train draft`` trains for seconds on the embedded default and its draft runs in
-a lossless stack.
+Bad input is one error line and exit code 2, found before any weights are read; smoke
+configurations of ``train draft`` and ``train medusa`` train for seconds on the embedded default,
+and what they train runs in a lossless stack.
 """
 
 from __future__ import annotations
@@ -21,9 +21,18 @@ def error_line(capsys) -> str:
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["train"], "specstack train: error: name what to train; allowed: draft"),
+    (["train"], "specstack train: error: name what to train; allowed: draft, medusa"),
+    (["train", "medusa", "--text", "emma", "--out", "heads.bin"],
+     "specstack train: error: --out 'heads.bin' is not allowed; name a .safetensors file"),
+    (["train", "medusa", "--text", "emma", "--out", "h.safetensors", "--set", "heads=0"],
+     "specstack train: error: hyperparameters heads and layers must be at least 1"),
+    (["train", "medusa", "--text", "emma", "--out", "h.safetensors", "--set", "lr=fast"],
+     "specstack train: error: hyperparameter lr='fast' is not allowed; use a non-negative number"),
+    (["train", "medusa", "--text", "/nonexistent-dir/", "--out", "h.safetensors"],
+     "specstack train: error: text '/nonexistent-dir/' is neither a file, a directory nor a shipped book; books: "
+     "prideprejudice, sensesensibility, mansfieldpark, emma, northangerabbey, persuasion, kjv"),
     (["train", "draft", "--text", "no-such-file", "--out", "unused"],
-     "specstack train: error: text 'no-such-file' is neither a file nor a shipped book; books: "
+     "specstack train: error: text 'no-such-file' is neither a file, a directory nor a shipped book; books: "
      "prideprejudice, sensesensibility, mansfieldpark, emma, northangerabbey, persuasion, kjv"),
     (["train", "draft", "--text", "emma", "--out", "unused", "--minutes", "0"],
      "specstack train: error: --minutes 0 is not allowed; use a positive number"),
@@ -61,3 +70,27 @@ def test_a_smoke_distillation_trains_a_draft_that_a_lossless_stack_runs(tmp_path
     registry = Registry.create()
     reference = registry.stack("autoregressive", target=target).generate(prompt, 12)
     assert registry.stack("speculative", target=target, draft=draft).generate(prompt, 12).tokens == reference.tokens
+
+
+@pytest.mark.real_model
+def test_a_smoke_medusa_training_gives_heads_that_a_lossless_stack_runs(tmp_path) -> None:
+    from specstack import Registry
+    from specstack.data import book_tokens
+    from specstack.models import load_default
+    from specstack_medusa import load_heads
+
+    out = tmp_path / "heads.safetensors"
+    argv = ["train", "medusa", "--text", "emma", "--eval-text", "persuasion", "--out", str(out), "--minutes", "0.05",
+            "--set", "seq_len=48", "--set", "prompt_len=16", "--set", "chunks=4", "--set", "generations=2", "--set", "gen_batch=2",
+            "--set", "eval_chunks=2", "--set", "positions=32", "--set", "heads=2", "--set", "threads=2"]
+    assert main(argv) == 0
+    metrics = json.loads(out.with_suffix(".json").read_text())
+    assert metrics["steps"] >= 1 and set(metrics["held_out"]) == {"persuasion:text", "persuasion:greedy"}
+    assert all(0.0 <= a <= 1.0 for a in metrics["held_out"]["persuasion:greedy"]["top1"])
+    heads = load_heads(out)
+    assert heads.info.heads == 2 and len(heads.info.accuracy) == 2 and len(heads.info.accuracy[0]) == 8
+    target, _, tokenizer = load_default(with_draft=False)
+    prompt = book_tokens(tokenizer, 300, name="kjv")
+    registry = Registry.create()
+    reference = registry.stack("autoregressive", target=target).generate(prompt, 12)
+    assert registry.stack("medusa", target=target, heads=str(out)).generate(prompt, 12).tokens == reference.tokens

@@ -151,7 +151,7 @@ def test_a_verifier_that_cannot_verify_the_draft_kind_is_refused_when_the_stack_
 
 
 def test_drafter_requirements_are_checked_against_the_verifying_model() -> None:
-    target = SyntheticLM(vocab_size=9, seed=1)
+    target = SyntheticLM(vocab_size=9, seed=1, capabilities=frozenset(Capability) - {Capability.HIDDEN_STATES})
     with pytest.raises(SpecstackError, match="drafter 'needs-hidden-states' at level 1 needs hidden_states"):
         SpeculationStack.build([Level(drafter=NeedsHiddenStates()), Level(model=target, gamma=3)])
     flat = SyntheticLM(vocab_size=9, seed=1, capabilities=frozenset({Capability.KEYS}))

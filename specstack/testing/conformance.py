@@ -8,7 +8,9 @@ plugin — so a plugin author checks a new component with one line::
 Cache policies: declarations are valid, non-complete policies accept ``budget``, selections respect
 the room and the budget, are ascending and unique, keep declared sinks; a speculated suffix rolls
 back cleanly after an eviction or a gather; a stack using the policy is greedy-lossless. Drafters:
-drafts are well formed and a stack drafting with them is greedy-lossless. Verifiers: verdicts are
+drafts are well formed and a stack drafting with them is greedy-lossless (a drafter whose weights
+are made for one model provides ``conformance_instance(vocab)``, an instance for the suite's
+synthetic models; one that reads hidden states gets a channel to a synthetic level first). Verifiers: verdicts are
 well formed; greedy verifiers follow the argmax, sampling verifiers emit the target's distribution
 (chi-square). Stack recipes: each builds on synthetic models and decodes greedy-losslessly.
 
@@ -167,11 +169,26 @@ def test_a_stack_using_the_policy_is_greedy_lossless(policy_class, seed, gamma, 
 # -- drafters -------------------------------------------------------------------------------------
 
 
+def _drafter(drafter_class) -> Drafter:
+    """The drafter at the suite's vocabulary."""
+    make = getattr(drafter_class, "conformance_instance", None)
+    return make(VOCAB) if make is not None else drafter_class(vocab=VOCAB)
+
+
+def _attached(drafter: Drafter, prefix: list[int]) -> Drafter:
+    """A drafter that reads hidden states, given the channel of a synthetic level that scored ``prefix``."""
+    if Capability.HIDDEN_STATES in drafter.requires:
+        level = CachedModel(SyntheticLM(vocab_size=VOCAB, seed=3), FullCache(), LevelStats(name="level"))
+        drafter.attach_hidden_states(level.open_hidden_channel())
+        level.logits(prefix, 1)
+    return drafter
+
+
 @pytest.mark.parametrize("drafter_class", _params(Kind.DRAFTER))
 def test_drafts_are_well_formed(drafter_class) -> None:
-    drafter = drafter_class(vocab=VOCAB)
-    assert isinstance(drafter, Drafter) and drafter.vocab_size == VOCAB
     prefix = _prompt(60, seed=2, vocab=6) * 2
+    drafter = _attached(_drafter(drafter_class), prefix)
+    assert isinstance(drafter, Drafter) and drafter.vocab_size == VOCAB
     for n in (1, 4):
         draft = drafter.propose(prefix, n)
         assert isinstance(draft, Draft) and draft.kind is drafter.draft_kind, "a drafter's drafts are of the kind it declares"
@@ -185,7 +202,7 @@ def test_drafts_are_well_formed(drafter_class) -> None:
 def test_a_stack_drafting_with_it_is_greedy_lossless(drafter_class) -> None:
     target = SyntheticLM(vocab_size=VOCAB, seed=3, sharpness=2.0)
     prompt = _prompt(40, seed=3, vocab=6) * 3
-    stack = SpeculationStack.build([Level(drafter=drafter_class(vocab=VOCAB)), Level(model=target, gamma=4)])
+    stack = SpeculationStack.build([Level(drafter=_drafter(drafter_class)), Level(model=target, gamma=4)])
     assert list(stack.generate(prompt, 30).tokens) == greedy_decode(target, prompt, 30)
 
 
@@ -235,5 +252,6 @@ def test_a_recipe_builds_on_synthetic_models_and_is_greedy_lossless(recipe) -> N
     target = SyntheticLM(vocab_size=VOCAB, seed=4, sharpness=2.0)
     draft = SyntheticLM(vocab_size=VOCAB, seed=5, base=target, noise=0.5)
     prompt = _prompt(700, seed=4)  # longer than the recipes' default budgets
-    stack = Registry.create().stack(recipe.name, target=target, draft=draft if recipe.needs_draft else None)
+    options = recipe.conformance_options(VOCAB) if recipe.conformance_options else {}
+    stack = Registry.create().stack(recipe.name, target=target, draft=draft if recipe.needs_draft else None, **options)
     assert list(stack.generate(prompt, 16).tokens) == greedy_decode(target, prompt, 16)

@@ -1,7 +1,7 @@
 """``specstack train KIND``: train a component for a target, one subcommand per kind.
 
-``specstack train draft`` distils a small draft model (:mod:`specstack_training.distill`). Every
-bad value is one ``SpecstackError`` line (exit code 2), found before any weights are read.
+``specstack train draft`` distils a small draft model (:mod:`specstack_training.distill`);
+``specstack train medusa`` trains Medusa heads (:mod:`specstack_training.medusa`). Every bad value is one ``SpecstackError`` line (exit code 2), found before any weights are read.
 """
 
 from __future__ import annotations
@@ -9,18 +9,20 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from pathlib import Path
 from typing import Callable
 
 from specstack import SpecstackError
 
 from .distill import DEFAULTS
+from .medusa import DEFAULTS as MEDUSA_DEFAULTS
 
 
 class TrainCommand:
     """Registered through ``specstack_commands``: the ``train`` subcommand."""
 
     name = "train"
-    help = "train a component for a target model: `specstack train draft` distils a draft"
+    help = "train a component for a target model: `specstack train draft` distils a draft, `specstack train medusa` trains heads"
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
         kinds = parser.add_subparsers(dest="kind", metavar="KIND")
@@ -55,13 +57,51 @@ def _train_draft(args: argparse.Namespace) -> int:
     check_hyperparameters(hyperparams)
     texts = [read_text(path) for path in args.text]
     eval_text = read_text(args.eval_text) if args.eval_text else None
-    target = args.target or _default_target()
-    if not os.path.isfile(os.path.join(target, "config.json")):
-        raise SpecstackError(f"--target {target!r} is not a model directory (no config.json)")
+    target = _target_dir(args.target)
     metrics = distill(target_dir=target, texts=texts, out_dir=args.out, minutes=args.minutes, seed=args.seed,
                       eval_text=eval_text, log=lambda line: print(line, flush=True), **hyperparams)
     print(json.dumps({k: v for k, v in metrics.items() if k != "hyperparams"}, indent=2))
     return 0
+
+
+def _add_medusa_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--target", default=None, help="target model directory (default: the embedded SmolLM2-135M)")
+    parser.add_argument("--text", action="append", required=True,
+                        help="training text: a file, a directory (its .py and .txt files) or a shipped book name (repeatable)")
+    parser.add_argument("--out", required=True, help="output heads file (.safetensors); the metrics go beside it as .json")
+    parser.add_argument("--minutes", type=float, default=60.0, help="wall-clock training budget (labelling the data comes first)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--eval-text", action="append", default=[],
+                        help="held-out text file or shipped book (repeatable): per-head top-k accuracy; the first picks the best heads and shapes the tree")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help=f"a hyperparameter (repeatable); keys: {', '.join(MEDUSA_DEFAULTS)}")
+
+
+def _train_medusa(args: argparse.Namespace) -> int:
+    from specstack.run import parse_options
+
+    from .medusa import check_hyperparameters, train_medusa
+
+    if args.minutes <= 0:
+        raise SpecstackError(f"--minutes {args.minutes:g} is not allowed; use a positive number")
+    if not args.out.endswith(".safetensors"):
+        raise SpecstackError(f"--out {args.out!r} is not allowed; name a .safetensors file")
+    hyperparams = parse_options(args.set)
+    check_hyperparameters(hyperparams)
+    texts = [read_text(path) for path in args.text]
+    eval_texts = {Path(path).stem: read_text(path) for path in args.eval_text}
+    target = _target_dir(args.target)
+    metrics = train_medusa(target_dir=target, texts=texts, out=args.out, minutes=args.minutes, seed=args.seed,
+                           eval_texts=eval_texts, log=lambda line: print(line, flush=True), **hyperparams)
+    print(json.dumps({k: v for k, v in metrics.items() if k != "hyperparams"}, indent=2))
+    return 0
+
+
+def _target_dir(given: str | None) -> str:
+    target = given or _default_target()
+    if not os.path.isfile(os.path.join(target, "config.json")):
+        raise SpecstackError(f"--target {target!r} is not a model directory (no config.json)")
+    return target
 
 
 def _default_target() -> str:
@@ -71,13 +111,19 @@ def _default_target() -> str:
 
 
 def read_text(path: str) -> str:
-    """A text file, or the name of a book shipped in ``specstack.data`` (e.g. ``emma``)."""
+    """A text file, a directory (its ``.py`` and ``.txt`` files, sorted, joined), or the name of a book
+    shipped in ``specstack.data`` (e.g. ``emma``)."""
     from specstack.data import BOOKS, load_book
 
     if path in BOOKS and not os.path.exists(path):
         return load_book(path)
+    if os.path.isdir(path):
+        files = sorted(f for f in Path(path).rglob("*") if f.suffix in (".py", ".txt") and f.is_file())
+        if not files:
+            raise SpecstackError(f"text directory {path!r} holds no .py or .txt files")
+        return "\n\n".join(f.read_text(encoding="utf-8", errors="replace") for f in files)
     if not os.path.isfile(path):
-        raise SpecstackError(f"text {path!r} is neither a file nor a shipped book; books: {', '.join(BOOKS)}")
+        raise SpecstackError(f"text {path!r} is neither a file, a directory nor a shipped book; books: {', '.join(BOOKS)}")
     with open(path, encoding="utf-8") as file:
         return file.read()
 
@@ -85,4 +131,5 @@ def read_text(path: str) -> str:
 # kind -> (help, add its arguments, run it)
 TRAINERS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]] = {
     "draft": ("distil a small draft model from the target on text (knowledge distillation)", _add_draft_arguments, _train_draft),
+    "medusa": ("train Medusa heads on the target's hidden states (self-distillation, frozen target)", _add_medusa_arguments, _train_medusa),
 }

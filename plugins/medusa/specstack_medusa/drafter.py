@@ -1,0 +1,129 @@
+"""The Medusa drafter: candidates from heads on the hidden state of the level it drafts for.
+
+Cai et al., 2024, "Medusa: Simple LLM Inference Acceleration Framework with Multiple Decoding
+Heads". The level above scores a round and commits tokens; its last hidden state h_q at position q
+reaches this drafter through a :class:`~specstack.channels.HiddenStateChannel` (the level opens it;
+this drafter reads nothing else of it). Through that level's own LM head, h_q predicts x_{q+1} and
+head k's state predicts x_{q+k+1}. Usually the last token of the prefix is the one the level has just
+emitted and not yet fed, so q = len(prefix) - 2 and head 1 drafts the next token; right after a
+prefill q = len(prefix) - 1 and the LM head itself drafts it.
+
+The draft is a token tree of rank paths (:mod:`specstack_medusa.tree`): deterministic candidates
+(``TREE_DETERMINISTIC``), verified losslessly by the greedy verifier at temperature 0 and by the
+token-tree verifier above it. (Medusa's "typical acceptance" is not offered: it changes the output
+distribution.) When the level holds no state for the prefix (a cache adopted from another stack;
+the level above rejected what the level emitted), the draft is empty and the level samples one
+token on its own, which gives the state for the next round.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar, Sequence
+
+import attrs
+import torch
+
+from specstack import Draft, LevelStats, SpecstackError
+from specstack.channels import HiddenStateChannel
+from specstack.drafters import Drafter
+from specstack.types import Capability, DraftKind
+
+from .heads import HeadsInfo, MedusaHeads, load_heads, shipped_heads, synthetic_heads
+from .tree import choose_paths, parents_of
+
+UNTRAINED_ACCURACY = (0.5, 0.1, 0.05)  # rank accuracies assumed for heads that carry no measurement
+
+
+def _size(instance, attribute, value) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise SpecstackError(f"medusa {attribute.name} {value!r} is not allowed; use an integer >= 1")
+
+
+@attrs.define(eq=False, kw_only=True)
+class MedusaDrafter(Drafter):
+    """Level 0 of the ``medusa`` stacks: ``tree_size`` candidates from ``heads`` (a file or loaded
+    :class:`MedusaHeads`; default: the heads shipped for the embedded default), at most ``top_k`` ranks
+    per head."""
+
+    name: ClassVar[str] = "medusa"
+    requires: ClassVar[frozenset[Capability]] = frozenset({Capability.HIDDEN_STATES})
+    draft_kind: ClassVar[DraftKind] = DraftKind.TREE_DETERMINISTIC
+
+    vocab: int
+    heads: str | MedusaHeads | None = None
+    tree_size: int = attrs.field(default=16, validator=_size)
+    top_k: int = attrs.field(default=8, validator=_size)
+    stats: LevelStats = attrs.field(factory=lambda: LevelStats(name="medusa"))
+    _channel: HiddenStateChannel | None = attrs.field(init=False, default=None)
+    _trees: dict[int, tuple[list[tuple[int, ...]], torch.Tensor]] = attrs.field(init=False, factory=dict)  # first head -> (paths, parents)
+
+    _model: MedusaHeads = attrs.field(init=False)
+
+    def __attrs_post_init__(self) -> None:
+        self._model = self.heads if isinstance(self.heads, MedusaHeads) else load_heads(self.heads or shipped_heads())
+        if self.info.vocab_size != self.vocab:
+            raise SpecstackError(f"medusa heads were trained for a vocabulary of {self.info.vocab_size} tokens but the target has {self.vocab}; "
+                                 f"train heads for this target with `specstack train medusa`")
+
+    @classmethod
+    def conformance_instance(cls, vocab: int) -> "MedusaDrafter":
+        """Random heads for the conformance suite's synthetic models (hidden size 8)."""
+        return cls(vocab=vocab, heads=synthetic_heads(vocab), tree_size=8)
+
+    @property
+    def info(self) -> HeadsInfo:
+        return self._model.info
+
+    @property
+    def vocab_size(self) -> int:
+        return self.vocab
+
+    @property
+    def step(self) -> int:
+        return self.info.heads + 1
+
+    def attach_hidden_states(self, channel: HiddenStateChannel) -> None:
+        if channel.hidden_size != self.info.hidden_size:
+            raise SpecstackError(f"medusa heads read hidden states of size {self.info.hidden_size} but the level they draft for has {channel.hidden_size}; "
+                                 f"train heads for this target with `specstack train medusa`")
+        self._channel = channel
+        self._model.to(channel.device)
+
+    def propose(self, prefix: Sequence[int], n: int) -> Draft:
+        if self._channel is None:
+            raise SpecstackError("the medusa drafter reads the hidden states of the level above it; use it at level 0 of a stack")
+        found = self._channel.latest(prefix)
+        if found is None or n < 1:
+            return Draft.empty(self.vocab, device=self._channel.device)
+        position, state = found
+        first = len(prefix) - 1 - position  # 0: the LM head drafts the next token; 1: head 1 does
+        draft = self._draft(state, first).head(n)
+        self.stats.drafted += len(draft)
+        return draft
+
+    def _draft(self, state: torch.Tensor, first: int) -> Draft:
+        """The tree of candidates for head ``first`` on (depth 0), from the hidden state ``state`` [H]."""
+        paths, parents = self._tree(first)
+        depth = max(len(p) for p in paths)
+        with torch.inference_mode():
+            states = torch.cat([state[None], self._model(state[None].to(next(self._model.parameters()).dtype))[:, 0].to(state.dtype)])  # [K+1, H]
+            logits = self._channel.output_logits(states[first : first + depth])  # [d, V]
+        ranks = logits.topk(min(self.top_k, self.vocab)).indices  # [d, top_k]
+        rows = torch.softmax(logits, dim=-1)  # [d, V]: each depth's distribution, the q of its nodes
+        at = torch.tensor([len(p) - 1 for p in paths], device=logits.device)  # [k] depth of each node
+        rank = torch.tensor([p[-1] for p in paths], device=logits.device)  # [k]
+        return Draft(tokens=ranks[at, rank], probs=rows[at], parents=parents.to(logits.device), kind=self.draft_kind)  # [k], [k, V]
+
+    def _tree(self, first: int) -> tuple[list[tuple[int, ...]], torch.Tensor]:
+        """The rank paths (and their parents) when head ``first`` drafts depth 0: the LM head's top-1
+        is the level's own greedy choice, so it is taken as certain."""
+        if first not in self._trees:
+            measured = [list(row) for row in self.info.accuracy] or [list(UNTRAINED_ACCURACY)] * self.info.heads
+            table = ([[1.0]] + measured)[first:]
+            table = [row[: min(self.top_k, self.vocab)] for row in table]
+            paths = choose_paths(table, self.tree_size)
+            self._trees[first] = (paths, torch.tensor(parents_of(paths), dtype=torch.long, device="cpu"))
+        return self._trees[first]
+
+    def level_stats(self) -> list[LevelStats]:
+        return [self.stats]

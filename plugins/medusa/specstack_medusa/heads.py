@@ -1,0 +1,126 @@
+"""Medusa heads (Cai et al., 2024, Sec. 2.1.1): K small networks on the last hidden state h_t of the
+model they draft for; head k turns h_t into a state whose logits, through that model's own LM head,
+predict the token k + 1 positions ahead (x_{t+k+1}; the LM head itself predicts x_{t+1}).
+
+Each head is ``layers`` residual blocks ``x + SiLU(W x + b)`` with W and b zero at initialisation,
+so that an untrained head starts as the identity (it predicts what the LM head does). The LM head is
+the target's, shared as in Medusa's later versions: the heads of a 576-wide model are 0.3M
+parameters each. A file holds the heads' weights and, as safetensors metadata, a
+:class:`HeadsInfo`: shapes, what they were trained for, and their measured top-k accuracy, from which
+the drafter builds its tree of candidates (:mod:`specstack_medusa.tree`).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import attrs
+import torch
+
+from specstack import SpecstackError
+
+SHIPPED = Path(__file__).parent / "assets" / "smollm2-medusa" / "heads.safetensors"
+
+
+def _positive(instance, attribute, value) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise SpecstackError(f"medusa heads {attribute.name} {value!r} is not allowed; use an integer >= 1")
+
+
+@attrs.frozen(kw_only=True)
+class HeadsInfo:
+    """What a heads file says of itself. ``accuracy[k][r]``: how often head k + 1's rank-r candidate was
+    the target's greedy token on held-out text (top-1 is r = 0)."""
+
+    hidden_size: int = attrs.field(validator=_positive)
+    heads: int = attrs.field(validator=_positive)
+    layers: int = attrs.field(default=1, validator=_positive)
+    vocab_size: int = attrs.field(validator=_positive)
+    target: str = ""
+    accuracy: tuple[tuple[float, ...], ...] = attrs.field(default=(), converter=lambda rows: tuple(tuple(float(a) for a in r) for r in rows))
+
+    def to_json(self) -> str:
+        return json.dumps(attrs.asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> "HeadsInfo":
+        return cls(**json.loads(text))
+
+
+class ResBlock(torch.nn.Module):
+    """x + SiLU(W x + b) ([n, H] -> [n, H]), W and b zero at first: the identity."""
+
+    def __init__(self, hidden_size: int) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(hidden_size, hidden_size)
+        torch.nn.init.zeros_(self.linear.weight)
+        torch.nn.init.zeros_(self.linear.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.nn.functional.silu(self.linear(x))  # [n, H]
+
+
+class MedusaHeads(torch.nn.Module):
+    """K heads of ``layers`` residual blocks each: [n, H] last hidden states -> [K, n, H] head states.
+    ``info`` says what they are and what they were measured to do."""
+
+    def __init__(self, info: HeadsInfo) -> None:
+        super().__init__()
+        self.info = info
+        self.blocks = torch.nn.ModuleList(torch.nn.Sequential(*(ResBlock(info.hidden_size) for _ in range(info.layers))) for _ in range(info.heads))
+
+    @classmethod
+    def random(cls, info: HeadsInfo, scale: float = 0.3, seed: int = 0) -> "MedusaHeads":
+        """Heads with random weights (tests, the conformance suite): they draft badly, never wrongly."""
+        heads = cls(info)
+        generator = torch.Generator(device="cpu").manual_seed(seed)
+        with torch.no_grad():
+            for parameter in heads.parameters():
+                parameter.copy_(scale * torch.randn(parameter.shape, generator=generator, device="cpu"))
+        return heads
+
+    def forward(self, states: torch.Tensor) -> torch.Tensor:
+        return torch.stack([block(states) for block in self.blocks])  # [K, n, H]
+
+
+def save_heads(path: str | Path, heads: MedusaHeads) -> None:
+    from safetensors.torch import save_file
+
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    tensors = {name: t.detach().contiguous().cpu() for name, t in heads.state_dict().items()}
+    save_file(tensors, str(path), metadata={"specstack_medusa": heads.info.to_json()})
+
+
+def load_heads(path: str | Path, dtype: torch.dtype = torch.float32) -> MedusaHeads:
+    """The heads in ``path``; one error line if it is not a heads file."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    if not path.is_file():
+        raise SpecstackError(f"medusa heads file {str(path)!r} does not exist; train one with `specstack train medusa`")
+    try:
+        with safe_open(str(path), framework="pt") as file:
+            meta = (file.metadata() or {}).get("specstack_medusa")
+            tensors = {name: file.get_tensor(name) for name in file.keys()}
+        if meta is None:
+            raise ValueError("no specstack_medusa metadata")
+        info = HeadsInfo.from_json(meta)
+        heads = MedusaHeads(info)
+        heads.load_state_dict(tensors)
+    except SpecstackError:
+        raise
+    except Exception as error:  # a corrupt or foreign file: one line, not a traceback
+        raise SpecstackError(f"{str(path)!r} is not a medusa heads file: {str(error).splitlines()[0][:200]}") from None
+    return heads.to(dtype).eval()
+
+
+def synthetic_heads(vocab: int) -> MedusaHeads:
+    """Random heads for the synthetic models of :mod:`specstack.synthetic` (hidden size 8): what the
+    conformance suite runs the medusa drafter and stacks with."""
+    return MedusaHeads.random(HeadsInfo(hidden_size=8, heads=3, vocab_size=vocab))
+
+
+def shipped_heads() -> Path:
+    """The heads trained for the embedded default (SmolLM2-135M-Instruct); see their TRAINING.md."""
+    return SHIPPED

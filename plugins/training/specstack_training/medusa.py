@@ -1,0 +1,267 @@
+"""Train Medusa heads for a frozen target on CPU (Cai et al., 2024, Medusa-1: frozen backbone).
+
+Data (:func:`prepare`): chunks of the training texts, plus the target's own continuations of
+prompts drawn from them (self-distillation: half greedy, half sampled at ``gen_temperature``),
+because the heads draft for what the target itself writes. One pass of the target labels every chunk:
+its last hidden state h_t [H] at each position and its greedy token a_t (what it predicts for
+position t + 1).
+
+Loss: head k (k = 1 … K) on h_t, through the target's own frozen LM head, is trained by cross-entropy
+to predict a_{t+k}: the target's greedy token k positions further on, what the level it drafts for will
+accept at temperature 0. Only the heads learn (AdamW, warm-up then cosine decay, all driven by the
+wall-clock budget ``minutes``).
+
+Evaluation (:func:`rank_accuracy`): on held-out text the drafter never saw, the fraction of positions
+whose head-k rank-r candidate is a_{t+k}, for r < ``top_k``: top-1 is the r = 0 column, top-5 the sum
+of the first five. It is measured twice, on the held-out text itself and on the target's greedy
+continuations of held-out prompts (the regime of a greedy stack); the second table ships with the
+heads and shapes the drafter's tree.
+
+Command line (:mod:`specstack_training.command`)::
+
+    specstack train medusa --text emma --text /usr/lib/python3.11/json --eval-text prideprejudice \\
+        --out heads.safetensors --minutes 60 [--set key=value ...]
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+
+import attrs
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from specstack import SpecstackError
+
+DEFAULTS = dict(
+    heads=4,  # K: head k predicts the token k + 1 positions ahead of the state it reads
+    layers=1,  # residual blocks per head
+    seq_len=256,  # tokens per labelled chunk
+    chunks=600,  # chunks of the training texts to label
+    generations=192,  # self-distillation: continuations the target writes (half greedy, half sampled)
+    prompt_len=64,  # tokens of text each continuation starts from
+    gen_len=192,  # tokens each continuation adds
+    gen_temperature=0.7,
+    gen_batch=16,  # continuations written at once
+    label_batch=8,  # chunks labelled per target forward
+    positions=256,  # positions per optimiser step (each trains every head)
+    lr=1e-3,
+    warmup=0.05,  # fraction of the budget spent warming up the learning rate
+    weight_decay=0.0,
+    eval_chunks=24,  # held-out chunks of text, and as many greedy continuations of held-out prompts
+    eval_every=10.0,  # minutes between held-out evaluations (the best heads are kept)
+    top_k=8,  # ranks measured per head (the drafter's tree uses them)
+    threads=1,
+)
+
+
+def check_hyperparameters(hyperparams: dict) -> None:
+    """Every key must be a known hyperparameter: one error line otherwise."""
+    for key, value in hyperparams.items():
+        if key not in DEFAULTS:
+            raise SpecstackError(f"hyperparameter {key!r} is not allowed; use {', '.join(DEFAULTS)}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0 or (isinstance(DEFAULTS[key], int) and not isinstance(value, int)):
+            kind = "a non-negative integer" if isinstance(DEFAULTS[key], int) else "a non-negative number"
+            raise SpecstackError(f"hyperparameter {key}={value!r} is not allowed; use {kind}")
+    if hyperparams.get("heads", 1) < 1 or hyperparams.get("layers", 1) < 1:
+        raise SpecstackError("hyperparameters heads and layers must be at least 1")
+
+
+# -- data ------------------------------------------------------------------------------------------
+
+
+def text_chunks(token_arrays: list[np.ndarray], seq_len: int, count: int, generator: np.random.Generator) -> torch.Tensor:
+    """``count`` chunks of ``seq_len`` tokens at random non-overlapping places in the texts -> [N, T]."""
+    pieces = [a[i : i + seq_len] for a in token_arrays for i in range(0, len(a) - seq_len + 1, seq_len)]
+    if not pieces:
+        raise SpecstackError(f"the texts hold fewer than seq_len={seq_len} tokens; give longer texts or a smaller seq_len")
+    order = generator.permutation(len(pieces))[:count]
+    return torch.from_numpy(np.stack([pieces[i] for i in order]))  # [N, T]
+
+
+@torch.inference_mode()
+def continuations(target, prompts: torch.Tensor, gen_len: int, temperature: float | None, batch: int) -> torch.Tensor:
+    """The target's continuations of ``prompts`` [N, P]: greedy when ``temperature`` is None -> [N, P + gen_len]."""
+    out = []
+    for first in range(0, prompts.shape[0], batch):
+        ids = prompts[first : first + batch]
+        sampling = {"do_sample": False} if temperature is None else {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0}
+        written = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=gen_len, min_new_tokens=gen_len,
+                                   pad_token_id=0, **sampling)  # [b, P + gen_len]
+        out.append(written[:, : prompts.shape[1] + gen_len])
+    return torch.cat(out)
+
+
+@torch.inference_mode()
+def label(target, chunks: torch.Tensor, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's last hidden states [N, T, H] (float32) and greedy tokens [N, T] over ``chunks`` [N, T]."""
+    states, greedy = [], []
+    for first in range(0, chunks.shape[0], batch):
+        hidden = target.model(input_ids=chunks[first : first + batch]).last_hidden_state  # [b, T, H]
+        states.append(hidden.float())
+        greedy.append(target.lm_head(hidden).argmax(-1))  # [b, T]
+    return torch.cat(states), torch.cat(greedy)
+
+
+def prepare(target, token_arrays: list[np.ndarray], hp: dict, seed: int, log) -> tuple[torch.Tensor, torch.Tensor]:
+    """Labelled training data, rows of ``seq_len`` tokens: (states [N, T, H], greedy tokens [N, T]) over
+    text chunks and the target's own continuations (``seq_len - prompt_len`` tokens after a prompt)."""
+    rng = np.random.default_rng(seed)
+    torch.manual_seed(seed)
+    began = time.time()
+    chunks = text_chunks(token_arrays, hp["seq_len"], hp["chunks"], rng)  # [N, T]
+    if hp["generations"]:
+        prompts = text_chunks(token_arrays, hp["prompt_len"], hp["generations"], rng)  # [G, P]
+        half = prompts.shape[0] // 2
+        written = hp["seq_len"] - hp["prompt_len"]
+        chunks = torch.cat([chunks, continuations(target, prompts[:half], written, None, hp["gen_batch"]),
+                            continuations(target, prompts[half:], written, hp["gen_temperature"], hp["gen_batch"])])
+        log(f"the target wrote {prompts.shape[0] * written:,} tokens of continuations in {time.time() - began:.0f} s")
+    states, greedy = label(target, chunks, hp["label_batch"])
+    log(f"labelled {chunks.numel():,} tokens in {time.time() - began:.0f} s")
+    return states, greedy
+
+
+def targets(greedy: torch.Tensor, heads: int, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+    """[n, K] what head k (1 … K) on the state at (row, col) predicts: a_{col+k}, or -1 past the row's end."""
+    ahead = cols[:, None] + torch.arange(1, heads + 1)  # [n, K]
+    inside = ahead < greedy.shape[1]  # [n, K]
+    return torch.where(inside, greedy[rows[:, None], ahead.clamp_max(greedy.shape[1] - 1)], -1)  # [n, K]
+
+
+# -- training and evaluation -----------------------------------------------------------------------
+
+
+def head_logits(heads, lm_head: torch.Tensor, states: torch.Tensor) -> torch.Tensor:
+    """[n, H] target states -> [K, n, V] logits of every head through the frozen LM head weight [V, H]."""
+    return heads(states) @ lm_head.T  # [K, n, V]
+
+
+def head_loss(heads, lm_head: torch.Tensor, states: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of every head against its labels [n, K] (-1: none)."""
+    logits = head_logits(heads, lm_head, states)  # [K, n, V]
+    return F.cross_entropy(logits.flatten(0, 1), labels.T.flatten(), ignore_index=-1)
+
+
+@torch.inference_mode()
+def rank_accuracy(heads, lm_head: torch.Tensor, states: torch.Tensor, greedy: torch.Tensor, top_k: int, batch: int = 512) -> list[list[float]]:
+    """[K][top_k]: over every position of ``states`` [N, T, H] with a label, the fraction whose head-k
+    rank-r candidate is the target's greedy token a_{t+k} (top-1 is column 0)."""
+    n, t, _ = states.shape
+    rows, cols = torch.meshgrid(torch.arange(n), torch.arange(t), indexing="ij")
+    rows, cols = rows.reshape(-1), cols.reshape(-1)
+    hits = torch.zeros(len(heads.blocks), top_k)  # [K, top_k]
+    counted = torch.zeros(len(heads.blocks))  # [K]
+    for first in range(0, rows.shape[0], batch):
+        r, c = rows[first : first + batch], cols[first : first + batch]
+        labels = targets(greedy, len(heads.blocks), r, c)  # [b, K]
+        ranks = head_logits(heads, lm_head, states[r, c]).topk(top_k, dim=-1).indices  # [K, b, top_k]
+        hit = (ranks == labels.T[:, :, None]) & (labels.T[:, :, None] >= 0)  # [K, b, top_k]
+        hits += hit.sum(1).float()
+        counted += (labels >= 0).sum(0).float()
+    return (hits / counted.clamp_min(1)[:, None]).tolist()
+
+
+def lr_factor(fraction: float, warmup: float) -> float:
+    """Linear warm-up over ``warmup`` of the budget, then a cosine decay to 5%."""
+    if fraction < warmup:
+        return fraction / warmup
+    return 0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * min(1.0, (fraction - warmup) / max(1e-9, 1 - warmup))))
+
+
+def train(heads, lm_head: torch.Tensor, states: torch.Tensor, greedy: torch.Tensor, hp: dict, seconds: float, evaluate, log, seed: int) -> dict:
+    """Train ``heads`` for ``seconds`` of wall-clock time; keep the state with the best ``evaluate()`` score."""
+    optimizer = torch.optim.AdamW(heads.parameters(), lr=hp["lr"], weight_decay=hp["weight_decay"])
+    generator = torch.Generator().manual_seed(seed)
+    n, t, _ = states.shape
+    best = {"score": evaluate(), "state": {k: v.clone() for k, v in heads.state_dict().items()}, "step": 0}
+    log(f"step 0: held-out score {best['score']:.4f}")
+    began, steps, last_eval, losses = time.time(), 0, time.time(), []
+    while (elapsed := time.time() - began) < seconds:
+        for group in optimizer.param_groups:
+            group["lr"] = hp["lr"] * lr_factor(elapsed / seconds, hp["warmup"])
+        rows = torch.randint(n, (hp["positions"],), generator=generator)  # [n]
+        cols = torch.randint(t - 1, (hp["positions"],), generator=generator)  # [n]
+        loss = head_loss(heads, lm_head, states[rows, cols], targets(greedy, len(heads.blocks), rows, cols))
+        optimizer.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(heads.parameters(), 1.0)
+        optimizer.step()
+        steps += 1
+        losses.append(float(loss.detach()))
+        if time.time() - last_eval > 60 * hp["eval_every"]:
+            score = evaluate()
+            log(f"step {steps} ({(time.time() - began) / 60:.1f} min): loss {np.mean(losses[-50:]):.3f}, held-out score {score:.4f}")
+            if score > best["score"]:
+                best = {"score": score, "state": {k: v.clone() for k, v in heads.state_dict().items()}, "step": steps}
+            last_eval = time.time()
+    score = evaluate()
+    log(f"step {steps} (end): loss {np.mean(losses[-50:]) if losses else float('nan'):.3f}, held-out score {score:.4f}")
+    if score >= best["score"]:
+        best = {"score": score, "state": heads.state_dict(), "step": steps}
+    heads.load_state_dict(best["state"])
+    return {"steps": steps, "best_step": best["step"], "best_score": best["score"], "final_loss": float(np.mean(losses[-50:])) if losses else None}
+
+
+def train_medusa(*, target_dir: str, texts: list[str], out: str, minutes: float, seed: int = 0, eval_texts: dict[str, str] | None = None,
+                 log=print, **hyperparams) -> dict:
+    """Train heads for the target in ``target_dir`` on ``texts``; write them (with their measured
+    accuracy) to ``out`` and the metrics beside it (``out`` with ``.json``). ``eval_texts`` (name ->
+    text) are held out: the first one's greedy continuations pick the best heads and shape the
+    drafter's tree; every one is reported."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from specstack_medusa.heads import HeadsInfo, MedusaHeads, save_heads
+
+    check_hyperparameters(hyperparams)
+    hp = {**DEFAULTS, **hyperparams}
+    torch.set_num_threads(hp["threads"])
+    torch.manual_seed(seed)
+    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    for parameter in target.parameters():
+        parameter.requires_grad_(False)
+    encode = lambda text: np.asarray(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=np.int64)  # noqa: E731
+    states, greedy = prepare(target, [encode(t) for t in texts], hp, seed, log)
+    held_out = {f"{name}:{kind}": data for name, text in (eval_texts or {}).items() for kind, data in _held_out(target, encode(text), hp, seed, log).items()}
+    config = target.config
+    heads = MedusaHeads(HeadsInfo(hidden_size=config.hidden_size, heads=hp["heads"], layers=hp["layers"], vocab_size=config.vocab_size,
+                                  target=Path(target_dir).name))
+    lm_head = target.lm_head.weight.detach()  # [V, H], frozen
+    first = next(iter(eval_texts or {}), None)
+    score_on = held_out.get(f"{first}:greedy") or (states[: hp["eval_chunks"]], greedy[: hp["eval_chunks"]])
+
+    def evaluate() -> float:  # the mean top-1 accuracy over heads: what a greedy stack gets
+        return float(np.mean([row[0] for row in rank_accuracy(heads, lm_head, *score_on, 1)]))
+
+    began = time.time()
+    run = train(heads, lm_head, states, greedy, hp, 60 * minutes, evaluate, log, seed)
+    accuracy = {name: rank_accuracy(heads, lm_head, *data, hp["top_k"]) for name, data in held_out.items()}
+    shipped = accuracy.get(f"{first}:greedy") or rank_accuracy(heads, lm_head, *score_on, hp["top_k"])
+    heads.info = attrs.evolve(heads.info, accuracy=shipped)
+    save_heads(out, heads)
+    metrics = {**run, "train_minutes": (time.time() - began) / 60, "training_tokens": int(greedy.numel()), "hyperparams": hp, "seed": seed,
+               "held_out": {name: {"positions": int(data[1].numel()), "top1": [row[0] for row in accuracy[name]],
+                                   "top5": [sum(row[:5]) for row in accuracy[name]], "rank_accuracy": accuracy[name]}
+                            for name, data in held_out.items()}}
+    Path(out).with_suffix(".json").write_text(json.dumps(metrics, indent=2) + "\n")
+    return metrics
+
+
+def _held_out(target, tokens: np.ndarray, hp: dict, seed: int, log) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Held-out data, labelled: ``text`` (chunks of the held-out text) and ``greedy`` (the target's greedy
+    continuations of prompts from it)."""
+    if hp["eval_chunks"] == 0:
+        return {}
+    rng = np.random.default_rng(seed + 1)
+    chunks = text_chunks([tokens], hp["seq_len"], hp["eval_chunks"], rng)  # [E, T]
+    prompts = text_chunks([tokens], hp["prompt_len"], hp["eval_chunks"], rng)  # [E, P]
+    written = continuations(target, prompts, hp["seq_len"] - hp["prompt_len"], None, hp["gen_batch"])  # [E, T]
+    text, greedy = label(target, chunks, hp["label_batch"]), label(target, written, hp["label_batch"])
+    keep = hp["prompt_len"] - 1  # score the continuation only: heads predicting tokens the target wrote
+    log(f"held out: {chunks.numel():,} text tokens, {prompts.shape[0] * (written.shape[1] - hp['prompt_len']):,} continuation tokens")
+    return {"text": text, "greedy": (greedy[0][:, keep:], greedy[1][:, keep:])}

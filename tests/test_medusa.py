@@ -1,0 +1,202 @@
+"""The medusa plugin: hidden states through a channel, Medusa heads, their tree, and the medusa stacks.
+
+Losslessness is checked as elsewhere: greedy output equals the target's greedy decoding, and sampled
+output passes a chi-square test against the exact distribution of 3-token continuations (1500
+samples, p > 1e-4, fixed seeds). The heads here are random (synthetic models have no text to learn):
+they draft badly but must never change the output. A drafter that lies about how it drew its tokens
+fails the same test, and the channel test fails if a level logs the hidden state of the wrong row.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specstack import Level, Registry, SamplingConfig, SpecstackError, SpeculationStack
+from specstack.cli import main
+from specstack.synthetic import SyntheticLM, greedy_decode, sequence_probabilities
+from specstack.testing import chi_square_pvalue
+from specstack.types import Capability, Draft, DraftKind
+from specstack_medusa import MedusaDrafter, MedusaHeads, load_heads, plugin, save_heads
+from specstack_medusa.heads import HeadsInfo, synthetic_heads
+from specstack_medusa.tree import choose_paths, parents_of
+
+SAMPLES = 1500
+ALPHA = 1e-4
+LENGTH = 3
+SMALL = {"budget": 16, "chunk_size": 4, "stride": 8}  # retrieval sized for prompts of a few dozen tokens
+
+
+@pytest.fixture(scope="module")
+def registry() -> Registry:
+    return Registry.create(entry_points=False, plugins=[plugin])
+
+
+def _medusa(vocab: int, *, tree_size: int = 8, heads: int = 3, seed: int = 0) -> MedusaDrafter:
+    info = HeadsInfo(hidden_size=8, heads=heads, vocab_size=vocab)
+    return MedusaDrafter(vocab=vocab, heads=MedusaHeads.random(info, seed=seed), tree_size=tree_size)
+
+
+# -- the tree of candidates ------------------------------------------------------------------------
+
+
+def test_the_tree_takes_the_likeliest_rank_paths_parents_first() -> None:
+    paths = choose_paths([[0.6, 0.2], [0.5, 0.1]], size=4)  # products: 0.6, 0.3, 0.2, 0.1 (then 0.06, 0.02)
+    assert paths == [(0,), (1,), (0, 0), (1, 0)]
+    assert parents_of(paths) == [-1, -1, 0, 1]
+    assert choose_paths([[1.0], [0.5, 0.0]], size=5) == [(0,), (0, 0)]  # a rank never right is never drafted
+    assert len(choose_paths([[0.5] * 8] * 4, size=16)) == 16
+
+
+def test_heads_round_trip_through_a_file_and_bad_files_are_one_line(tmp_path) -> None:
+    heads = synthetic_heads(12)
+    heads.info = HeadsInfo(hidden_size=8, heads=3, vocab_size=12, accuracy=[[0.5, 0.1], [0.3, 0.1], [0.2, 0.1]])
+    save_heads(tmp_path / "h.safetensors", heads)
+    loaded = load_heads(tmp_path / "h.safetensors")
+    assert loaded.info == heads.info
+    states = torch.randn(5, 8)
+    assert torch.equal(loaded(states), heads(states))
+    (tmp_path / "bad.safetensors").write_bytes(b"not a heads file")
+    for path, message in [(tmp_path / "none.safetensors", "does not exist"), (tmp_path / "bad.safetensors", "is not a medusa heads file")]:
+        with pytest.raises(SpecstackError, match=message) as error:
+            load_heads(path)
+        assert "\n" not in str(error.value)
+
+
+def test_heads_for_another_model_are_refused_in_one_line() -> None:
+    with pytest.raises(SpecstackError, match="vocabulary of 12 tokens but the target has 16"):
+        MedusaDrafter(vocab=16, heads=synthetic_heads(12))
+    wide = SyntheticLM(vocab_size=12, seed=1, hidden_size=16)
+    with pytest.raises(SpecstackError, match="hidden states of size 8 but the level they draft for has 16"):
+        SpeculationStack.build([Level(drafter=MedusaDrafter(vocab=12, heads=synthetic_heads(12))), Level(model=wide, gamma=4)])
+    flat = SyntheticLM(vocab_size=12, seed=1, capabilities=frozenset(Capability) - {Capability.HIDDEN_STATES})
+    with pytest.raises(SpecstackError, match="drafter 'medusa' at level 1 needs hidden_states"):
+        SpeculationStack.build([Level(drafter=MedusaDrafter(vocab=12, heads=synthetic_heads(12))), Level(model=flat, gamma=4)])
+
+
+def test_bad_medusa_options_are_one_line_errors(capsys) -> None:
+    assert main(["generate", "--stack", "medusa", "-o", "tree_size=0", "--prompt", "x"]) == 2
+    assert capsys.readouterr().err.strip().endswith("medusa tree_size 0 is not allowed; use an integer >= 1")
+    assert main(["generate", "--stack", "medusa", "-o", "heads=/no/such/heads.safetensors", "--prompt", "x"]) == 2
+    assert "medusa heads file '/no/such/heads.safetensors' does not exist" in capsys.readouterr().err
+
+
+# -- the hidden-state channel ----------------------------------------------------------------------
+
+
+class Recording(MedusaDrafter):
+    """Records, at every draft, the hidden state the channel hands over and the prefix it was for."""
+
+    seen: list
+
+    def propose(self, prefix, n: int) -> Draft:
+        found = self._channel.latest(prefix)
+        if found is not None:
+            self.seen.append((list(prefix), *found))
+        return super().propose(prefix, n)
+
+
+@pytest.mark.parametrize("middle", [False, True], ids=["under-target", "under-retrieval"])
+def test_the_channel_hands_the_state_of_the_last_committed_position(middle: bool) -> None:
+    """The state a drafter reads for a prefix is the level's hidden state after exactly the tokens up
+    to its position q, and q is one of the last two positions (a level logging the wrong row fails)."""
+    from specstack import Retrieval
+
+    target = SyntheticLM(vocab_size=10, seed=1, sharpness=2.0)
+    drafter = Recording(vocab=10, heads=synthetic_heads(10), tree_size=6)
+    drafter.seen = []
+    levels = [Level(drafter=drafter), Level(model=target, gamma=drafter.step)]
+    if middle:
+        levels.insert(1, Level(model=target, policy=Retrieval(**SMALL), gamma=drafter.step))
+    prompt = list(range(10)) * 4
+    SpeculationStack.build(levels).generate(prompt, 40)
+    assert len(drafter.seen) > 10
+    for prefix, q, state in drafter.seen:
+        assert q in (len(prefix) - 1, len(prefix) - 2)
+        if not middle:  # a retrieval level sees part of the context: its states are its own
+            assert torch.equal(state, target.hidden_for(prefix[: q + 1]))
+
+
+def test_after_the_prefill_the_lm_head_drafts_the_next_token() -> None:
+    """Right after the prompt the level holds the state of its last token: the output head itself
+    predicts the next token (head 0), so a draft's first token is the level's own greedy choice."""
+    target = SyntheticLM(vocab_size=10, seed=1, sharpness=2.0)
+    drafter = Recording(vocab=10, heads=synthetic_heads(10), tree_size=6)
+    drafter.seen = []
+    SpeculationStack.build([Level(drafter=drafter), Level(model=target, gamma=drafter.step)]).generate(list(range(10)), 1)
+    prefix, q, state = drafter.seen[0]
+    assert q == len(prefix) - 1
+
+
+# -- greedy losslessness ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("tree_size", [1, 4, 12])
+def test_medusa_greedy_equals_the_target_greedy(tree_size: int) -> None:
+    target = SyntheticLM(vocab_size=16, seed=1, sharpness=2.0)
+    drafter = _medusa(16, tree_size=tree_size)
+    stack = SpeculationStack.build([Level(drafter=drafter), Level(model=target, gamma=drafter.step)])
+    prompt = list(range(8)) * 3
+    assert list(stack.generate(prompt, 30).tokens) == greedy_decode(target, prompt, 30)
+
+
+def test_the_recipes_are_greedy_lossless(registry) -> None:
+    target = SyntheticLM(vocab_size=16, seed=2, sharpness=2.0)
+    prompt = list(range(8)) * 5
+    for name, options in [("medusa", {}), ("triforce-medusa", SMALL)]:
+        stack = registry.stack(name, target=target, heads=synthetic_heads(16), tree_size=10, **options)
+        result = stack.generate(prompt, 30)
+        assert list(result.tokens) == greedy_decode(target, prompt, 30), name
+        assert result.levels[0].name == "medusa" and result.levels[1].drafted > result.levels[1].rounds  # trees, not single tokens
+    assert registry.stack("triforce-medusa", target=target, heads=synthetic_heads(16), **SMALL).top.drafter.lm.policy.name == "retrieval"
+
+
+# -- sampled losslessness --------------------------------------------------------------------------
+
+
+def _pvalue(stack: SpeculationStack, target: SyntheticLM, sampling: SamplingConfig, prompt=(1, 2)) -> float:
+    exact = sequence_probabilities(target, list(prompt), LENGTH, sampling)
+    drawn = [stack.generate(list(prompt), LENGTH).tokens for _ in range(SAMPLES)]
+    return chi_square_pvalue(drawn, exact)
+
+
+@pytest.mark.parametrize("sampling", [SamplingConfig(temperature=0.8), SamplingConfig(temperature=0.9, top_p=0.8)], ids=["t0.8", "top_p"])
+def test_sampled_medusa_keeps_the_target_distribution(sampling: SamplingConfig) -> None:
+    target = SyntheticLM(vocab_size=4, seed=11, sharpness=1.5)
+    drafter = _medusa(4, tree_size=6)
+    stack = SpeculationStack.build([Level(drafter=drafter), Level(model=target, gamma=drafter.step)], sampling=sampling, seed=3)
+    assert stack.top.verifier.name == "token-tree"
+    assert _pvalue(stack, target, sampling) > ALPHA
+
+
+def test_sampled_medusa_under_a_middle_level_keeps_the_target_distribution() -> None:
+    sampling = SamplingConfig(temperature=0.8)
+    target = SyntheticLM(vocab_size=4, seed=21, sharpness=1.5)
+    middle = SyntheticLM(vocab_size=4, seed=22, base=target, noise=0.5)
+    drafter = _medusa(4, tree_size=6)
+    levels = [Level(drafter=drafter), Level(model=middle, gamma=drafter.step), Level(model=target, gamma=3)]
+    stack = SpeculationStack.build(levels, sampling=sampling, seed=5)
+    assert _pvalue(stack, target, sampling) > ALPHA
+
+
+class ClaimsSampled(MedusaDrafter):
+    """Deliberately wrong: drafts the heads' top-1 chain (deterministic) but declares it a chain drawn
+    from the heads' softmax rows, so that speculative sampling trusts q."""
+
+    draft_kind = DraftKind.CHAIN
+
+    def propose(self, prefix, n: int) -> Draft:
+        tree, chain = super().propose(prefix, n), []
+        while tree.is_tree and (children := tree.children(chain[-1] if chain else -1)):
+            chain.append(children[0])  # the top-1 path
+        return Draft(tokens=tree.tokens[chain], probs=tree.probs[chain]) if chain else Draft.empty(self.vocab)
+
+
+def test_a_drafter_that_lies_about_its_draws_is_caught() -> None:
+    sampling = SamplingConfig(temperature=0.8)
+    target = SyntheticLM(vocab_size=4, seed=11, sharpness=1.5)
+    info = HeadsInfo(hidden_size=8, heads=3, vocab_size=4, accuracy=[[0.9, 0.01]] * 3)  # the tree is the top-1 chain
+    liar = ClaimsSampled(vocab=4, heads=MedusaHeads.random(info), tree_size=4)
+    stack = SpeculationStack.build([Level(drafter=liar), Level(model=target, gamma=liar.step)], sampling=sampling, seed=3)
+    assert stack.top.verifier.name == "speculative"
+    assert _pvalue(stack, target, sampling) < ALPHA
