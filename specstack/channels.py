@@ -187,14 +187,15 @@ class HiddenLog:
         if self._states is None or self._states.shape[1:] != states.shape[1:] or self._states.device != states.device:
             self._states = torch.zeros(self.room, *states.shape[1:], dtype=states.dtype, device=states.device)  # [room, H]
             self._positions.fill_(-1)
-        slots = positions.cpu() % self.room  # [n]
-        self._positions[slots] = positions.cpu()
+        positions, states = positions[-self.room :].cpu(), states[-self.room :]  # a ring keeps the last room of them
+        slots = positions % self.room  # [n]
+        self._positions[slots] = positions
         self._states[slots.to(states.device)] = states
 
     def at(self, position: int) -> torch.Tensor | None:
         """[H] the state of ``position``, or None if it is not held."""
         slot = position % self.room
-        return self._states[slot] if position >= 0 and int(self._positions[slot]) == position else None
+        return self._states[slot].clone() if position >= 0 and int(self._positions[slot]) == position else None  # [H], not a view of the ring
 
 
 @attrs.define(eq=False)

@@ -84,6 +84,19 @@ def test_bad_medusa_options_are_one_line_errors(capsys) -> None:
 # -- the hidden-state channel ----------------------------------------------------------------------
 
 
+def test_the_hidden_log_is_a_ring_of_recent_positions() -> None:
+    from specstack.channels import HiddenLog
+
+    log = HiddenLog(room=4)
+    log.record(torch.arange(6), torch.arange(6.0)[:, None].expand(6, 3))  # positions 0-5 into 4 slots: 2-5 stay
+    assert log.at(1) is None and [float(log.at(p)[0]) for p in range(2, 6)] == [2.0, 3.0, 4.0, 5.0]
+    log.forget_from(4)  # a forward rewrote positions 4 on
+    assert log.at(4) is None and log.at(5) is None and float(log.at(3)[0]) == 3.0
+    held = log.at(3)
+    log.record(torch.tensor([7]), torch.full((1, 3), 7.0))  # slot 3 now holds position 7
+    assert log.at(3) is None and float(held[0]) == 3.0  # a state handed out is a copy
+
+
 class Recording(MedusaDrafter):
     """Records, at every draft, the hidden state the channel hands over and the prefix it was for."""
 

@@ -1,7 +1,7 @@
 """Oracle tests on the embedded default: SmolLM2-135M-Instruct (target) and the shipped distilled draft.
 
 Every stack's greedy output on a 2,048-token Pride and Prejudice prompt equals the target's own
-greedy decoding, chain and token-tree stacks alike; sampled TriForce output follows the target's distribution on the first two
+greedy decoding, chain and token-tree stacks alike, Medusa heads included; sampled TriForce output follows the target's distribution on the first two
 generated positions. The model is prepared by `make setup` (`specstack prepare`).
 """
 
@@ -57,6 +57,8 @@ def reference(models, prompt):
         ("triforce-tree", {**SMALL, "tree": "widths:3,2,1"}),  # ... verified by the middle level over retrieval
         ("lookup-tree", {}),
         ("triforce-lookup-tree", SMALL),
+        ("medusa", {"tree_size": 8}),  # Medusa heads (the medusa plugin) on the target's hidden state
+        ("triforce-medusa", {**SMALL, "tree_size": 4}),  # ... on the middle level's, over retrieval
     ],
 )
 def test_greedy_output_equals_the_targets_own_greedy_decoding(models, prompt, reference, name, options) -> None:

@@ -19,12 +19,12 @@ def _heads(registry, target, heads: str | MedusaHeads | None, tree_size: int, to
     return Level(drafter=registry.drafter("medusa", vocab=target.vocab_size, heads=heads, tree_size=tree_size, top_k=top_k))
 
 
-def _medusa(registry, *, target, heads: str | MedusaHeads | None = None, tree_size: int = 16, top_k: int = 8) -> list[Level]:
+def _medusa(registry, *, target, heads: str | MedusaHeads | None = None, tree_size: int = 4, top_k: int = 8) -> list[Level]:
     level0 = _heads(registry, target, heads, tree_size, top_k)
     return [level0, _full(target, level0.drafter.step)]
 
 
-def _triforce_medusa(registry, *, target, heads: str | MedusaHeads | None = None, tree_size: int = 16, top_k: int = 8, gamma2: int = 6,
+def _triforce_medusa(registry, *, target, heads: str | MedusaHeads | None = None, tree_size: int = 4, top_k: int = 8, gamma2: int = 6,
                      budget: int | str = AUTO, chunk_size: int = 8, stride: int = 64) -> list[Level]:
     level0 = _heads(registry, target, heads, tree_size, top_k)
     retrieval = Retrieval(budget=budget, chunk_size=chunk_size, stride=stride)
@@ -32,7 +32,7 @@ def _triforce_medusa(registry, *, target, heads: str | MedusaHeads | None = None
 
 
 RECIPES = [
-    StackRecipe(name="medusa", description="Medusa heads on the target's hidden state (a tree) -> target (-o tree_size=16)", build=_medusa,
+    StackRecipe(name="medusa", description="Medusa heads on the target's hidden state (a tree) -> target (-o tree_size=4)", build=_medusa,
                 conformance_options=_synthetic),
     StackRecipe(name="triforce-medusa", description="Medusa heads on the middle level's hidden state -> target+Retrieval -> target",
                 build=_triforce_medusa, conformance_options=_synthetic),

@@ -43,8 +43,7 @@ DEFAULTS = dict(
     seq_len=256,  # tokens per labelled chunk
     chunks=600,  # chunks of the training texts to label
     generations=192,  # self-distillation: continuations the target writes (half greedy, half sampled)
-    prompt_len=64,  # tokens of text each continuation starts from
-    gen_len=192,  # tokens each continuation adds
+    prompt_len=64,  # tokens of text each continuation starts from (it adds seq_len - prompt_len)
     gen_temperature=0.7,
     gen_batch=16,  # continuations written at once
     label_batch=8,  # chunks labelled per target forward
@@ -69,6 +68,8 @@ def check_hyperparameters(hyperparams: dict) -> None:
             raise SpecstackError(f"hyperparameter {key}={value!r} is not allowed; use {kind}")
     if hyperparams.get("heads", 1) < 1 or hyperparams.get("layers", 1) < 1:
         raise SpecstackError("hyperparameters heads and layers must be at least 1")
+    if hyperparams.get("prompt_len", DEFAULTS["prompt_len"]) >= hyperparams.get("seq_len", DEFAULTS["seq_len"]):
+        raise SpecstackError("hyperparameter prompt_len must be smaller than seq_len (a continuation adds seq_len - prompt_len tokens)")
 
 
 # -- data ------------------------------------------------------------------------------------------
