@@ -14,16 +14,13 @@ import torch
 
 from specstack import Level, Registry, SamplingConfig, SpecstackError, SpeculationStack
 from specstack.cli import main
-from specstack.synthetic import SyntheticLM, greedy_decode, sequence_probabilities
-from specstack.testing import chi_square_pvalue
+from specstack.synthetic import SyntheticLM, greedy_decode
+from specstack.testing import ALPHA, stack_pvalue
 from specstack.types import Capability, Draft, DraftKind
 from specstack_medusa import MedusaDrafter, MedusaHeads, load_heads, plugin, save_heads
 from specstack_medusa.heads import HeadsInfo, synthetic_heads
 from specstack_medusa.tree import choose_paths, parents_of
 
-SAMPLES = 1500
-ALPHA = 1e-4
-LENGTH = 3
 SMALL = {"budget": 16, "chunk_size": 4, "stride": 8}  # retrieval sized for prompts of a few dozen tokens
 
 
@@ -168,9 +165,7 @@ def test_the_recipes_are_greedy_lossless(registry) -> None:
 
 
 def _pvalue(stack: SpeculationStack, target: SyntheticLM, sampling: SamplingConfig, prompt=(1, 2)) -> float:
-    exact = sequence_probabilities(target, list(prompt), LENGTH, sampling)
-    drawn = [stack.generate(list(prompt), LENGTH).tokens for _ in range(SAMPLES)]
-    return chi_square_pvalue(drawn, exact)
+    return stack_pvalue(stack, target, sampling, prompt)
 
 
 @pytest.mark.parametrize("sampling", [SamplingConfig(temperature=0.8), SamplingConfig(temperature=0.9, top_p=0.8)], ids=["t0.8", "top_p"])

@@ -21,16 +21,13 @@ from hypothesis import strategies as st
 from specstack import Level, Registry, SamplingConfig, SpecstackError, SpeculationStack, warp
 from specstack.cli import main
 from specstack.retrieval import Retrieval
-from specstack.synthetic import SyntheticLM, greedy_decode, sequence_probabilities
-from specstack.testing import chi_square_pvalue
+from specstack.synthetic import SyntheticLM, greedy_decode
+from specstack.testing import ALPHA, stack_pvalue
 from specstack.types import DraftKind
 from specstack_sequoia import Costs, SequoiaDrafter, TreeLookupDrafter, TreeShape, TreeTable, best_tree, plan_tree
 from specstack_sequoia import plugin
 from specstack_sequoia.drafters import race
 
-SAMPLES = 1500
-ALPHA = 1e-4
-LENGTH = 3
 SMALL = {"budget": 16, "chunk_size": 4, "stride": 8}  # retrieval sized for prompts of a few dozen tokens
 
 
@@ -260,9 +257,7 @@ LOOKUP_PROMPT = [1, 2, 0, 1, 3, 1, 2, 2, 0, 1]  # repeats, so lookup proposes se
 
 
 def _pvalue(stack: SpeculationStack, target: SyntheticLM, sampling: SamplingConfig, prompt=PROMPT) -> float:
-    exact = sequence_probabilities(target, prompt, LENGTH, sampling)
-    drawn = [stack.generate(prompt, LENGTH).tokens for _ in range(SAMPLES)]
-    return chi_square_pvalue(drawn, exact)
+    return stack_pvalue(stack, target, sampling, prompt)
 
 
 def _tree_level(draft: SyntheticLM, shape: str, **options) -> Level:

@@ -10,31 +10,27 @@ the level verifying level 0's draft.
 
 from __future__ import annotations
 
-import json
 import sys
-from pathlib import Path
+
+from tables import load, table
 
 
-def _row(record: dict) -> str:
+HEADER = ["dtype", "text", "T", "stack", "speedup", "identical", "tokens per target forward", "acceptance per level", "verify ms per forward"]
+
+
+def _row(record: dict) -> list[str]:
     levels = record["levels"]
     top, verifying = levels[-1], levels[min(1, len(levels) - 1)]
     per_forward = record["new_tokens"] / max(top["forward_calls"], 1)
     ms = 1000 * verifying["forward_seconds"] / max(verifying["forward_calls"], 1)
     acceptance = " / ".join(f"{level['accepted'] / level['drafted']:.2f}" if level["drafted"] else "–" for level in levels[1:]) or "–"
     text = record["task_options"].get("book", "prideprejudice") if isinstance(record.get("task_options"), dict) else record["task"]
-    same = "yes" if record["identical_to_baseline"] else "no"
-    return (f"| {record['dtype']} | {text} | {record['temperature']:g} | `{record['label']}` | {record['speedup']:.2f}× | {same} | "
-            f"{per_forward:.2f} | {acceptance} | {ms:.1f} |")
+    return [record["dtype"], text, f"{record['temperature']:g}", f"`{record['label']}`", f"{record['speedup']:.2f}×",
+            "yes" if record["identical_to_baseline"] else "no", f"{per_forward:.2f}", acceptance, f"{ms:.1f}"]
 
 
 def main(directories: list[str]) -> None:
-    print("| dtype | text | T | stack | speedup | identical | tokens per target forward | acceptance per level | verify ms per forward |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for directory in directories:
-        for line in (Path(directory) / "results.jsonl").read_text().splitlines():
-            record = json.loads(line)
-            if record.get("status") == "ok":
-                print(_row(record))
+    print(table(HEADER, [_row(record) for directory in directories for record in load(directory) if record.get("status") == "ok"]))
 
 
 if __name__ == "__main__":

@@ -9,31 +9,28 @@ forward pass; and the target's forward passes per generated token.
 
 from __future__ import annotations
 
-import json
 import sys
-from pathlib import Path
+
+from tables import load, table
 
 
-def _row(record: dict) -> str:
+HEADER = ["dtype", "T", "stack", "speedup", "draft size per verify", "accepted per verify", "verify ms per forward", "target forwards per token"]
+
+
+def _row(record: dict) -> list[str]:
     levels = record["levels"]
     verifying, top = levels[min(1, len(levels) - 1)], levels[-1]
     ms = 1000 * verifying["forward_seconds"] / max(verifying["forward_calls"], 1)
     per_token = top["forward_calls"] / record["new_tokens"]
-    head = f"| {record['dtype']} | {record['temperature']:g} | `{record['label']}` | {record['speedup']:.2f}× |"
+    head = [record["dtype"], f"{record['temperature']:g}", f"`{record['label']}`", f"{record['speedup']:.2f}×"]
     if len(levels) == 1:
-        return f"{head} – | – | {ms:.1f} | {per_token:.2f} |"
+        return [*head, "–", "–", f"{ms:.1f}", f"{per_token:.2f}"]
     rounds = max(verifying["rounds"], 1)
-    return f"{head} {verifying['drafted'] / rounds:.2f} | {verifying['accepted'] / rounds:.2f} | {ms:.1f} | {per_token:.2f} |"
+    return [*head, f"{verifying['drafted'] / rounds:.2f}", f"{verifying['accepted'] / rounds:.2f}", f"{ms:.1f}", f"{per_token:.2f}"]
 
 
 def main(directories: list[str]) -> None:
-    print("| dtype | T | stack | speedup | draft size per verify | accepted per verify | verify ms per forward | target forwards per token |")
-    print("|---|---|---|---|---|---|---|---|")
-    for directory in directories:
-        for line in (Path(directory) / "results.jsonl").read_text().splitlines():
-            record = json.loads(line)
-            if record.get("status") == "ok":
-                print(_row(record))
+    print(table(HEADER, [_row(record) for directory in directories for record in load(directory) if record.get("status") == "ok"]))
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@
 :func:`chi_square_pvalue` compares sampled outcomes with their exact probabilities. Bins whose
 expected count is below 5 are pooled (the usual validity rule), and an outcome with exact
 probability 0 that was nevertheless observed gives p-value 0: the sampler is provably wrong.
+:func:`stack_pvalue` applies it to a stack's continuations of a prompt under a synthetic target.
 """
 
 from __future__ import annotations
@@ -15,6 +16,21 @@ from collections import Counter
 from typing import Hashable, Iterable, Mapping
 
 import torch
+
+
+SAMPLES = 1500  # continuations drawn per sampled-losslessness check
+ALPHA = 1e-4  # such a check fails below this p-value
+
+
+def stack_pvalue(stack, target, sampling, prompt, *, length: int = 3, samples: int = SAMPLES) -> float:
+    """The chi-square p-value of ``samples`` continuations of ``prompt`` (``length`` tokens each) that
+    ``stack`` generates, against their exact probabilities under the synthetic ``target``
+    (:func:`specstack.synthetic.sequence_probabilities`) warped by ``sampling``."""
+    from ..synthetic import sequence_probabilities
+
+    exact = sequence_probabilities(target, list(prompt), length, sampling)
+    drawn = [stack.generate(list(prompt), length).tokens for _ in range(samples)]
+    return chi_square_pvalue(drawn, exact)
 
 
 def chi_square_pvalue(samples: Iterable[Hashable], exact: Mapping[Hashable, float], *, min_expected: float = 5.0) -> float:
