@@ -96,7 +96,7 @@ class CachedModel:
     _queries: QueryLog | None = attrs.field(init=False, default=None)  # logged for a gathering level below
     _hidden: HiddenLog | None = attrs.field(init=False, default=None)  # logged for a drafter that reads hidden states
     _fed: SeenTokens = attrs.field(init=False, factory=SeenTokens)  # token at every position fed so far
-    _tree: tuple[int, list[int], int] | None = attrs.field(init=False, default=None)  # (first slot, tokens, root position) of a scored tree
+    _tree: tuple[int, list[int]] | None = attrs.field(init=False, default=None)  # (first slot, tokens) of a scored tree
     _tree_hidden: torch.Tensor | None = attrs.field(init=False, default=None)  # [k+1, H] its rows' hidden states, until a path is kept
     _acceptance: float | None = attrs.field(init=False, default=None)  # rolling, of this level's drafts
 
@@ -124,8 +124,6 @@ class CachedModel:
         return HiddenStateChannel(self, self._hidden)
 
     def reset(self) -> None:
-        if self._hidden is not None:
-            self._hidden.forget_from(0)
         self.cache.truncate(0)
         self._fed.truncate(0)
         self._tree = None
@@ -196,14 +194,15 @@ class CachedModel:
         if len(batch) > self.capacity:
             raise SpecstackError(f"a tree of {len(draft)} tokens does not fit level '{self.stats.name}', whose cache holds {self.capacity} slots; use a smaller tree or a larger budget")
         self._make_room(len(batch))
-        self._tree = (len(self.cache) + len(prefix) - start, draft.tokens.tolist(), int(batch.positions[batch.query_row]))
+        self._tree = (len(self.cache) + len(prefix) - start, draft.tokens.tolist())
         return self._forward(batch)
 
     def accept_path(self, path: Sequence[int]) -> None:
         """Keep the accepted root path ``path`` (indices into the last scored tree), drop the rest."""
-        base, tokens, root = self._tree
-        if self._hidden is not None and self._tree_hidden is not None:  # row 0 (the root) and the path's rows
+        base, tokens = self._tree
+        if self._tree_hidden is not None:  # row 0 (the root: the last committed token, fed last) and the path's rows
             rows = torch.tensor([0, *(i + 1 for i in path)], dtype=torch.long, device="cpu")  # [m+1]
+            root = len(self._fed) - 1
             self._hidden.record(root + torch.arange(len(rows), device="cpu"), self._tree_hidden[rows.to(self._tree_hidden.device)])
         self._tree_hidden = None
         self.cache.keep_path(base, list(path))

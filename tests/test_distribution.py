@@ -18,22 +18,18 @@ from hypothesis import given, settings
 from specstack import Level, SamplingConfig, SpeculationStack, StreamingLLM, Verifier
 from specstack.sampling import sample
 from specstack.synthetic import SyntheticLM, sequence_probabilities
-from specstack.testing import chi_square_pvalue
+from specstack.testing import ALPHA, SAMPLES, stack_pvalue
 from specstack.types import Verdict
 
 from .stacks import StackCase, stack_cases
 
-SAMPLES = 1500
-ALPHA = 1e-4
 EXAMPLES = 25
 PROMPT = [1, 2]
 LENGTH = 3
 
 
 def sampled_pvalue(stack: SpeculationStack, target: SyntheticLM, sampling: SamplingConfig, stops=(), samples: int = SAMPLES) -> float:
-    exact = sequence_probabilities(target, PROMPT, LENGTH, sampling, stop_tokens=stops)
-    drawn = [stack.generate(PROMPT, LENGTH).tokens for _ in range(samples)]
-    return chi_square_pvalue(drawn, exact)
+    return stack_pvalue(stack, target, sampling, PROMPT, length=LENGTH, samples=samples, stop_tokens=stops)
 
 
 @settings(max_examples=EXAMPLES)
@@ -143,9 +139,7 @@ def test_a_partial_view_at_the_middle_level_keeps_the_target_distribution(device
     draft = SyntheticLM(device=device, vocab_size=4, seed=32, base=target, noise=1.0)
     levels = [Level(model=draft), Level(model=target, policy=_middle_policy(policy), gamma=2), Level(model=target, gamma=3)]
     stack = SpeculationStack.build(levels, sampling=sampling, seed=4)
-    exact = sequence_probabilities(target, LONG_PROMPT, LENGTH, sampling)
-    drawn = [stack.generate(LONG_PROMPT, LENGTH).tokens for _ in range(SAMPLES)]
-    assert chi_square_pvalue(drawn, exact) > ALPHA
+    assert stack_pvalue(stack, target, sampling, LONG_PROMPT, length=LENGTH) > ALPHA
     assert stack.top.drafter.lm.stats.gathers > 0 or policy in ("h2o", "streaming")
 
 

@@ -22,6 +22,7 @@ from specstack_medusa.heads import HeadsInfo, synthetic_heads
 from specstack_medusa.tree import choose_paths, parents_of
 
 SMALL = {"budget": 16, "chunk_size": 4, "stride": 8}  # retrieval sized for prompts of a few dozen tokens
+PROMPT = [1, 2]
 
 
 @pytest.fixture(scope="module")
@@ -29,9 +30,8 @@ def registry() -> Registry:
     return Registry.create(entry_points=False, plugins=[plugin])
 
 
-def _medusa(vocab: int, *, tree_size: int = 8, heads: int = 3, seed: int = 0) -> MedusaDrafter:
-    info = HeadsInfo(hidden_size=8, heads=heads, vocab_size=vocab)
-    return MedusaDrafter(vocab=vocab, heads=MedusaHeads.random(info, seed=seed), tree_size=tree_size)
+def _medusa(vocab: int, *, tree_size: int = 8) -> MedusaDrafter:
+    return MedusaDrafter(vocab=vocab, heads=synthetic_heads(vocab), tree_size=tree_size)
 
 
 # -- the tree of candidates ------------------------------------------------------------------------
@@ -128,8 +128,8 @@ def test_the_channel_hands_the_state_of_the_last_committed_position(middle: bool
 
 
 def test_after_the_prefill_the_lm_head_drafts_the_next_token() -> None:
-    """Right after the prompt the level holds the state of its last token: the output head itself
-    predicts the next token (head 0), so a draft's first token is the level's own greedy choice."""
+    """Right after the prompt the level holds the state of its last token, so the drafter reads q =
+    len(prefix) - 1: the output head itself drafts the next token (head 0), the heads the ones after."""
     target = SyntheticLM(vocab_size=10, seed=1, sharpness=2.0)
     drafter = Recording(vocab=10, heads=synthetic_heads(10), tree_size=6)
     drafter.seen = []
@@ -164,17 +164,13 @@ def test_the_recipes_are_greedy_lossless(registry) -> None:
 # -- sampled losslessness --------------------------------------------------------------------------
 
 
-def _pvalue(stack: SpeculationStack, target: SyntheticLM, sampling: SamplingConfig, prompt=(1, 2)) -> float:
-    return stack_pvalue(stack, target, sampling, prompt)
-
-
 @pytest.mark.parametrize("sampling", [SamplingConfig(temperature=0.8), SamplingConfig(temperature=0.9, top_p=0.8)], ids=["t0.8", "top_p"])
 def test_sampled_medusa_keeps_the_target_distribution(sampling: SamplingConfig) -> None:
     target = SyntheticLM(vocab_size=4, seed=11, sharpness=1.5)
     drafter = _medusa(4, tree_size=6)
     stack = SpeculationStack.build([Level(drafter=drafter), Level(model=target, gamma=drafter.step)], sampling=sampling, seed=3)
     assert stack.top.verifier.name == "token-tree"
-    assert _pvalue(stack, target, sampling) > ALPHA
+    assert stack_pvalue(stack, target, sampling, PROMPT) > ALPHA
 
 
 def test_sampled_medusa_under_a_middle_level_keeps_the_target_distribution() -> None:
@@ -184,7 +180,7 @@ def test_sampled_medusa_under_a_middle_level_keeps_the_target_distribution() -> 
     drafter = _medusa(4, tree_size=6)
     levels = [Level(drafter=drafter), Level(model=middle, gamma=drafter.step), Level(model=target, gamma=3)]
     stack = SpeculationStack.build(levels, sampling=sampling, seed=5)
-    assert _pvalue(stack, target, sampling) > ALPHA
+    assert stack_pvalue(stack, target, sampling, PROMPT) > ALPHA
 
 
 class ClaimsSampled(MedusaDrafter):
@@ -207,4 +203,4 @@ def test_a_drafter_that_lies_about_its_draws_is_caught() -> None:
     liar = ClaimsSampled(vocab=4, heads=MedusaHeads.random(info), tree_size=4)
     stack = SpeculationStack.build([Level(drafter=liar), Level(model=target, gamma=liar.step)], sampling=sampling, seed=3)
     assert stack.top.verifier.name == "speculative"
-    assert _pvalue(stack, target, sampling) < ALPHA
+    assert stack_pvalue(stack, target, sampling, PROMPT) < ALPHA

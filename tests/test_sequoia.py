@@ -256,10 +256,6 @@ PROMPT = [1, 2]
 LOOKUP_PROMPT = [1, 2, 0, 1, 3, 1, 2, 2, 0, 1]  # repeats, so lookup proposes several branches
 
 
-def _pvalue(stack: SpeculationStack, target: SyntheticLM, sampling: SamplingConfig, prompt=PROMPT) -> float:
-    return stack_pvalue(stack, target, sampling, prompt)
-
-
 def _tree_level(draft: SyntheticLM, shape: str, **options) -> Level:
     return Level(model=draft, model_drafter=functools.partial(SequoiaDrafter, shape=shape, **options))
 
@@ -282,7 +278,7 @@ def test_a_sampled_tree_keeps_the_target_distribution(device: str, kind, warp_na
     draft = SyntheticLM(device=device, vocab_size=4, seed=12, base=target, noise=1.0)
     stack = SpeculationStack.build([_tree_level(draft, "widths:3,2", **options), Level(model=target, gamma=2)], sampling=sampling, seed=3)
     assert stack.top.verifier.name == verifier
-    assert _pvalue(stack, target, sampling) > ALPHA
+    assert stack_pvalue(stack, target, sampling, PROMPT) > ALPHA
 
 
 @pytest.mark.parametrize("shape", ["star:3", "chain:3", "planned"])
@@ -294,7 +290,7 @@ def test_sampled_trees_of_every_shape_keep_the_target_distribution(device: str, 
     target = SyntheticLM(device=device, vocab_size=4, seed=51, sharpness=1.5)
     draft = SyntheticLM(device=device, vocab_size=4, seed=52, base=target, noise=1.0)
     stack = SpeculationStack.build([_tree_level(draft, shape), Level(model=target, gamma=3)], sampling=sampling, seed=5)
-    assert _pvalue(stack, target, sampling) > ALPHA
+    assert stack_pvalue(stack, target, sampling, PROMPT) > ALPHA
 
 
 @pytest.mark.parametrize(("options", "warp_name"), [({}, "t0.8"), ({"replacement": True}, "top_p"), ({"deterministic": True}, "top_k")],
@@ -306,7 +302,7 @@ def test_a_tree_at_level_0_verified_by_the_middle_level_keeps_the_target_distrib
     draft = SyntheticLM(device=device, vocab_size=4, seed=23, base=middle, noise=1.0)
     levels = [_tree_level(draft, "binary:3", **options), Level(model=middle, gamma=3), Level(model=target, gamma=3)]
     stack = SpeculationStack.build(levels, sampling=sampling, seed=5)
-    assert _pvalue(stack, target, sampling) > ALPHA
+    assert stack_pvalue(stack, target, sampling, PROMPT) > ALPHA
 
 
 def test_a_sampled_lookup_tree_keeps_the_target_distribution(device: str) -> None:
@@ -314,7 +310,7 @@ def test_a_sampled_lookup_tree_keeps_the_target_distribution(device: str) -> Non
     target = SyntheticLM(device=device, vocab_size=4, seed=31, sharpness=1.5)
     stack = SpeculationStack.build([Level(drafter=TreeLookupDrafter(vocab=4, branches=3)), Level(model=target, gamma=3)], sampling=sampling, seed=7)
     assert stack.top.verifier.name == "token-tree"
-    assert _pvalue(stack, target, sampling, LOOKUP_PROMPT) > ALPHA
+    assert stack_pvalue(stack, target, sampling, LOOKUP_PROMPT) > ALPHA
     assert stack.generate(LOOKUP_PROMPT, 24).levels[-1].accepted > 0
 
 
@@ -325,7 +321,7 @@ def test_retrieval_middle_level_with_a_tree_keeps_the_target_distribution(device
     retrieval = Retrieval(budget=4, chunk_size=2, stride=2, reserve=16)
     levels = [_tree_level(draft, "widths:2,2"), Level(model=target, policy=retrieval, gamma=2), Level(model=target, gamma=3)]
     stack = SpeculationStack.build(levels, sampling=sampling, seed=9)
-    assert _pvalue(stack, target, sampling, LOOKUP_PROMPT) > ALPHA
+    assert stack_pvalue(stack, target, sampling, LOOKUP_PROMPT) > ALPHA
 
 
 class LyingDrafter(SequoiaDrafter):
@@ -356,10 +352,10 @@ def test_the_distribution_test_catches_a_drafter_lying_about_its_kind(device: st
     lying = SpeculationStack.build([Level(model=draft, model_drafter=functools.partial(LyingDrafter, shape="star:3")),
                                     Level(model=target, gamma=1)], sampling=sampling, seed=seed)
     assert lying.top.verifier.name == "specinfer"
-    assert _pvalue(lying, target, sampling) < ALPHA
+    assert stack_pvalue(lying, target, sampling, PROMPT) < ALPHA
     honest = SpeculationStack.build([_tree_level(draft, "star:3"), Level(model=target, gamma=1)], sampling=sampling, seed=seed)
     assert honest.top.verifier.name == "sequoia"
-    assert _pvalue(honest, target, sampling) > ALPHA
+    assert stack_pvalue(honest, target, sampling, PROMPT) > ALPHA
 
 
 # -- registration, the bench axis, the command -----------------------------------------------------

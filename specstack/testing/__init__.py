@@ -22,13 +22,13 @@ SAMPLES = 1500  # continuations drawn per sampled-losslessness check
 ALPHA = 1e-4  # such a check fails below this p-value
 
 
-def stack_pvalue(stack, target, sampling, prompt, *, length: int = 3, samples: int = SAMPLES) -> float:
-    """The chi-square p-value of ``samples`` continuations of ``prompt`` (``length`` tokens each) that
-    ``stack`` generates, against their exact probabilities under the synthetic ``target``
-    (:func:`specstack.synthetic.sequence_probabilities`) warped by ``sampling``."""
+def stack_pvalue(stack, target, sampling, prompt, *, length: int = 3, samples: int = SAMPLES, stop_tokens=()) -> float:
+    """The chi-square p-value of ``samples`` continuations of ``prompt`` (``length`` tokens each, shorter
+    after one of the stack's ``stop_tokens``) that ``stack`` generates, against their exact probabilities
+    under the synthetic ``target`` (:func:`specstack.synthetic.sequence_probabilities`) warped by ``sampling``."""
     from ..synthetic import sequence_probabilities
 
-    exact = sequence_probabilities(target, list(prompt), length, sampling)
+    exact = sequence_probabilities(target, list(prompt), length, sampling, stop_tokens=stop_tokens)
     drawn = [stack.generate(list(prompt), length).tokens for _ in range(samples)]
     return chi_square_pvalue(drawn, exact)
 

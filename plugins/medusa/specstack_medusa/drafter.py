@@ -55,7 +55,7 @@ class MedusaDrafter(Drafter):
     top_k: int = attrs.field(default=8, validator=_size)
     stats: LevelStats = attrs.field(factory=lambda: LevelStats(name="medusa"))
     _channel: HiddenStateChannel | None = attrs.field(init=False, default=None)
-    _trees: dict[int, tuple[list[tuple[int, ...]], torch.Tensor]] = attrs.field(init=False, factory=dict)  # first head -> (paths, parents)
+    _trees: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = attrs.field(init=False, factory=dict)  # first head -> (depth, rank, parent) per node
 
     _model: MedusaHeads = attrs.field(init=False)
 
@@ -97,32 +97,39 @@ class MedusaDrafter(Drafter):
             return Draft.empty(self.vocab, device=self._channel.device)
         position, state = found
         first = len(prefix) - 1 - position  # 0: the LM head drafts the next token; 1: head 1 does
-        draft = self._draft(state, first).head(n)
+        draft = self._draft(state, first, n)
         self.stats.drafted += len(draft)
         return draft
 
-    def _draft(self, state: torch.Tensor, first: int) -> Draft:
-        """The tree of candidates for head ``first`` on (depth 0), from the hidden state ``state`` [H]."""
-        paths, parents = self._tree(first)
-        depth = max(len(p) for p in paths)
+    def _draft(self, state: torch.Tensor, first: int, n: int) -> Draft:
+        """The tree of candidates at most ``n`` deep for head ``first`` on (depth 0), from the hidden state
+        ``state`` [H]: the output head runs once per depth drafted."""
+        depth, rank, parents = self._tree(first)
+        k = int((depth < n).sum())  # nodes are ordered by depth: the first k are the ones that fit
+        if k == 0:  # no rank of the first head was ever right: nothing worth drafting
+            return Draft.empty(self.vocab, device=self._channel.device)
+        depth, rank, parents = depth[:k], rank[:k], parents[:k]
+        d = int(depth[-1]) + 1
         with torch.inference_mode():
             states = torch.cat([state[None], self._model(state[None].to(next(self._model.parameters()).dtype))[:, 0].to(state.dtype)])  # [K+1, H]
-            logits = self._channel.output_logits(states[first : first + depth])  # [d, V]
+            logits = self._channel.output_logits(states[first : first + d])  # [d, V]
         ranks = logits.topk(min(self.top_k, self.vocab)).indices  # [d, top_k]
         rows = torch.softmax(logits, dim=-1)  # [d, V]: each depth's distribution, the q of its nodes
-        at = torch.tensor([len(p) - 1 for p in paths], device=logits.device)  # [k] depth of each node
-        rank = torch.tensor([p[-1] for p in paths], device=logits.device)  # [k]
+        at, rank = depth.to(logits.device), rank.to(logits.device)  # [k] each
         return Draft(tokens=ranks[at, rank], probs=rows[at], parents=parents.to(logits.device), kind=self.draft_kind)  # [k], [k, V]
 
-    def _tree(self, first: int) -> tuple[list[tuple[int, ...]], torch.Tensor]:
-        """The rank paths (and their parents) when head ``first`` drafts depth 0: the LM head's top-1
-        is the level's own greedy choice, so it is taken as certain."""
+    def _tree(self, first: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """[k] depth, rank and parent of every node of the tree of rank paths when head ``first`` drafts
+        depth 0 (nodes ordered by depth): the LM head's top-1 is the level's own greedy choice, so it is
+        taken as certain. Built once per ``first``."""
         if first not in self._trees:
             measured = [list(row) for row in self.info.accuracy] or [list(UNTRAINED_ACCURACY)] * self.info.heads
-            table = ([[1.0]] + measured)[first:]
-            table = [row[: min(self.top_k, self.vocab)] for row in table]
+            table = [row[: min(self.top_k, self.vocab)] for row in ([[1.0]] + measured)[first:]]
             paths = choose_paths(table, self.tree_size)
-            self._trees[first] = (paths, torch.tensor(parents_of(paths), dtype=torch.long, device="cpu"))
+            host = torch.device("cpu")
+            self._trees[first] = (torch.tensor([len(p) - 1 for p in paths], dtype=torch.long, device=host),  # [k]
+                                  torch.tensor([p[-1] for p in paths], dtype=torch.long, device=host),  # [k]
+                                  torch.tensor(parents_of(paths), dtype=torch.long, device=host))  # [k]
         return self._trees[first]
 
     def level_stats(self) -> list[LevelStats]:

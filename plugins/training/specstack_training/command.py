@@ -1,7 +1,8 @@
 """``specstack train KIND``: train a component for a target, one subcommand per kind.
 
 ``specstack train draft`` distils a small draft model (:mod:`specstack_training.distill`);
-``specstack train medusa`` trains Medusa heads (:mod:`specstack_training.medusa`). Every bad value is one ``SpecstackError`` line (exit code 2), found before any weights are read.
+``specstack train medusa`` trains Medusa heads (:mod:`specstack_training.medusa`). Every bad value
+is one ``SpecstackError`` line (exit code 2), found before any weights are read.
 """
 
 from __future__ import annotations
@@ -35,66 +36,69 @@ class TrainCommand:
         return TRAINERS[args.kind][2](args)
 
 
-def _add_draft_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--target", default=None, help="target model directory (default: the embedded SmolLM2-135M)")
-    parser.add_argument("--text", action="append", required=True, help="training text file or shipped book name (repeatable)")
-    parser.add_argument("--out", required=True, help="output directory for the draft model")
-    parser.add_argument("--minutes", type=float, default=60.0, help="wall-clock training budget")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--eval-text", help="held-out text file or shipped book for greedy-agreement evaluation")
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                        help=f"a hyperparameter (repeatable); keys: {', '.join(DEFAULTS)}")
-
-
-def _train_draft(args: argparse.Namespace) -> int:
-    from specstack.run import parse_options
-
-    from .distill import check_hyperparameters, distill
-
-    if args.minutes <= 0:
-        raise SpecstackError(f"--minutes {args.minutes:g} is not allowed; use a positive number")
-    hyperparams = parse_options(args.set)
-    check_hyperparameters(hyperparams)
-    texts = [read_text(path) for path in args.text]
-    eval_text = read_text(args.eval_text) if args.eval_text else None
-    target = _target_dir(args.target)
-    metrics = distill(target_dir=target, texts=texts, out_dir=args.out, minutes=args.minutes, seed=args.seed,
-                      eval_text=eval_text, log=lambda line: print(line, flush=True), **hyperparams)
-    print(json.dumps({k: v for k, v in metrics.items() if k != "hyperparams"}, indent=2))
-    return 0
-
-
-def _add_medusa_arguments(parser: argparse.ArgumentParser) -> None:
+def _add_common_arguments(parser: argparse.ArgumentParser, out_help: str, keys: dict) -> None:
+    """The flags every kind takes: the target, the texts, the output, the budget, the seed and ``--set``."""
     parser.add_argument("--target", default=None, help="target model directory (default: the embedded SmolLM2-135M)")
     parser.add_argument("--text", action="append", required=True,
                         help="training text: a file, a directory (its .py and .txt files) or a shipped book name (repeatable)")
-    parser.add_argument("--out", required=True, help="output heads file (.safetensors); the metrics go beside it as .json")
-    parser.add_argument("--minutes", type=float, default=60.0, help="wall-clock training budget (labelling the data comes first)")
+    parser.add_argument("--out", required=True, help=out_help)
+    parser.add_argument("--minutes", type=float, default=60.0, help="wall-clock training budget")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--eval-text", action="append", default=[],
-                        help="held-out text file or shipped book (repeatable): per-head top-k accuracy; the first picks the best heads and shapes the tree")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                        help=f"a hyperparameter (repeatable); keys: {', '.join(MEDUSA_DEFAULTS)}")
+                        help=f"a hyperparameter (repeatable); keys: {', '.join(keys)}")
 
 
-def _train_medusa(args: argparse.Namespace) -> int:
+def _inputs(args: argparse.Namespace, check_hyperparameters: Callable[[dict], None]) -> tuple[dict, list[str]]:
+    """The hyperparameters and training texts of ``args``, checked (one error line each) before any weights are read."""
     from specstack.run import parse_options
-
-    from .medusa import check_hyperparameters, train_medusa
 
     if args.minutes <= 0:
         raise SpecstackError(f"--minutes {args.minutes:g} is not allowed; use a positive number")
-    if not args.out.endswith(".safetensors"):
-        raise SpecstackError(f"--out {args.out!r} is not allowed; name a .safetensors file")
     hyperparams = parse_options(args.set)
     check_hyperparameters(hyperparams)
-    texts = [read_text(path) for path in args.text]
-    eval_texts = {Path(path).stem: read_text(path) for path in args.eval_text}
-    target = _target_dir(args.target)
-    metrics = train_medusa(target_dir=target, texts=texts, out=args.out, minutes=args.minutes, seed=args.seed,
-                           eval_texts=eval_texts, log=lambda line: print(line, flush=True), **hyperparams)
+    return hyperparams, [read_text(path) for path in args.text]
+
+
+def _print_metrics(metrics: dict) -> int:
     print(json.dumps({k: v for k, v in metrics.items() if k != "hyperparams"}, indent=2))
     return 0
+
+
+def _log(line: str) -> None:
+    print(line, flush=True)
+
+
+def _add_draft_arguments(parser: argparse.ArgumentParser) -> None:
+    _add_common_arguments(parser, "output directory for the draft model", DEFAULTS)
+    parser.add_argument("--eval-text", help="held-out text file or shipped book for greedy-agreement evaluation")
+
+
+def _train_draft(args: argparse.Namespace) -> int:
+    from .distill import check_hyperparameters, distill
+
+    hyperparams, texts = _inputs(args, check_hyperparameters)
+    eval_text = read_text(args.eval_text) if args.eval_text else None
+    metrics = distill(target_dir=_target_dir(args.target), texts=texts, out_dir=args.out, minutes=args.minutes, seed=args.seed,
+                      eval_text=eval_text, log=_log, **hyperparams)
+    return _print_metrics(metrics)
+
+
+def _add_medusa_arguments(parser: argparse.ArgumentParser) -> None:
+    _add_common_arguments(parser, "output heads file (.safetensors); the metrics go beside it as .json", MEDUSA_DEFAULTS)
+    parser.add_argument("--eval-text", action="append", default=[],
+                        help="held-out text file or shipped book (repeatable): per-head top-k accuracy; the first picks the best heads and shapes the tree")
+
+
+def _train_medusa(args: argparse.Namespace) -> int:
+    from .medusa import check_hyperparameters, train_medusa
+
+    if not args.out.endswith(".safetensors"):
+        raise SpecstackError(f"--out {args.out!r} is not allowed; name a .safetensors file")
+    hyperparams, texts = _inputs(args, check_hyperparameters)
+    eval_texts = {Path(path).stem: read_text(path) for path in args.eval_text}
+    metrics = train_medusa(target_dir=_target_dir(args.target), texts=texts, out=args.out, minutes=args.minutes, seed=args.seed,
+                           eval_texts=eval_texts, log=_log, **hyperparams)
+    return _print_metrics(metrics)
 
 
 def _target_dir(given: str | None) -> str:

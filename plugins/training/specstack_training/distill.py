@@ -43,6 +43,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Llama
 
 from specstack import SpecstackError
 
+from .shared import check_names, encode, lr_factor
+
 DEFAULTS = dict(
     hidden=576,  # student residual width d (576 = the target's: embedding copied exactly)
     layers=(0,),  # target layers copied into the student, in order
@@ -69,11 +71,6 @@ DEFAULTS = dict(
 # ----------------------------------------------------------------------------
 # Data
 # ----------------------------------------------------------------------------
-
-
-def encode(tokenizer, texts: list[str]) -> list[np.ndarray]:
-    """Tokenise each text without special tokens -> list of int64 arrays."""
-    return [np.asarray(tokenizer(t, add_special_tokens=False)["input_ids"], dtype=np.int64) for t in texts]
 
 
 def chunk(token_arrays: list[np.ndarray], seq_len: int) -> torch.Tensor:
@@ -214,14 +211,6 @@ def greedy_agreement(student, teacher, token_ids, *, positions: int, teacher_pre
 # ----------------------------------------------------------------------------
 
 
-def lr_factor(frac: float, warmup: float) -> float:
-    """Linear warm-up then cosine decay to 5%, as a function of elapsed budget fraction."""
-    if frac < warmup:
-        return frac / warmup
-    p = min(1.0, (frac - warmup) / max(1e-9, 1 - warmup))
-    return 0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * p))
-
-
 @torch.no_grad()
 def calibrate_final_norm(student, ids, t_vals, t_idx, scales=(1.0, 0.5, 0.35, 0.25, 0.18, 0.12)) -> float:
     """Rescale the copied final-norm gain to the value (from a grid) with the lowest distillation loss."""
@@ -339,9 +328,7 @@ def save_student(student: LlamaForCausalLM, target_dir: str, out_dir: str) -> No
 
 def check_hyperparameters(hyperparams: dict) -> None:
     """Every key must be one of :data:`DEFAULTS` (one error line naming the first that is not)."""
-    unknown = sorted(set(hyperparams) - set(DEFAULTS))
-    if unknown:
-        raise SpecstackError(f"hyperparameter {unknown[0]!r} is not allowed; use {', '.join(DEFAULTS)}")
+    check_names(hyperparams, DEFAULTS)
 
 
 def distill(*, target_dir: str, texts: list[str], out_dir: str, minutes: float, seed: int = 0,

@@ -26,7 +26,6 @@ Command line (:mod:`specstack_training.command`)::
 from __future__ import annotations
 
 import json
-import math
 import time
 from pathlib import Path
 
@@ -36,6 +35,8 @@ import torch
 import torch.nn.functional as F
 
 from specstack import SpecstackError
+
+from .shared import check_names, encode, lr_factor
 
 DEFAULTS = dict(
     heads=4,  # K: head k predicts the token k + 1 positions ahead of the state it reads
@@ -60,9 +61,8 @@ DEFAULTS = dict(
 
 def check_hyperparameters(hyperparams: dict) -> None:
     """Every key must be a known hyperparameter: one error line otherwise."""
+    check_names(hyperparams, DEFAULTS)
     for key, value in hyperparams.items():
-        if key not in DEFAULTS:
-            raise SpecstackError(f"hyperparameter {key!r} is not allowed; use {', '.join(DEFAULTS)}")
         if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0 or (isinstance(DEFAULTS[key], int) and not isinstance(value, int)):
             kind = "a non-negative integer" if isinstance(DEFAULTS[key], int) else "a non-negative number"
             raise SpecstackError(f"hyperparameter {key}={value!r} is not allowed; use {kind}")
@@ -167,13 +167,6 @@ def rank_accuracy(heads, lm_head: torch.Tensor, states: torch.Tensor, greedy: to
     return (hits / counted.clamp_min(1)[:, None]).tolist()
 
 
-def lr_factor(fraction: float, warmup: float) -> float:
-    """Linear warm-up over ``warmup`` of the budget, then a cosine decay to 5%."""
-    if fraction < warmup:
-        return fraction / warmup
-    return 0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * min(1.0, (fraction - warmup) / max(1e-9, 1 - warmup))))
-
-
 def train(heads, lm_head: torch.Tensor, states: torch.Tensor, greedy: torch.Tensor, hp: dict, seconds: float, evaluate, log, seed: int) -> dict:
     """Train ``heads`` for ``seconds`` of wall-clock time; keep the state with the best ``evaluate()`` score."""
     optimizer = torch.optim.AdamW(heads.parameters(), lr=hp["lr"], weight_decay=hp["weight_decay"])
@@ -221,14 +214,13 @@ def train_medusa(*, target_dir: str, texts: list[str], out: str, minutes: float,
     check_hyperparameters(hyperparams)
     hp = {**DEFAULTS, **hyperparams}
     torch.set_num_threads(hp["threads"])
-    torch.manual_seed(seed)
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
     target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
     for parameter in target.parameters():
         parameter.requires_grad_(False)
-    encode = lambda text: np.asarray(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=np.int64)  # noqa: E731
-    states, greedy = prepare(target, [encode(t) for t in texts], hp, seed, log)
-    held_out = {f"{name}:{kind}": data for name, text in (eval_texts or {}).items() for kind, data in _held_out(target, encode(text), hp, seed, log).items()}
+    states, greedy = prepare(target, encode(tokenizer, texts), hp, seed, log)
+    held_out = {f"{name}:{kind}": data for name, text in (eval_texts or {}).items()
+                for kind, data in _held_out(target, encode(tokenizer, [text])[0], hp, seed, log).items()}
     config = target.config
     heads = MedusaHeads(HeadsInfo(hidden_size=config.hidden_size, heads=hp["heads"], layers=hp["layers"], vocab_size=config.vocab_size,
                                   target=Path(target_dir).name))
