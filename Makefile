@@ -25,8 +25,10 @@ $(VENV)/.installed: pyproject.toml $(wildcard plugins/*/pyproject.toml)
 demo: setup
 	$(BIN)/specstack demo
 
+# the suite in TEST_WORKERS processes (pytest-xdist); each takes its share of the cores (tests/conftest.py)
+TEST_WORKERS ?= 2
 test: setup
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n $(TEST_WORKERS)
 
 # On a CUDA machine (docs/gpu.md): correctness on the GPU, then speed, into $(GPU_REPORT). It uses the
 # machine's own python with torch, transformers, pytest, hypothesis, pluggy and attrs already there:

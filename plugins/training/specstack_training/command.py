@@ -70,16 +70,17 @@ def _log(line: str) -> None:
 
 def _add_draft_arguments(parser: argparse.ArgumentParser) -> None:
     _add_common_arguments(parser, "output directory for the draft model", DEFAULTS)
-    parser.add_argument("--eval-text", help="held-out text file or shipped book for greedy-agreement evaluation")
+    parser.add_argument("--eval-text", action="append", default=[],
+                        help="held-out text file or shipped book (repeatable): greedy agreement; the best mean picks the checkpoint kept")
 
 
 def _train_draft(args: argparse.Namespace) -> int:
     from .distill import check_hyperparameters, distill
 
     hyperparams, texts = _inputs(args, check_hyperparameters)
-    eval_text = read_text(args.eval_text) if args.eval_text else None
+    eval_texts = {Path(path).stem: read_text(path) for path in args.eval_text}
     metrics = distill(target_dir=_target_dir(args.target), texts=texts, out_dir=args.out, minutes=args.minutes, seed=args.seed,
-                      eval_text=eval_text, log=_log, **hyperparams)
+                      eval_texts=eval_texts, log=_log, **hyperparams)
     return _print_metrics(metrics)
 
 

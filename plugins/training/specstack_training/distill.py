@@ -12,6 +12,11 @@ Initialisation ("projected copy" of the target):
     reads or writes the residual stream projected through ``P``; attention
     heads / MLP channels beyond the student's sizes are dropped.
 
+Growing (``grow_from``): the student may instead start as a smaller trained draft
+of the same widths. Its layers and final norm are copied in, and the student's
+extra layers (initialised as above) get zero output projections, so before
+training the grown student computes exactly the smaller draft's function.
+
 Training: knowledge distillation on the given texts. The target runs (in
 bfloat16, for speed) over fresh chunks and its top-k log-probabilities are
 kept in a replay buffer; the student minimises the cross-entropy to the
@@ -65,6 +70,7 @@ DEFAULTS = dict(
     teacher_bf16=True,  # label with a bfloat16 copy of the target (2x faster on CPU)
     autocast=True,  # bfloat16 autocast for the student's forward/backward
     threads=1,  # torch intra-op threads
+    grow_from="",  # a draft directory (same widths) whose layers and final norm start the student; "" = none
 )
 
 
@@ -138,6 +144,8 @@ def build_student(teacher: LlamaForCausalLM, hp: dict) -> LlamaForCausalLM:
     cfg = student_config(teacher.config, hp)
     student = LlamaForCausalLM(cfg).float()
     E = teacher.model.embed_tokens.weight.float()  # [V, D]
+    if hp["hidden"] == E.shape[1] and hp["emb_lr"] == 0:
+        E = E.bfloat16().float()  # [V, D] what the loader copies in (models.load_default_draft): train on it
     P = embedding_basis(E, hp["hidden"])  # [D, d]
     student.model.embed_tokens.weight.copy_(E @ P)  # [V, d]
     for dst, i in zip(student.model.layers, hp["layers"]):
@@ -145,7 +153,29 @@ def build_student(teacher: LlamaForCausalLM, hp: dict) -> LlamaForCausalLM:
     g = teacher.model.norm.weight.float()  # [D]
     student.model.norm.weight.copy_((P * P * g[:, None]).sum(0) * math.sqrt(teacher.config.hidden_size / hp["hidden"]))
     student.tie_weights()
+    if hp["grow_from"]:
+        grow(student, hp["grow_from"])
     return student
+
+
+@torch.no_grad()
+def grow(student: LlamaForCausalLM, draft_dir: str) -> None:
+    """Start the student as the smaller draft in ``draft_dir``: its layers and final norm are copied in,
+    and the student's extra layers write nothing at first (zero output projections), so the grown
+    student computes exactly the draft's function before training (progressive stacking)."""
+    from safetensors.torch import load_file
+
+    given = {k: v.float() for k, v in load_file(os.path.join(draft_dir, "model.safetensors")).items()
+             if k != "model.embed_tokens.weight"}
+    own = student.state_dict()
+    for name, value in given.items():
+        if name not in own or own[name].shape != value.shape:
+            raise SpecstackError(f"grow_from {draft_dir!r} is not allowed; its {name} does not fit the student's widths and depth")
+        own[name].copy_(value)
+    depth = len({name.split(".")[2] for name in given if name.startswith("model.layers.")})
+    for layer in student.model.layers[depth:]:
+        layer.self_attn.o_proj.weight.zero_()
+        layer.mlp.down_proj.weight.zero_()
 
 
 # ----------------------------------------------------------------------------
@@ -266,13 +296,13 @@ def train(student, teacher, chunks: torch.Tensor, hp: dict, seconds: float, eval
     gen = torch.Generator().manual_seed(hp["seed"])
     order = chunks[torch.randperm(len(chunks), generator=gen)]  # [N, T]
     opt, buf = make_optimizer(student, hp), ReplayBuffer()
-    best = dict(agreement=-1.0, state=None, minute=0.0)
+    best = dict(agreement={}, score=-1.0, state=None, minute=0.0)
     start, next_eval, cursor, step, losses = time.time(), hp["eval_every"] * 60, 0, 0, []
     while (elapsed := time.time() - start) < seconds:
         if cursor < len(order):  # label a fresh batch, train on it first
             ids = order[cursor : cursor + hp["batch"]]  # [B, T]
             vals, idx = teacher_topk(teacher, ids, hp["top_k"])  # [B, T, k] x2
-            if cursor == 0:
+            if cursor == 0 and not hp["grow_from"]:
                 log(f"final-norm scale {calibrate_final_norm(student, ids, vals, idx)}")
             buf.add(ids, vals, idx)
             cursor += len(ids)
@@ -287,12 +317,13 @@ def train(student, teacher, chunks: torch.Tensor, hp: dict, seconds: float, eval
             step += 1
         if time.time() - start >= next_eval or time.time() - start >= seconds:
             next_eval += hp["eval_every"] * 60
-            agree = evaluate(student)
+            agree = evaluate(student)  # held-out name -> agreement; their mean picks the checkpoint
             minute = (time.time() - start) / 60
             log(f"min {minute:6.1f} step {step:6d} labelled {cursor * chunks.shape[1]:8d} tok "
-                f"loss {np.mean(losses[-50:]):.4f} agreement {agree:.4f}")
-            if agree > best["agreement"]:
-                best = dict(agreement=agree, state=copy.deepcopy(student.state_dict()), minute=minute)
+                f"loss {np.mean(losses[-50:]):.4f} agreement " + " ".join(f"{k} {v:.4f}" for k, v in agree.items()))
+            score = float(np.mean(list(agree.values()))) if agree else float("nan")
+            if score > best["score"]:
+                best = dict(agreement=agree, score=score, state=copy.deepcopy(student.state_dict()), minute=minute)
     if best["state"] is not None:
         student.load_state_dict(best["state"])
     return dict(steps=step, labelled_tokens=cursor * chunks.shape[1], best_agreement=best["agreement"],
@@ -327,13 +358,43 @@ def save_student(student: LlamaForCausalLM, target_dir: str, out_dir: str) -> No
 
 
 def check_hyperparameters(hyperparams: dict) -> None:
-    """Every key must be one of :data:`DEFAULTS` (one error line naming the first that is not)."""
+    """Every key must be one of :data:`DEFAULTS`, and ``layers`` a list of target layers (one error line)."""
     check_names(hyperparams, DEFAULTS)
+    if "layers" in hyperparams:
+        hyperparams["layers"] = target_layers(hyperparams["layers"])
+    grown = str(hyperparams.get("grow_from", ""))
+    if grown and not os.path.isfile(os.path.join(grown, "model.safetensors")):
+        raise SpecstackError(f"grow_from {grown!r} is not allowed; name a draft directory holding model.safetensors")
+
+
+def target_layers(value) -> tuple[int, ...]:
+    """``layers`` as given on the command line (``0,10,20``, or one number) -> a tuple of layer indices."""
+    items = value if isinstance(value, (tuple, list)) else str(value).split(",")
+    try:
+        layers = tuple(int(str(i).strip()) for i in items)
+    except ValueError:
+        layers = ()
+    if not layers or min(layers) < 0:
+        raise SpecstackError(f"layers {value!r} is not allowed; use target layer numbers separated by commas, e.g. 0,10,20")
+    return layers
+
+
+def held_out_agreement(teacher, tokenizer, eval_texts: dict[str, str], positions: int):
+    """A function of the student giving its greedy agreement on each held-out text (name -> fraction),
+    against the fp32 teacher's argmaxes, computed once here."""
+    held_out = {}
+    for name, text in eval_texts.items():
+        ids = torch.from_numpy(encode(tokenizer, [text])[0])  # [L]
+        n = min(positions, ids.numel())
+        held_out[name] = (ids, n, argmax_predictions(teacher, ids, n))
+    return lambda s: {name: greedy_agreement(s, None, ids, positions=n, teacher_preds=preds)
+                      for name, (ids, n, preds) in held_out.items()}
 
 
 def distill(*, target_dir: str, texts: list[str], out_dir: str, minutes: float, seed: int = 0,
-            eval_text: str | None = None, log=print, **hyperparams) -> dict:
-    """Build, train (for `minutes` of wall clock) and save a draft model; return metrics."""
+            eval_texts: dict[str, str] | None = None, log=print, **hyperparams) -> dict:
+    """Build, train (for `minutes` of wall clock) and save a draft model; return metrics. The
+    ``eval_texts`` (name -> held-out text) give a greedy agreement each; the checkpoint with the best mean is kept."""
     check_hyperparameters(hyperparams)
     hp = {**DEFAULTS, **hyperparams, "seed": seed}
     torch.set_num_threads(hp["threads"])
@@ -342,12 +403,7 @@ def distill(*, target_dir: str, texts: list[str], out_dir: str, minutes: float, 
     teacher = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
     student = build_student(teacher, hp).train()
     chunks = chunk(encode(tokenizer, texts), hp["seq_len"])  # [N, T]
-    evaluate, eval_ids, t_preds = (lambda s: float("nan")), None, None
-    if eval_text is not None:
-        eval_ids = torch.from_numpy(encode(tokenizer, [eval_text])[0])  # [L]
-        positions = min(hp["eval_positions"], eval_ids.numel())
-        t_preds = argmax_predictions(teacher, eval_ids, positions)  # fp32 teacher, cached
-        evaluate = lambda s: greedy_agreement(s, None, eval_ids, positions=positions, teacher_preds=t_preds)
+    evaluate = held_out_agreement(teacher, tokenizer, eval_texts or {}, hp["eval_positions"])
     if hp["teacher_bf16"]:
         teacher = teacher.to(torch.bfloat16)
     t0 = time.time()
@@ -356,8 +412,7 @@ def distill(*, target_dir: str, texts: list[str], out_dir: str, minutes: float, 
                    params=sum(p.numel() for p in student.parameters()),
                    hyperparams={k: (list(v) if isinstance(v, tuple) else v) for k, v in hp.items()})
     save_student(student, target_dir, out_dir)
-    if eval_text is not None:
-        metrics["eval_positions"] = positions
+    metrics["eval_positions"] = hp["eval_positions"]
     with open(os.path.join(out_dir, "distill_metrics.json"), "w") as f:
         json.dump(metrics, f, indent=2)
     return metrics
