@@ -22,7 +22,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging
 
 from specstack.data import load_book
-from specstack.models import prepare_target
+from specstack.models import copy_target_embedding, prepare_target
 from specstack_training.distill import argmax_predictions, greedy_agreement
 from specstack_training.medusa import continuations, text_chunks
 from specstack_training.shared import encode
@@ -34,8 +34,7 @@ def load_draft(path: str, target) -> torch.nn.Module:
     """A draft saved by ``specstack train draft``: its tied embedding is the target's, rounded to bf16."""
     logging.set_verbosity_error()  # the embedding is missing from the file on purpose
     draft = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    with torch.no_grad():
-        draft.get_input_embeddings().weight.copy_(target.get_input_embeddings().weight.to(torch.bfloat16).float())
+    copy_target_embedding(draft, target)
     return draft
 
 

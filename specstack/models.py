@@ -117,8 +117,14 @@ def load_default_draft(target, *, dtype: torch.dtype = torch.float32, device: st
         draft = load_model(draft_dir(), dtype=dtype, device=device, name="smollm2-draft")[0]
     finally:
         hf_logging.set_verbosity(verbosity)
-    embedding = target.module.get_input_embeddings().weight  # [V, D] on the target's device
-    weight = draft.module.get_input_embeddings().weight  # [V, D] on the draft's; tied: the LM head too
+    copy_target_embedding(draft.module, target.module)
+    return draft
+
+
+def copy_target_embedding(draft: torch.nn.Module, target: torch.nn.Module) -> None:
+    """Give a distilled draft (a transformers module saved by ``specstack train draft``, which leaves
+    the embedding out) the target's embedding rounded to bf16, as it was frozen in training."""
+    embedding = target.get_input_embeddings().weight  # [V, D] on the target's device
+    weight = draft.get_input_embeddings().weight  # [V, D] on the draft's; tied: the LM head too
     with torch.no_grad():
         weight.copy_(embedding.to(torch.bfloat16).to(weight.device))
-    return draft
