@@ -30,6 +30,7 @@ import attrs
 import torch
 
 from .errors import SpecstackError
+from .packed_linear import pack_linears
 
 ELEMENT_BYTES = {"float32": 4, "bfloat16": 2}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -194,16 +195,20 @@ def measure_bandwidth(*, mib: int = 512, repeats: int = 5) -> float:
 
 def measure_gemm(dtype: str, rows: int, pairs: Sequence[tuple[int, int]], *, min_seconds: float = 0.01, blocks: int = 3,
                  generator: torch.Generator | None = None) -> float:
-    """flop/s of ``F.linear`` (the model's own kernel) of ``rows`` rows through the weights
-    ``pairs`` of (in, out) features, one after another."""
+    """flop/s of ``rows`` rows through bias-free linear layers of ``pairs`` of (in, out) features,
+    one after another, with the kernel the models use (:mod:`specstack.packed_linear`)."""
     generator = generator or torch.Generator(device="cpu").manual_seed(0)
     torch_dtype = DTYPES[dtype_name(dtype)]
-    weights = [torch.randn(out, inp, generator=generator, device="cpu").to(torch_dtype) for inp, out in pairs]  # [out, in] each
+    layers = torch.nn.ModuleList(torch.nn.Linear(inp, out, bias=False, dtype=torch_dtype) for inp, out in pairs)
+    with torch.no_grad():
+        for layer, (inp, out) in zip(layers, pairs):
+            layer.weight.copy_(torch.randn(out, inp, generator=generator, device="cpu"))  # [out, in]
+    pack_linears(layers)
     inputs = [torch.randn(rows, inp, generator=generator, device="cpu").to(torch_dtype) for inp, _ in pairs]  # [rows, in] each
 
     def run() -> None:
-        for x, w in zip(inputs, weights):
-            torch.nn.functional.linear(x, w)  # [rows, out]
+        for x, layer in zip(inputs, layers):
+            layer(x)  # [rows, out]
 
     seconds = _best_seconds(run, min_seconds=min_seconds, blocks=blocks)
     return sum(2 * rows * inp * out for inp, out in pairs) / seconds

@@ -24,6 +24,7 @@ from .errors import SpecstackError
 from .batch import TokenBatch
 from .graphs import ForwardGraphs, StaticView
 from .kvstore import KVStore
+from .packed_linear import pack_linears
 from .types import Capability
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
@@ -125,25 +126,6 @@ def _explicit_attention(module, query, key, value, batch: TokenBatch, store: KVS
     return out.reshape(1, hq, t, d).transpose(1, 2)  # [1, T, Hq, D]
 
 
-SKINNY_ROWS = range(2, 33)  # row counts of an fp32 CPU LM head computed as (W @ x.T).T (output_projection)
-
-
-def output_projection(head: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
-    """An LM head over hidden rows [n, H] -> logits [n, V], in the head's dtype.
-
-    For several rows of fp32 on a CPU it computes ``(W @ hidden.T).T`` instead of ``F.linear``: for
-    SmolLM2's 49152 x 576 head on a 2-core AVX2 EPYC (torch 2.13, 2 threads), ``F.linear`` took
-    22-36 ms for 2-8 rows against 6-17 ms this way (2.1-3.5x), and one row 9-10 ms either way
-    (docs/benchmarks.md, "The LM head"). The result differs from ``F.linear``'s by rounding only
-    (at most 6e-5 there). From 64 rows on the gain shrinks, and at 512 rows followed by a softmax
-    ``F.linear`` is faster, so it applies to :data:`SKINNY_ROWS` only (verifies, trees, drafts). Every
-    other case is the head's own forward."""
-    if (hidden.shape[0] not in SKINNY_ROWS or hidden.device.type != "cpu" or hidden.dtype != torch.float32 or type(head) is not torch.nn.Linear
-            or head.bias is not None):
-        return head(hidden)  # [n, V]
-    return (head.weight @ hidden.T).T.contiguous()  # [V, H] @ [H, n] -> [n, V]
-
-
 class StoreCache:
     """The transformers ``Cache`` surface over a :class:`KVStore`, for one forward pass: the model's
     attention layers hand it their new keys and values and get the level's view back."""
@@ -203,6 +185,7 @@ class HFCausalLM:
         {Capability.KEYS, Capability.QUERIES, Capability.ATTENTION_WEIGHTS, Capability.SPARSE_ATTENTION, Capability.TREE_ATTENTION,
          Capability.HIDDEN_STATES})
     cuda_graphs: bool = True  # replay short chain forwards over bounded stores as CUDA graphs (specstack.graphs)
+    packed_linears: bool = True  # the module's linear layers through oneDNN on the CPU, in place (specstack.packed_linear)
     vocab_size: int = attrs.field(init=False)
     max_length: int = attrs.field(init=False)
     graphs: ForwardGraphs = attrs.field(init=False)
@@ -214,6 +197,8 @@ class HFCausalLM:
         _register_attention()
         self.module.set_attn_implementation(ATTENTION_NAME)
         self.module.eval()
+        if self.packed_linears:
+            pack_linears(self.module)
         self.vocab_size = config.vocab_size
         self.max_length = config.max_position_embeddings
         self.graphs = ForwardGraphs(self._static_forward, config.num_attention_heads // config.num_key_value_heads)
@@ -233,7 +218,7 @@ class HFCausalLM:
     @torch.inference_mode()
     def output_logits(self, states: torch.Tensor) -> torch.Tensor:
         """[n, H] last hidden states -> [n, V] float32 logits: the model's own LM head."""
-        return output_projection(self.module.lm_head, states.to(self.dtype)).float()
+        return self.module.lm_head(states.to(self.dtype)).float()  # [n, V]
 
     def new_cache(self, capacity: int, *, relative_positions: bool = False) -> KVStore:
         config = self.module.config
@@ -267,7 +252,7 @@ class HFCausalLM:
         (its decoder, then its LM head over those rows only)."""
         out = self.module.model(input_ids=tokens, position_ids=rope, past_key_values=cache, use_cache=True, **attention)
         hidden = out.last_hidden_state[0, out.last_hidden_state.shape[1] - num_logits :]  # [num_logits, H]
-        return output_projection(self.module.lm_head, hidden).float(), hidden  # [num_logits, V], [num_logits, H]
+        return self.module.lm_head(hidden).float(), hidden  # [num_logits, V], [num_logits, H]
 
     @torch.inference_mode()
     def _rerotate(self, keys: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:

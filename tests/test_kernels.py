@@ -1,30 +1,97 @@
-"""The LM head formulation specstack uses on the CPU (``hf.output_projection``): the head's own
-logits up to rounding, for every row count, and the head's own forward wherever it does not apply."""
+"""The linear kernel specstack's models use on the CPU (``specstack.packed_linear``): the layer's own
+outputs up to rounding for every row count, ``F.linear`` itself wherever it does not apply, and never
+a stale packed weight."""
 
 from __future__ import annotations
+
+import copy
+import io
 
 import pytest
 import torch
 
-from specstack.hf import output_projection
+from specstack.packed_linear import PackedLinear, onednn_available, pack_linears
+
+pytestmark = pytest.mark.skipif(not onednn_available(), reason="this torch build has no oneDNN linear ops")
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 8, 32, 33])
-def test_the_output_projection_is_the_heads_own_logits(rows) -> None:
-    torch.manual_seed(0)
-    head = torch.nn.Linear(64, 1000, bias=False)
-    hidden = torch.randn(40, 64)[-rows:]  # [rows, H], a view as the forward passes it
+def packed(in_features: int = 64, out_features: int = 1000, *, bias: bool = False, seed: int = 0) -> torch.nn.Linear:
+    torch.manual_seed(seed)
+    layer = torch.nn.Linear(in_features, out_features, bias=bias)
+    assert pack_linears(torch.nn.Sequential(layer)) == 1 and type(layer) is PackedLinear
+    return layer
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows", [1, 2, 3, 8, 33, 512])
+def test_a_packed_linear_is_the_linear_layer_up_to_rounding(rows, bias) -> None:
+    layer = packed(bias=bias)
+    hidden = torch.randn(1, 600, 64)[:, -rows:]  # [1, rows, H], a view as a decoder passes it
     with torch.inference_mode():
-        got, want = output_projection(head, hidden), head(hidden)  # [rows, V] each
-    assert got.shape == want.shape == (rows, 1000)
+        got = layer(hidden)  # [1, rows, V]
+    want = torch.nn.functional.linear(hidden, layer.weight, layer.bias)  # [1, rows, V]
+    assert layer._packed is not None  # the oneDNN path ran
+    assert got.shape == want.shape == (1, rows, 1000)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert torch.equal(got.argmax(-1), want.argmax(-1))
 
 
-@pytest.mark.parametrize("head, dtype", [(torch.nn.Linear(64, 100, bias=True), torch.float32),
-                                         (torch.nn.Linear(64, 100, bias=False), torch.bfloat16)])
-def test_a_head_with_a_bias_or_in_bf16_keeps_its_own_forward(head, dtype) -> None:
-    head = head.to(dtype)
-    hidden = torch.randn(4, 64, dtype=dtype)
+def test_bf16_and_a_forward_recording_gradients_keep_f_linear() -> None:
+    layer = packed(bias=True)
+    hidden = torch.randn(4, 64, requires_grad=True)
+    out = layer(hidden)  # [4, V], autograd on
+    out.sum().backward()
+    assert layer._packed is None and layer.weight.grad is not None and hidden.grad is not None
+    assert torch.equal(out, torch.nn.functional.linear(hidden, layer.weight, layer.bias))
+    layer = layer.to(torch.bfloat16)
     with torch.inference_mode():
-        assert torch.equal(output_projection(head, hidden), head(hidden))
+        assert torch.equal(layer(hidden.detach().bfloat16()), torch.nn.functional.linear(hidden.detach().bfloat16(), layer.weight, layer.bias))
+    assert layer._packed is None
+
+
+def test_the_packed_weight_follows_an_in_place_update_of_the_weight() -> None:
+    layer = packed()
+    hidden = torch.randn(3, 64)  # [3, H]
+    with torch.inference_mode():
+        before = layer(hidden)  # [3, V], packs the weight
+    optimizer = torch.optim.SGD(layer.parameters(), lr=1.0)
+    layer(torch.randn(5, 64)).pow(2).mean().backward()
+    optimizer.step()  # in place, as training does between evaluations
+    with torch.inference_mode():
+        after = layer(hidden)  # [3, V]
+        layer.weight.mul_(-1.0)  # in place within inference mode, as a test model's logit scale is set
+        flipped = layer(hidden)  # [3, V]
+    torch.testing.assert_close(after, torch.nn.functional.linear(hidden, layer.weight.neg()), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(flipped, torch.nn.functional.linear(hidden, layer.weight), rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(before, after)
+
+
+def test_a_packed_model_copies_pickles_and_saves_as_plain_linears() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8, bias=False))
+    keys = list(model.state_dict())
+    assert pack_linears(model) == 2
+    hidden = torch.randn(2, 64)
+    with torch.inference_mode():
+        want = model(hidden)  # [2, 8], packs both weights
+        buffer = io.BytesIO()
+        torch.save(model, buffer)
+        buffer.seek(0)
+        for twin in (copy.deepcopy(model), torch.load(buffer, weights_only=False)):
+            torch.testing.assert_close(twin(hidden), want, rtol=1e-5, atol=1e-5)
+    assert list(model.state_dict()) == keys
+
+
+def test_hf_models_pack_their_linears_unless_told_not_to() -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from specstack.hf import HFCausalLM
+
+    llama_config = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                               num_key_value_heads=1, max_position_embeddings=64)
+    module = LlamaForCausalLM(llama_config)
+    linears = sum(isinstance(m, torch.nn.Linear) for m in module.modules())
+    assert linears == 7 * llama_config.num_hidden_layers + 1  # q, k, v, o, gate, up, down per layer, and the LM head
+    model = HFCausalLM(module=module, tokenizer_id=None)
+    assert sum(type(m) is PackedLinear for m in model.module.modules()) == linears
+    plain = HFCausalLM(module=LlamaForCausalLM(llama_config), tokenizer_id=None, packed_linears=False)
+    assert not any(type(m) is PackedLinear for m in plain.module.modules())

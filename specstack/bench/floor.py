@@ -154,7 +154,7 @@ def machine_lines(machine: Machine) -> list[str]:
              f"read bandwidth: {machine.read_bandwidth / 1e9:.1f} GB/s (sum of a {machine.bandwidth_mib} MiB buffer, best of several)",
              f"GEMM peak (GFLOP/s, best measured): {peaks}"]
     rows = sorted({g.rows for g in machine.gemm if not g.what.startswith("square")})
-    head = f"  {'dtype':<9} {'F.linear of':<14}" + "".join(f"{r:>8}" for r in rows) + "   rows"
+    head = f"  {'dtype':<9} {'linear of':<14}" + "".join(f"{r:>8}" for r in rows) + "   rows"
     lines += ["", "GEMM GFLOP/s by rows:", head]
     for dtype in machine.gemm_peak:
         for what in dict.fromkeys(g.what for g in machine.gemm if g.dtype == dtype):
