@@ -199,10 +199,10 @@ def measure_gemm(dtype: str, rows: int, pairs: Sequence[tuple[int, int]], *, min
     one after another, with the kernel the models use (:mod:`specstack.packed_linear`)."""
     generator = generator or torch.Generator(device="cpu").manual_seed(0)
     torch_dtype = DTYPES[dtype_name(dtype)]
-    layers = torch.nn.ModuleList(torch.nn.Linear(inp, out, bias=False, dtype=torch_dtype) for inp, out in pairs)
-    with torch.no_grad():
-        for layer, (inp, out) in zip(layers, pairs):
-            layer.weight.copy_(torch.randn(out, inp, generator=generator, device="cpu"))  # [out, in]
+    layers = torch.nn.ModuleList(torch.nn.Linear(inp, out, bias=False, device="meta") for inp, out in pairs)  # no initialisation
+    for layer, (inp, out) in zip(layers, pairs):
+        weight = torch.randn(out, inp, generator=generator, device="cpu").to(torch_dtype)  # [out, in]
+        layer.weight = torch.nn.Parameter(weight, requires_grad=False)
     pack_linears(layers)
     inputs = [torch.randn(rows, inp, generator=generator, device="cpu").to(torch_dtype) for inp, _ in pairs]  # [rows, in] each
 

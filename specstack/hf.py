@@ -22,6 +22,7 @@ from torch.nn.attention.bias import causal_lower_right
 from .attention import attention_weights
 from .errors import SpecstackError
 from .batch import TokenBatch
+from .decode_attention import DecodeKernel, load_decode_kernel
 from .graphs import ForwardGraphs, StaticView
 from .kvstore import KVStore
 from .packed_linear import pack_linears
@@ -58,6 +59,9 @@ def grouped_attention(module, query, key, value, attention_mask, scaling=None, d
         causal = causal_lower_right(t, n) if 1 < t < n else None  # t == n: plain is_causal, fast on the CPU too
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=causal, is_causal=1 < t == n, scale=scaling, enable_gqa=hq != hkv)  # [1, Hq, T, D]
         return out.transpose(1, 2), None
+    kernel: DecodeKernel | None = kwargs.get("specstack_kernel")
+    if kernel is not None and kernel.applies(query, key):  # a few tokens over a float32 cache on the CPU
+        return kernel.attend(query, key, value, scaling, None if batch.is_chain else batch.sees), None
     if 1 < t < n and _CPU_FLASH is not None and not query.is_cuda:  # verifies, trees, prefill chunks
         return _split_attention(query, key, value, scaling, None if batch.is_chain else batch.sees), None
     # one token (or no CPU flash kernel): folding the GQA group into the query length reads each key
@@ -186,9 +190,11 @@ class HFCausalLM:
          Capability.HIDDEN_STATES})
     cuda_graphs: bool = True  # replay short chain forwards over bounded stores as CUDA graphs (specstack.graphs)
     packed_linears: bool = True  # the module's linear layers through oneDNN on the CPU, in place (specstack.packed_linear)
+    decode_kernel: bool = True  # attention of a few new tokens over a float32 cache on the CPU (specstack.decode_attention)
     vocab_size: int = attrs.field(init=False)
     max_length: int = attrs.field(init=False)
     graphs: ForwardGraphs = attrs.field(init=False)
+    kernel: DecodeKernel | None = attrs.field(init=False)  # None: not asked for, or no compiler here
 
     def __attrs_post_init__(self) -> None:
         config = self.module.config
@@ -201,6 +207,7 @@ class HFCausalLM:
             pack_linears(self.module)
         self.vocab_size = config.vocab_size
         self.max_length = config.max_position_embeddings
+        self.kernel = load_decode_kernel() if self.decode_kernel else None
         self.graphs = ForwardGraphs(self._static_forward, config.num_attention_heads // config.num_key_value_heads)
 
     @property
@@ -237,7 +244,8 @@ class HFCausalLM:
             logits = self.graphs.forward(batch, cache, rope)  # [num_logits, V]
         else:
             tokens, rope = batch.tokens[None].to(self.device), rope[None].to(self.device)  # [1, T] each
-            logits, hidden = self._run(tokens, rope, StoreCache(cache), batch.num_logits, specstack_batch=batch, specstack_store=cache)
+            logits, hidden = self._run(tokens, rope, StoreCache(cache), batch.num_logits, specstack_batch=batch, specstack_store=cache,
+                                      specstack_kernel=self.kernel)
             batch.hidden = hidden if batch.keep_hidden else None
         cache.commit()
         return logits

@@ -30,8 +30,8 @@ def onednn_available() -> bool:
 class PackedLinear(torch.nn.Linear):
     """``nn.Linear`` whose fp32 CPU forward without autograd runs oneDNN over a packed weight copy.
 
-    The copy is remade whenever the weight changes (its storage, dtype or version counter, which an
-    optimizer's in-place step advances), so it is never stale. It is a plain attribute, not a buffer:
+    The copy is remade whenever the weight changes (its storage, which ``.to()`` and ``.data =``
+    replace, or its version counter, which an optimizer's in-place step advances), so it is never stale. It is a plain attribute, not a buffer:
     ``state_dict``, ``.to()`` and saving see an ordinary ``nn.Linear``."""
 
     _packed: torch.Tensor | None
@@ -56,10 +56,10 @@ class PackedLinear(torch.nn.Linear):
 
     def _packed_weight(self, x: torch.Tensor) -> torch.Tensor | None:
         weight = self.weight
-        if (x.device.type != "cpu" or x.dtype != torch.float32 or weight.dtype != torch.float32 or weight.device.type != "cpu"
+        if (x.device.type != "cpu" or x.dtype != torch.float32
                 or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):
             return None
-        source = (weight.data_ptr(), 0 if weight.is_inference() else weight._version, tuple(weight.shape))
+        source = (weight.data_ptr(), 0 if weight.is_inference() else weight._version)  # new storage or an in-place write
         if self._packed_from != source:
             with torch.no_grad():
                 self._packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACKED_FOR_ROWS)  # [out, in], oneDNN layout

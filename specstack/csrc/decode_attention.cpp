@@ -1,0 +1,264 @@
+// Attention of a few new tokens over a long KV cache on the CPU, float32 (specstack/decode_attention.py).
+//
+// Flash-decoding (Dao et al., 2023) for the query rows of one KV head: the cached keys are split into
+// ranges, one per work item, so that every thread streams its own part of the cache; within a range,
+// blocks of BLOCK keys are scored, exponentiated and folded into the rows' running maxima, sums and
+// weighted values (the online softmax). The ranges are then merged by their maxima, and the new tokens'
+// own keys (the last T of the n keys, under a T x T mask) are folded in at the merge:
+//     out_r = (sum_s e^{m_s - M} acc_s + sum_i e^{x_i - M} v_i) / (sum_s e^{m_s - M} l_s + sum_i e^{x_i - M}).
+// Rows are the query heads of a group folded into the query length: row r = g * T + t is head g of
+// the group and token t. Compiled at first use by specstack/decode_attention.py; plain C++ with GCC
+// vector types, no torch headers. Not built with -ffast-math: the -infinities of the merge must stay.
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#include <omp.h>
+
+namespace {
+
+typedef float v8 __attribute__((vector_size(32), aligned(4)));  // 8 floats, loads need no alignment
+typedef int32_t v8i __attribute__((vector_size(32), aligned(4)));
+
+constexpr int BLOCK = 64;       // keys scored at once: 16 KB of fp32 keys with D = 64
+constexpr int MAX_ROWS = 64;    // query rows per KV head (G * T)
+constexpr int MAX_DIM = 256;    // head dimension
+constexpr float LOWEST = -87.33f;  // exp(LOWEST) is the smallest normal float; below it exp8 would lose its exponent
+
+inline v8 load8(const float *p) { return *(const v8 *)p; }
+inline void store8(float *p, v8 x) { *(v8 *)p = x; }
+inline v8 splat(float x) { return v8{x, x, x, x, x, x, x, x}; }
+inline float hsum(v8 x) { return ((x[0] + x[4]) + (x[1] + x[5])) + ((x[2] + x[6]) + (x[3] + x[7])); }
+
+// e^x for x <= 0 (Cephes' expf: x = n ln2 + r, a degree-7 polynomial in r, 2^n by the exponent bits).
+inline v8 exp8(v8 x) {
+    x = x < splat(LOWEST) ? splat(LOWEST) : x;
+    const v8 shifted = x * splat(1.44269504088896341f) + splat(12582912.0f);  // 1.5 * 2^23 + round(x / ln2)
+    const v8 n = shifted - splat(12582912.0f);
+    const v8 r = (x - n * splat(0.693359375f)) + n * splat(2.12194440e-4f);
+    v8 y = splat(1.9875691500e-4f);
+    y = y * r + splat(1.3981999507e-3f);
+    y = y * r + splat(8.3334519073e-3f);
+    y = y * r + splat(4.1665795894e-2f);
+    y = y * r + splat(1.6666665459e-1f);
+    y = y * r + splat(5.0000001201e-1f);
+    y = y * r * r + r + splat(1.0f);
+    const v8i exponent = ((v8i)shifted - 0x4B400000 + 127) << 23;  // the integer n sits in the low bits
+    return y * (v8)exponent;
+}
+
+// Lane i of the result: the sum of the lanes of x_i (a transposing tree of in-lane shuffles).
+inline v8 sums8(v8 x0, v8 x1, v8 x2, v8 x3, v8 x4, v8 x5, v8 x6, v8 x7) {
+    const v8 t01 = __builtin_shufflevector(x0, x1, 0, 8, 1, 9, 4, 12, 5, 13) + __builtin_shufflevector(x0, x1, 2, 10, 3, 11, 6, 14, 7, 15);
+    const v8 t23 = __builtin_shufflevector(x2, x3, 0, 8, 1, 9, 4, 12, 5, 13) + __builtin_shufflevector(x2, x3, 2, 10, 3, 11, 6, 14, 7, 15);
+    const v8 t45 = __builtin_shufflevector(x4, x5, 0, 8, 1, 9, 4, 12, 5, 13) + __builtin_shufflevector(x4, x5, 2, 10, 3, 11, 6, 14, 7, 15);
+    const v8 t67 = __builtin_shufflevector(x6, x7, 0, 8, 1, 9, 4, 12, 5, 13) + __builtin_shufflevector(x6, x7, 2, 10, 3, 11, 6, 14, 7, 15);
+    const v8 u0 = __builtin_shufflevector(t01, t23, 0, 1, 8, 9, 4, 5, 12, 13) + __builtin_shufflevector(t01, t23, 2, 3, 10, 11, 6, 7, 14, 15);
+    const v8 u1 = __builtin_shufflevector(t45, t67, 0, 1, 8, 9, 4, 5, 12, 13) + __builtin_shufflevector(t45, t67, 2, 3, 10, 11, 6, 7, 14, 15);
+    return __builtin_shufflevector(u0, u1, 0, 1, 2, 3, 8, 9, 10, 11) + __builtin_shufflevector(u0, u1, 4, 5, 6, 7, 12, 13, 14, 15);
+}
+
+// s[r * BLOCK + j] = q_r . k_j for keys j < len (q already scaled) of one row, eight keys at a time.
+void row_scores(const float *qr, int d, const float *k, int len, float *sr) {
+    int j = 0;
+    for (; j + 8 <= len; j += 8) {
+        const float *kj = k + (int64_t)j * d;
+        v8 a0{}, a1{}, a2{}, a3{}, a4{}, a5{}, a6{}, a7{};
+        for (int c = 0; c < d; c += 8) {
+            const v8 x = load8(qr + c);
+            a0 += x * load8(kj + c), a1 += x * load8(kj + d + c), a2 += x * load8(kj + 2 * d + c), a3 += x * load8(kj + 3 * d + c);
+            a4 += x * load8(kj + 4 * d + c), a5 += x * load8(kj + 5 * d + c), a6 += x * load8(kj + 6 * d + c), a7 += x * load8(kj + 7 * d + c);
+        }
+        store8(sr + j, sums8(a0, a1, a2, a3, a4, a5, a6, a7));
+    }
+    for (; j < len; ++j) {
+        v8 a{};
+        for (int c = 0; c < d; c += 8) a += load8(qr + c) * load8(k + (int64_t)j * d + c);
+        sr[j] = hsum(a);
+    }
+}
+
+// The same for two rows at once, four keys at a time: each key loaded once for both.
+void pair_scores(const float *q0, const float *q1, int d, const float *k, int len, float *s0, float *s1) {
+    int j = 0;
+    for (; j + 4 <= len; j += 4) {
+        const float *kj = k + (int64_t)j * d;
+        v8 a0{}, a1{}, a2{}, a3{}, b0{}, b1{}, b2{}, b3{};
+        for (int c = 0; c < d; c += 8) {
+            const v8 x = load8(q0 + c), y = load8(q1 + c);
+            const v8 k0 = load8(kj + c), k1 = load8(kj + d + c), k2 = load8(kj + 2 * d + c), k3 = load8(kj + 3 * d + c);
+            a0 += x * k0, a1 += x * k1, a2 += x * k2, a3 += x * k3;
+            b0 += y * k0, b1 += y * k1, b2 += y * k2, b3 += y * k3;
+        }
+        const v8 sums = sums8(a0, a1, a2, a3, b0, b1, b2, b3);
+        for (int i = 0; i < 4; ++i) s0[j + i] = sums[i], s1[j + i] = sums[4 + i];
+    }
+    if (j < len) row_scores(q0, d, k + (int64_t)j * d, len - j, s0 + j), row_scores(q1, d, k + (int64_t)j * d, len - j, s1 + j);
+}
+
+// acc = acc * keep + sum_j p[j] v_j for one row, 64 columns at a time in registers.
+void row_values(const float *p, float keep, int d, const float *v, int len, float *acc) {
+    int c0 = 0;
+    for (; c0 + 64 <= d; c0 += 64) {
+        v8 a[8];
+        for (int i = 0; i < 8; ++i) a[i] = load8(acc + c0 + 8 * i) * splat(keep);
+        for (int j = 0; j < len; ++j) {
+            const v8 w = splat(p[j]);
+            const float *vj = v + (int64_t)j * d + c0;
+            for (int i = 0; i < 8; ++i) a[i] += w * load8(vj + 8 * i);
+        }
+        for (int i = 0; i < 8; ++i) store8(acc + c0 + 8 * i, a[i]);
+    }
+    for (; c0 < d; c0 += 8) {  // a head dimension that is not a multiple of 64
+        v8 a = load8(acc + c0) * splat(keep);
+        for (int j = 0; j < len; ++j) a += splat(p[j]) * load8(v + (int64_t)j * d + c0);
+        store8(acc + c0, a);
+    }
+}
+
+// The same for two rows at once, 32 columns at a time: each value loaded once for both.
+void pair_values(const float *p0, const float *p1, float keep0, float keep1, int d, const float *v, int len, float *acc0, float *acc1) {
+    if (d % 32 != 0) {
+        row_values(p0, keep0, d, v, len, acc0), row_values(p1, keep1, d, v, len, acc1);
+        return;
+    }
+    for (int c0 = 0; c0 < d; c0 += 32) {
+        v8 a[4], b[4];
+        for (int i = 0; i < 4; ++i) a[i] = load8(acc0 + c0 + 8 * i) * splat(keep0), b[i] = load8(acc1 + c0 + 8 * i) * splat(keep1);
+        for (int j = 0; j < len; ++j) {
+            const v8 w0 = splat(p0[j]), w1 = splat(p1[j]);
+            const float *vj = v + (int64_t)j * d + c0;
+            for (int i = 0; i < 4; ++i) {
+                const v8 x = load8(vj + 8 * i);
+                a[i] += w0 * x, b[i] += w1 * x;
+            }
+        }
+        for (int i = 0; i < 4; ++i) store8(acc0 + c0 + 8 * i, a[i]), store8(acc1 + c0 + 8 * i, b[i]);
+    }
+}
+
+// Scores of all rows: pairs of rows, then an odd last row alone.
+void block_scores(const float *q, int rows, int d, const float *k, int len, float *s) {
+    int r = 0;
+    for (; r + 2 <= rows; r += 2) pair_scores(q + r * d, q + (r + 1) * d, d, k, len, s + r * BLOCK, s + (r + 1) * BLOCK);
+    if (r < rows) row_scores(q + r * d, d, k, len, s + r * BLOCK);
+}
+
+// acc_r = acc_r * keep_r + sum_j p[r * BLOCK + j] v_j for all rows: pairs of rows, then an odd last row alone.
+void accumulate_values(const float *p, const float *keep, int rows, int d, const float *v, int len, float *acc) {
+    int r = 0;
+    for (; r + 2 <= rows; r += 2) pair_values(p + r * BLOCK, p + (r + 1) * BLOCK, keep[r], keep[r + 1], d, v, len, acc + r * d, acc + (r + 1) * d);
+    if (r < rows) row_values(p + r * BLOCK, keep[r], d, v, len, acc + r * d);
+}
+
+// One work item: keys [begin, end) of one KV head into running maxima m, sums l and weighted values acc.
+void attend_range(const float *q, int rows, int d, const float *k, const float *v, int64_t begin, int64_t end,
+                  float *m, float *l, float *acc) {
+    alignas(32) float s[MAX_ROWS * BLOCK];
+    float rescale[MAX_ROWS];
+    for (int r = 0; r < rows; ++r) m[r] = -INFINITY, l[r] = 0.0f;
+    for (int i = 0; i < rows * d; ++i) acc[i] = 0.0f;
+    for (int64_t b = begin; b < end; b += BLOCK) {
+        const int len = (int)(end - b < BLOCK ? end - b : BLOCK);
+        block_scores(q, rows, d, k + b * d, len, s);
+        for (int r = 0; r < rows; ++r) {
+            float *sr = s + r * BLOCK;
+            for (int j = len; j < BLOCK; ++j) sr[j] = -INFINITY;  // padding of the last block
+            v8 most = splat(m[r]);
+            for (int j = 0; j < BLOCK; j += 8) most = load8(sr + j) > most ? load8(sr + j) : most;
+            float top = most[0];
+            for (int i = 1; i < 8; ++i) top = most[i] > top ? most[i] : top;
+            rescale[r] = expf(m[r] - top);  // 0 on the first block (m = -inf)
+            v8 sum{};
+            for (int j = 0; j < BLOCK; j += 8) {
+                const v8 x = load8(sr + j);
+                const v8 p = x == splat(-INFINITY) ? splat(0.0f) : exp8(x - splat(top));  // padding weighs nothing
+                store8(sr + j, p);
+                sum += p;
+            }
+            l[r] = l[r] * rescale[r] + hsum(sum);
+            m[r] = top;
+        }
+        accumulate_values(s, rescale, rows, d, v + b * d, len, acc);
+    }
+}
+
+// Row r of one KV head: merge the ranges' partials and fold in the new tokens' own keys under the mask.
+void merge_row(const float *qr, int r, int t, int d, int splits, const float *k_own, const float *v_own, const uint8_t *sees,
+               const float *m, const float *l, const float *acc, int rows, float *out) {
+    const int token = r % t;
+    float own[MAX_ROWS];
+    float top = -INFINITY;
+    for (int i = 0; i < t; ++i) {
+        const bool visible = sees ? sees[token * t + i] != 0 : i <= token;
+        if (!visible) { own[i] = -INFINITY; continue; }
+        v8 a{};
+        for (int c = 0; c < d; c += 8) a += load8(qr + c) * load8(k_own + (int64_t)i * d + c);
+        own[i] = hsum(a);
+        top = own[i] > top ? own[i] : top;
+    }
+    for (int s = 0; s < splits; ++s) top = m[s * rows + r] > top ? m[s * rows + r] : top;
+    float total = 0.0f;
+    for (int c = 0; c < d; ++c) out[c] = 0.0f;
+    for (int s = 0; s < splits; ++s) {
+        if (m[s * rows + r] == -INFINITY) continue;  // an empty range
+        const float w = expf(m[s * rows + r] - top);
+        total += w * l[s * rows + r];
+        const float *as = acc + ((int64_t)s * rows + r) * d;
+        for (int c = 0; c < d; ++c) out[c] += w * as[c];
+    }
+    for (int i = 0; i < t; ++i) {
+        if (own[i] == -INFINITY) continue;
+        const float w = expf(own[i] - top);
+        total += w;
+        for (int c = 0; c < d; ++c) out[c] += w * v_own[(int64_t)i * d + c];
+    }
+    for (int c = 0; c < d; ++c) out[c] /= total;
+}
+
+int gcd(int a, int b) { return b == 0 ? a : gcd(b, a % b); }
+
+}  // namespace
+
+extern "C" {
+
+int specstack_max_rows() { return MAX_ROWS; }
+int specstack_max_dim() { return MAX_DIM; }
+
+// q [hkv, rows, d] contiguous (rows = G * t); keys and values of head h at k + h * k_head_stride, rows
+// of d floats, n of them, the last t the new tokens' own; sees [t, t] (token i sees own key j) or null
+// for a chain. out [hkv, rows, d]. Returns 0, or -1 for shapes it does not take (the caller falls back).
+int specstack_decode_attention_f32(const float *q, const float *k, const float *v, int64_t k_head_stride, int64_t v_head_stride,
+                                   int hkv, int rows, int t, int d, int64_t n, const uint8_t *sees, float scale,
+                                   float *out, int threads) {
+    if (rows < 1 || rows > MAX_ROWS || t < 1 || rows % t != 0 || d % 8 != 0 || d > MAX_DIM || n < t || hkv < 1 || threads < 1) return -1;
+    const int64_t past = n - t;
+    // as many ranges per head as make the work items a multiple of the threads, none under one block
+    int splits = threads / gcd(hkv, threads);
+    while (splits > 1 && past / splits < BLOCK) --splits;
+    const int items = hkv * splits;
+    float *scaled = (float *)malloc(sizeof(float) * ((size_t)hkv * rows * d + (size_t)items * rows * (d + 2)));
+    if (!scaled) return -1;
+    float *m = scaled + (size_t)hkv * rows * d, *l = m + (size_t)items * rows, *acc = l + (size_t)items * rows;
+    for (int64_t i = 0; i < (int64_t)hkv * rows * d; ++i) scaled[i] = q[i] * scale;
+
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int item = 0; item < items; ++item) {
+        const int h = item / splits, s = item % splits;
+        const int64_t begin = past * s / splits, end = past * (s + 1) / splits;
+        attend_range(scaled + (int64_t)h * rows * d, rows, d, k + h * k_head_stride, v + h * v_head_stride, begin, end,
+                     m + (int64_t)item * rows, l + (int64_t)item * rows, acc + (int64_t)item * rows * d);
+    }
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int hr = 0; hr < hkv * rows; ++hr) {
+        const int h = hr / rows, r = hr % rows;
+        const int64_t first = (int64_t)h * splits;
+        merge_row(scaled + (int64_t)hr * d, r, t, d, splits, k + h * k_head_stride + past * d, v + h * v_head_stride + past * d, sees,
+                  m + first * rows, l + first * rows, acc + first * rows * d, rows, out + (int64_t)hr * d);
+    }
+    free(scaled);
+    return 0;
+}
+
+}  // extern "C"

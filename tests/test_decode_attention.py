@@ -1,0 +1,142 @@
+"""The CPU decode-attention kernel (``specstack.decode_attention``): attention of a few new tokens
+over a float32 cache, equal to a float64 reference up to rounding for chains and trees, taken by a
+model's forwards exactly where it applies, and absent (SDPA instead) where it cannot be built."""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from specstack.batch import TokenBatch
+from specstack.decode_attention import MAX_TOKENS, DecodeKernel, find_compiler, load_decode_kernel
+from specstack.hf import HFCausalLM
+from specstack.testing.llama import random_llama
+from specstack.types import Draft, DraftKind
+
+KERNEL = load_decode_kernel()
+pytestmark = pytest.mark.skipif(find_compiler() is None, reason="no C++ compiler here: the kernel cannot be built")
+
+
+def test_the_kernel_builds_where_there_is_a_compiler() -> None:
+    assert KERNEL is not None, "the C++ compiler is there but the kernel did not build"
+
+
+def reference(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, sees: torch.Tensor | None) -> torch.Tensor:
+    """float64 SDPA with the full [T, n] mask: every cached key, then the new tokens' own under ``sees``."""
+    t, n = query.shape[2], key.shape[2]
+    mask = torch.ones(t, n, dtype=torch.bool)  # [T, n]
+    mask[:, n - t :] = torch.ones(t, t, dtype=torch.bool).tril() if sees is None else sees
+    out = F.scaled_dot_product_attention(query.double(), key.double(), value.double(), attn_mask=mask, enable_gqa=True)  # [1, Hq, T, D]
+    return out.transpose(1, 2)  # [1, T, Hq, D]
+
+
+def random_tree_mask(t: int, generator: torch.Generator) -> torch.Tensor:
+    """[T, T]: a random token tree's ancestry (each token sees itself and its parent's ancestors)."""
+    sees = torch.eye(t, dtype=torch.bool)  # [T, T]
+    for i in range(1, t):
+        parent = int(torch.randint(-1, i, (1,), generator=generator))
+        if parent >= 0:
+            sees[i] |= sees[parent]
+    return sees
+
+
+@pytest.mark.parametrize("tree", [False, True])
+@pytest.mark.parametrize(("t", "n", "d", "kv_heads", "group"), [
+    (1, 7_000, 64, 3, 3),  # the default target's one-token step
+    (4, 2_000, 64, 3, 3), (8, 1_000, 64, 3, 3), (16, 900, 64, 3, 3),  # its verifies, up to the widest it takes
+    (1, 2, 64, 3, 3),  # one cached key
+    (3, 70, 64, 3, 3),  # a cache shorter than a block per thread
+    (5, 5, 64, 3, 3),  # nothing cached but the new tokens
+    (2, 515, 128, 2, 4),  # a wider head
+    (7, 133, 72, 1, 8),  # a head dimension that is not a multiple of 64
+    (8, 300, 64, 1, 8),  # 64 query rows, the most it takes
+])
+def test_the_kernel_is_attention_up_to_rounding(t, n, d, kv_heads, group, tree) -> None:
+    generator = torch.Generator().manual_seed(t * 1000 + n)
+    capacity = n + 37  # the store's layout: a layer's keys are a strided view of [H, C, D]
+    keys = torch.randn(1, kv_heads, capacity, d, generator=generator)[:, :, :n]  # [1, Hkv, n, D]
+    values = torch.randn(1, kv_heads, capacity, d, generator=generator)[:, :, :n]  # [1, Hkv, n, D]
+    query = 2 * torch.randn(1, kv_heads * group, t, d, generator=generator)  # [1, Hq, T, D]
+    sees = random_tree_mask(t, generator) if tree else None  # [T, T]
+    assert KERNEL.applies(query, keys) == (n > t)
+    got = KERNEL.attend(query, keys, values, None, sees)  # [1, T, Hq, D]
+    want = reference(query, keys, values, sees)  # [1, T, Hq, D]
+    assert got.shape == want.shape and got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), want, rtol=0, atol=5e-6)
+
+
+def test_the_scale_is_the_callers() -> None:
+    query, keys, values = torch.randn(1, 4, 2, 16), torch.randn(1, 2, 300, 16), torch.randn(1, 2, 300, 16)
+    got = KERNEL.attend(query, keys, values, 0.5, None)  # [1, T, Hq, D]
+    want = reference(query * (0.5 * 16**0.5), keys, values, None)  # SDPA's default scale is D^-1/2
+    torch.testing.assert_close(got.double(), want, rtol=0, atol=5e-6)
+
+
+def test_it_applies_only_to_few_float32_tokens_over_a_cache() -> None:
+    query, keys = torch.randn(1, 9, 2, 64), torch.randn(1, 3, 500, 64)
+    assert KERNEL.applies(query, keys)
+    assert not KERNEL.applies(query.bfloat16(), keys.bfloat16())  # bf16 stays with SDPA
+    assert not KERNEL.applies(torch.randn(1, 9, MAX_TOKENS + 1, 64), keys)  # a wide verify or a prefill chunk
+    assert not KERNEL.applies(torch.randn(1, 9, 500, 64), keys)  # nothing cached: a prefill
+    assert not KERNEL.applies(query, keys.transpose(2, 3).contiguous().transpose(2, 3))  # keys not in rows
+    assert not KERNEL.applies(torch.randn(1, 9, 2, 12), torch.randn(1, 3, 500, 12))  # D not a multiple of 8
+
+
+def test_a_model_forward_takes_the_kernel_and_matches_sdpa(monkeypatch) -> None:
+    calls = []
+    attend = DecodeKernel.attend
+    monkeypatch.setattr(DecodeKernel, "attend", lambda self, *args: calls.append(args[0].shape[2]) or attend(self, *args))
+    model = random_llama(layers=2)
+    plain = HFCausalLM(module=model.module, tokenizer_id=model.tokenizer_id, decode_kernel=False)
+    assert model.kernel is not None and plain.kernel is None
+    prompt = torch.randint(0, 256, (300,), generator=torch.Generator().manual_seed(0)).tolist()
+    draft = Draft(tokens=torch.tensor([5, 6, 7, 8]), probs=torch.zeros(4, 256), parents=torch.tensor([-1, -1, 0, 1]), kind=DraftKind.TREE_DETERMINISTIC)
+    batches = [lambda: TokenBatch.chain([3], 300, 1), lambda: TokenBatch.chain([3, 4, 9, 1, 2], 300, 5), lambda: TokenBatch.tree([3], 300, draft)]
+    for batch in batches:
+        logits = []
+        for level in (model, plain):
+            cache = level.new_cache(320)
+            level.forward(TokenBatch.chain(prompt, 0, 1), cache)
+            logits.append(level.forward(batch(), cache))  # [num_logits, V]
+        torch.testing.assert_close(logits[0], logits[1], rtol=1e-4, atol=1e-4)
+    assert calls == [1, 1, 5, 5, 5, 5]  # two layers each: the chains and the tree; never the prefills or the plain model
+
+
+def test_a_pickled_kernel_loads_again() -> None:
+    copy = pickle.loads(pickle.dumps(KERNEL))
+    assert isinstance(copy, DecodeKernel) and copy.path == KERNEL.path
+
+
+def test_without_a_compiler_there_is_no_kernel_and_forwards_use_sdpa(monkeypatch, tmp_path) -> None:
+    monkeypatch.setattr("shutil.which", lambda name: None)
+    assert load_decode_kernel(tmp_path) is None
+    model = random_llama(layers=1)
+    assert model.kernel is None
+    cache = model.new_cache(40)
+    model.forward(TokenBatch.chain(list(range(30)), 0, 1), cache)
+    assert model.forward(TokenBatch.chain([1, 2], 30, 2), cache).shape == (2, 256)
+
+
+def test_prepare_builds_the_kernel_and_says_where(monkeypatch, capsys) -> None:
+    from specstack import cli, models
+
+    monkeypatch.setattr(models, "prepare_target", lambda: "the-target")  # the weights are not this test's
+    assert cli.main(["prepare"]) == 0
+    assert f"decode-attention kernel built at {KERNEL.path}" in capsys.readouterr().out
+
+
+def test_a_cache_that_cannot_be_written_leaves_no_kernel(tmp_path) -> None:
+    blocked = tmp_path / "cache"
+    blocked.write_text("a file where the cache directory should be\n")
+    assert load_decode_kernel(blocked) is None
+
+
+def test_a_failed_build_leaves_no_kernel(monkeypatch, tmp_path) -> None:
+    broken = tmp_path / "broken.cpp"
+    broken.write_text("this is not C++\n")
+    monkeypatch.setattr("specstack.decode_attention.SOURCE", broken)
+    assert load_decode_kernel(tmp_path) is None
+    assert not list((tmp_path / "kernels").glob("*.so"))
