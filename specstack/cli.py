@@ -41,7 +41,7 @@ def _parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
     plugins = commands.add_parser("plugins", help="list every registered component by kind")
     plugins.set_defaults(run=_plugins)
 
-    prepare = commands.add_parser("prepare", help="convert the embedded default target (GGUF) into the local cache once, and build the decode-attention kernel")
+    prepare = commands.add_parser("prepare", help="convert the embedded default target (GGUF) into the local cache once, and build the CPU kernels")
     prepare.set_defaults(run=_prepare)
 
     generate = commands.add_parser("generate", help="generate text with a named stack")
@@ -136,10 +136,12 @@ def _plugins(args: argparse.Namespace) -> int:
 def _prepare(args: argparse.Namespace) -> int:
     from .decode_attention import load_decode_kernel
     from .models import prepare_target
+    from .packed_linear import load_gemv_kernel
 
     print(f"default target ready at {prepare_target()}")
-    kernel = load_decode_kernel()
-    print(f"decode-attention kernel built at {kernel.path}" if kernel else "no decode-attention kernel (no C++ compiler, or its build failed): attention stays with SDPA")
+    for what, kernel, instead in (("decode-attention", load_decode_kernel(), "attention stays with SDPA"),
+                                  ("GEMV", load_gemv_kernel(), "one-row linears stay with oneDNN")):
+        print(f"{what} kernel built at {kernel.path}" if kernel else f"no {what} kernel (no C++ compiler, or its build failed): {instead}")
     return 0
 
 

@@ -3,10 +3,9 @@
 SDPA's CPU kernels spend 3-4x the time it takes to read the cache once when one to four tokens
 attend over thousands of keys (docs/benchmarks.md). ``csrc/decode_attention.cpp`` does what
 flash-decoding does (Dao et al., 2023): each thread streams its own range of the cache through an
-online softmax, and the ranges are merged by their maxima. It is plain C++ with no torch headers,
-compiled once per machine with the system's C++ compiler (about a second) into the specstack cache and
-loaded with ctypes. Where no compiler is found, or the build fails, :func:`load_decode_kernel` returns
-None and attention stays with SDPA.
+online softmax, and the ranges are merged by their maxima. It is built and loaded by
+:mod:`specstack.native`; where it cannot be built, :func:`load_decode_kernel` returns None and
+attention stays with SDPA.
 
 Which forwards take the kernel is decided in one place, :meth:`DecodeKernel.applies`.
 """
@@ -14,19 +13,14 @@ Which forwards take the kernel is decided in one place, :meth:`DecodeKernel.appl
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 
 import attrs
 import torch
 
-SOURCE = Path(__file__).parent / "csrc" / "decode_attention.cpp"
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
+from .native import SOURCES, build
+
+SOURCE = SOURCES / "decode_attention.cpp"
 # The most new tokens that take the kernel: up to here it beat SDPA on both CPUs it was measured on
 # (docs/benchmarks.md, "The decode-attention kernel"); wider verifies and prefill chunks stay with SDPA.
 MAX_TOKENS = 16
@@ -74,7 +68,7 @@ class DecodeKernel:
 def load_decode_kernel(cache: Path | None = None) -> DecodeKernel | None:
     """The kernel, compiled into ``cache`` (default: the specstack cache) on first use; None where it
     cannot be built here."""
-    library_path = _build(cache)
+    library_path = build(SOURCE, cache)
     if library_path is None:
         return None
     library = ctypes.CDLL(str(library_path))
@@ -82,45 +76,3 @@ def load_decode_kernel(cache: Path | None = None) -> DecodeKernel | None:
     entry.restype = ctypes.c_int
     entry.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_int] * 4 + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p, ctypes.c_int]
     return DecodeKernel(library=library, path=library_path, max_rows=library.specstack_max_rows(), max_dim=library.specstack_max_dim())
-
-
-def _build(cache: Path | None) -> Path | None:
-    """Compile the source once per source, flags, compiler and CPU; the library's path, or None."""
-    compiler = find_compiler()
-    if compiler is None:
-        return None
-    if cache is None:
-        from .models import cache_dir
-
-        cache = cache_dir()
-    key = hashlib.sha256(SOURCE.read_bytes() + repr((FLAGS, compiler, platform.machine(), _cpu_flags())).encode()).hexdigest()[:16]
-    target = Path(cache) / "kernels" / f"decode_attention-{key}.so"
-    if target.exists():
-        return target
-    try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
-            built = Path(scratch) / target.name
-            result = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(built)], capture_output=True, text=True)
-            if result.returncode != 0:
-                return None
-            os.replace(built, target)  # atomic: concurrent builders (test workers) each install a whole file
-    except OSError:  # a cache that cannot be written, a compiler that cannot be run
-        return None
-    return target
-
-
-def find_compiler() -> str | None:
-    """The C++ compiler the kernel is built with: ``$CXX``, else ``c++``, else ``g++``; None where there is none."""
-    return shutil.which(os.environ.get("CXX", "c++")) or shutil.which("g++")
-
-
-def _cpu_flags() -> str:
-    """The CPU's feature flags (``-march=native`` compiles for them), '' where the system does not say."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return line
-    except OSError:
-        pass
-    return ""

@@ -1,22 +1,35 @@
-"""The linear layers of a model on the CPU, through oneDNN with a packed copy of each weight.
+"""The linear layers of a model on the CPU: one input row through a compiled GEMV, more rows through
+oneDNN with a packed copy of each weight.
 
-On the 2-core AVX2 EPYC this project runs on (torch 2.13, MKL 2024.2, 2 threads), ``F.linear`` in
-fp32 takes two rows at twice the cost of one, and the LM head 2-8 rows at 2.1-2.8x one row, so a
+On the 2-core AVX2 EPYC this project first ran on (torch 2.13, MKL 2024.2, 2 threads), ``F.linear``
+in fp32 took two rows at twice the cost of one, and the LM head 2-8 rows at 2.1-2.8x one row, so a
 verify of a few tokens cost nearly as much as that many single steps. oneDNN's inner-product primitive
 over a weight reordered once into its blocked layout (the kernel inductor uses for frozen CPU linears)
 measured, for SmolLM2-135M's 210 layer matrices, 28 / 27 / 33 / 37 / 48 ms for 1 / 2 / 4 / 8 / 16 rows
 against ``F.linear``'s 33-39 / 52-56 / 54-59 / 46-50 / 56-61 ms, and for its LM head 5.5 / 6.1 / 7.0 /
-8.2 / 11 ms against 10 / 21 / 24 / 25 / 30 ms (docs/benchmarks.md, "The linear layers"). Results
-differ from ``F.linear``'s by rounding only.
+8.2 / 11 ms against 10 / 21 / 24 / 25 / 30 ms (docs/benchmarks.md, "The linear layers"). On an Intel
+host with AVX-512 the same packed kernel took one row through the 210 matrices in 25-26 ms, where
+``F.linear`` took 16 and a plain streaming GEMV (``csrc/gemv.cpp``, built by :mod:`specstack.native`)
+16.3: one row, the decode step, is a pure stream of the weights, which that GEMV does on any CPU.
+Results differ from ``F.linear``'s by rounding only.
 
 This module is the one place that choice is made. :func:`pack_linears` turns a model's ``nn.Linear``
 layers into :class:`PackedLinear` (the same module, parameters and state dict, another forward); each
-packs its weight on its first fp32 CPU forward without autograd and keeps ``F.linear`` for every other
-case (another dtype or device, a forward that records gradients, a build without oneDNN)."""
+takes one fp32 row through the GEMV where it was built, packs its weight on its first multi-row fp32
+CPU forward without autograd, and keeps ``F.linear`` for every other case (another dtype or device, a
+forward that records gradients, a build without oneDNN)."""
 
 from __future__ import annotations
 
+import ctypes
+from pathlib import Path
+
+import attrs
 import torch
+
+from .native import SOURCES, build
+
+GEMV_SOURCE = SOURCES / "gemv.cpp"
 
 PACKED_FOR_ROWS = 4  # the row count oneDNN's reorder is told to expect: measured best over 1-32 rows here (hint 1 doubled 2 rows' cost)
 
@@ -27,8 +40,50 @@ def onednn_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(mkldnn, "_reorder_linear_weight") and hasattr(mkldnn, "_linear_pointwise")
 
 
+@attrs.frozen(kw_only=True)
+class GemvKernel:
+    """The compiled one-row product ``y = W x + b`` (``csrc/gemv.cpp``): fp32, on the CPU."""
+
+    library: ctypes.CDLL = attrs.field(repr=False)
+    path: Path
+
+    def __reduce__(self):
+        """Pickled and copied (with a model) as a request to load it again where it lands."""
+        return load_gemv_kernel, ()
+
+    def applies(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+        """Whether ``x`` [..., in] is one float32 row for ``weight`` [out, in] that the kernel takes."""
+        return (x.numel() == weight.shape[1] and weight.shape[1] % 8 == 0 and x.dtype == weight.dtype == torch.float32
+                and weight.is_contiguous() and (bias is None or (bias.dtype == torch.float32 and bias.is_contiguous())))
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x [..., in] (one row) -> [..., out]."""
+        out, inp = weight.shape
+        x = x.contiguous()
+        y = torch.empty(*x.shape[:-1], out, dtype=x.dtype, device=x.device)  # [..., out]
+        status = self.library.specstack_gemv_f32(weight.data_ptr(), x.data_ptr(), None if bias is None else bias.data_ptr(),
+                                                 y.data_ptr(), out, inp, torch.get_num_threads())
+        if status != 0:
+            raise ValueError(f"the GEMV kernel refused a weight of shape {tuple(weight.shape)}")
+        return y
+
+
+def load_gemv_kernel(cache: Path | None = None) -> GemvKernel | None:
+    """The GEMV kernel, compiled into ``cache`` (default: the specstack cache) on first use; None where
+    it cannot be built here."""
+    path = build(GEMV_SOURCE, cache)
+    if path is None:
+        return None
+    library = ctypes.CDLL(str(path))
+    entry = library.specstack_gemv_f32
+    entry.restype = ctypes.c_int
+    entry.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2 + [ctypes.c_int]
+    return GemvKernel(library=library, path=path)
+
+
 class PackedLinear(torch.nn.Linear):
-    """``nn.Linear`` whose fp32 CPU forward without autograd runs oneDNN over a packed weight copy.
+    """``nn.Linear`` whose fp32 CPU forward without autograd takes one row through the GEMV kernel and
+    more rows through oneDNN over a packed weight copy.
 
     The copy is remade whenever the weight changes (its storage, which ``.to()`` and ``.data =``
     replace, or its version counter, which an optimizer's in-place step advances), so it is never stale. It is a plain attribute, not a buffer:
@@ -36,12 +91,13 @@ class PackedLinear(torch.nn.Linear):
 
     _packed: torch.Tensor | None
     _packed_from: tuple | None
+    _gemv: GemvKernel | None  # one row; None: where it could not be built
 
     @classmethod
-    def adopt(cls, linear: torch.nn.Linear) -> None:
+    def adopt(cls, linear: torch.nn.Linear, gemv: GemvKernel | None = None) -> None:
         """Give ``linear`` (exactly an ``nn.Linear``) this forward, in place."""
         linear.__class__ = cls
-        linear._packed, linear._packed_from = None, None
+        linear._packed, linear._packed_from, linear._gemv = None, None, gemv
 
     def __getstate__(self) -> dict:
         """Copies and pickles leave the packed weight out (oneDNN's layout has no storage to copy)."""
@@ -49,16 +105,19 @@ class PackedLinear(torch.nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., in] -> [..., out]."""
-        packed = self._packed_weight(x)
-        if packed is None:
+        if not self._takes(x):
             return torch.nn.functional.linear(x, self.weight, self.bias)  # [..., out]
-        return torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, "none", [], "")  # [..., out]
+        if self._gemv is not None and self._gemv.applies(x, self.weight, self.bias):
+            return self._gemv(x, self.weight, self.bias)  # [..., out]
+        return torch.ops.mkldnn._linear_pointwise(x, self._packed_weight(), self.bias, "none", [], "")  # [..., out]
 
-    def _packed_weight(self, x: torch.Tensor) -> torch.Tensor | None:
+    def _takes(self, x: torch.Tensor) -> bool:
+        """Whether this forward is ours: fp32 on the CPU, recording no gradients."""
+        return (x.device.type == "cpu" and x.dtype == torch.float32
+                and not (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)))
+
+    def _packed_weight(self) -> torch.Tensor:
         weight = self.weight
-        if (x.device.type != "cpu" or x.dtype != torch.float32
-                or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):
-            return None
         source = (weight.data_ptr(), 0 if weight.is_inference() else weight._version)  # new storage or an in-place write
         if self._packed_from != source:
             with torch.no_grad():
@@ -67,12 +126,14 @@ class PackedLinear(torch.nn.Linear):
         return self._packed
 
 
-def pack_linears(module: torch.nn.Module) -> int:
+def pack_linears(module: torch.nn.Module, *, gemv: bool = True) -> int:
     """Give every ``nn.Linear`` in ``module`` (subclasses left alone) the :class:`PackedLinear`
-    forward, in place; returns how many. Does nothing where oneDNN is missing."""
+    forward, in place, one-row products through the GEMV kernel where ``gemv`` and it can be built;
+    returns how many. Does nothing where oneDNN is missing."""
     if not onednn_available():
         return 0
+    kernel = load_gemv_kernel() if gemv else None
     linears = [m for m in module.modules() if type(m) is torch.nn.Linear]
     for linear in linears:
-        PackedLinear.adopt(linear)
+        PackedLinear.adopt(linear, kernel)
     return len(linears)

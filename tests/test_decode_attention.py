@@ -11,7 +11,8 @@ import torch
 import torch.nn.functional as F
 
 from specstack.batch import TokenBatch
-from specstack.decode_attention import MAX_TOKENS, DecodeKernel, find_compiler, load_decode_kernel
+from specstack.decode_attention import MAX_TOKENS, DecodeKernel, load_decode_kernel
+from specstack.native import find_compiler
 from specstack.hf import HFCausalLM
 from specstack.testing.llama import random_llama
 from specstack.types import Draft, DraftKind
@@ -120,12 +121,13 @@ def test_without_a_compiler_there_is_no_kernel_and_forwards_use_sdpa(monkeypatch
     assert model.forward(TokenBatch.chain([1, 2], 30, 2), cache).shape == (2, 256)
 
 
-def test_prepare_builds_the_kernel_and_says_where(monkeypatch, capsys) -> None:
+def test_prepare_builds_the_kernels_and_says_where(monkeypatch, capsys) -> None:
     from specstack import cli, models
 
     monkeypatch.setattr(models, "prepare_target", lambda: "the-target")  # the weights are not this test's
     assert cli.main(["prepare"]) == 0
-    assert f"decode-attention kernel built at {KERNEL.path}" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert f"decode-attention kernel built at {KERNEL.path}" in out and "GEMV kernel built at " in out
 
 
 def test_a_cache_that_cannot_be_written_leaves_no_kernel(tmp_path) -> None:

@@ -1,6 +1,6 @@
-"""The linear kernel specstack's models use on the CPU (``specstack.packed_linear``): the layer's own
-outputs up to rounding for every row count, ``F.linear`` itself wherever it does not apply, and never
-a stale packed weight."""
+"""The linear kernels specstack's models use on the CPU (``specstack.packed_linear``): the layer's own
+outputs up to rounding for every row count (one row through the compiled GEMV, more through oneDNN),
+``F.linear`` itself wherever they do not apply, and never a stale packed weight."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import io
 import pytest
 import torch
 
-from specstack.packed_linear import PackedLinear, onednn_available, pack_linears
+from specstack.native import find_compiler
+from specstack.packed_linear import GemvKernel, PackedLinear, load_gemv_kernel, onednn_available, pack_linears
 
 pytestmark = pytest.mark.skipif(not onednn_available(), reason="this torch build has no oneDNN linear ops")
 
@@ -30,10 +31,53 @@ def test_a_packed_linear_is_the_linear_layer_up_to_rounding(rows, bias) -> None:
     with torch.inference_mode():
         got = layer(hidden)  # [1, rows, V]
     want = torch.nn.functional.linear(hidden, layer.weight, layer.bias)  # [1, rows, V]
-    assert layer._packed is not None  # the oneDNN path ran
+    assert (layer._packed is None) == (rows == 1 and layer._gemv is not None)  # one row: the GEMV; more: oneDNN
     assert got.shape == want.shape == (1, rows, 1000)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+@pytest.mark.skipif(find_compiler() is None, reason="no C++ compiler here: the GEMV cannot be built")
+@pytest.mark.parametrize(("in_features", "out_features", "bias", "shape"), [
+    (576, 1536, False, (1, 1)),  # the default target's MLP, a decoder's [1, 1, H]
+    (1536, 576, True, (1,)),  # its down projection with a bias, [1, H]
+    (64, 1003, True, ()),  # output rows not a multiple of the four streamed together, a bare [H]
+    (8, 5, False, (1, 1)),  # the narrowest input it takes
+])
+def test_one_row_takes_the_gemv_and_is_the_linear_layer_up_to_rounding(monkeypatch, in_features, out_features, bias, shape) -> None:
+    calls = []
+    call = GemvKernel.__call__
+    monkeypatch.setattr(GemvKernel, "__call__", lambda self, *args: calls.append(1) or call(self, *args))
+    layer = packed(in_features, out_features, bias=bias)
+    assert layer._gemv is not None
+    hidden = 3 * torch.randn(*shape, in_features)  # one row
+    with torch.inference_mode():
+        got = layer(hidden)  # [..., out]
+        assert layer(torch.randn(2, in_features)).shape == (2, out_features) and len(calls) == 1  # two rows: oneDNN
+    want = torch.nn.functional.linear(hidden.double(), layer.weight.double(), None if layer.bias is None else layer.bias.double())
+    assert got.shape == want.shape == (*shape, out_features) and got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), want, rtol=0, atol=2e-5)
+
+
+def test_the_gemv_leaves_what_it_does_not_take_to_onednn() -> None:
+    layer = packed(60, 32)  # an input width that is not a multiple of 8
+    hidden = torch.randn(1, 60)
+    with torch.inference_mode():
+        got = layer(hidden)  # [1, 32]
+    assert layer._packed is not None
+    torch.testing.assert_close(got, torch.nn.functional.linear(hidden, layer.weight), rtol=1e-5, atol=1e-5)
+
+
+def test_without_a_compiler_one_row_goes_through_onednn(monkeypatch, tmp_path) -> None:
+    monkeypatch.setattr("shutil.which", lambda name: None)
+    assert load_gemv_kernel(tmp_path) is None
+    layer = packed()
+    assert layer._gemv is None
+    hidden = torch.randn(1, 64)
+    with torch.inference_mode():
+        got = layer(hidden)  # [1, V]
+    assert layer._packed is not None
+    torch.testing.assert_close(got, torch.nn.functional.linear(hidden, layer.weight), rtol=1e-5, atol=1e-5)
 
 
 def test_bf16_and_a_forward_recording_gradients_keep_f_linear() -> None:
@@ -76,8 +120,10 @@ def test_a_packed_model_copies_pickles_and_saves_as_plain_linears() -> None:
         buffer = io.BytesIO()
         torch.save(model, buffer)
         buffer.seek(0)
+        one = model(hidden[:1])  # [1, 8], the GEMV where it was built
         for twin in (copy.deepcopy(model), torch.load(buffer, weights_only=False)):
             torch.testing.assert_close(twin(hidden), want, rtol=1e-5, atol=1e-5)
+            assert torch.equal(twin(hidden[:1]), one) and (twin[0]._gemv is None) == (model[0]._gemv is None)
     assert list(model.state_dict()) == keys
 
 
