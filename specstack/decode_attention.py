@@ -18,7 +18,7 @@ from pathlib import Path
 import attrs
 import torch
 
-from .native import SOURCES, build
+from .native import SOURCES, load
 
 SOURCE = SOURCES / "decode_attention.cpp"
 # The most new tokens that take the kernel: up to here it beat SDPA on both CPUs it was measured on
@@ -68,11 +68,9 @@ class DecodeKernel:
 def load_decode_kernel(cache: Path | None = None) -> DecodeKernel | None:
     """The kernel, compiled into ``cache`` (default: the specstack cache) on first use; None where it
     cannot be built here."""
-    library_path = build(SOURCE, cache)
-    if library_path is None:
+    argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_int] * 4 + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p, ctypes.c_int]
+    loaded = load(SOURCE, "specstack_decode_attention_f32", argtypes, cache)
+    if loaded is None:
         return None
-    library = ctypes.CDLL(str(library_path))
-    entry = library.specstack_decode_attention_f32
-    entry.restype = ctypes.c_int
-    entry.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_int] * 4 + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p, ctypes.c_int]
-    return DecodeKernel(library=library, path=library_path, max_rows=library.specstack_max_rows(), max_dim=library.specstack_max_dim())
+    library, path = loaded
+    return DecodeKernel(library=library, path=path, max_rows=library.specstack_max_rows(), max_dim=library.specstack_max_dim())

@@ -9,6 +9,7 @@ or the cache cannot be written; each caller then keeps its torch path.
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import os
 import platform
@@ -19,6 +20,18 @@ from pathlib import Path
 
 SOURCES = Path(__file__).parent / "csrc"
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
+
+
+def load(source: Path, entry: str, argtypes: list, cache: Path | None = None) -> tuple[ctypes.CDLL, Path] | None:
+    """The library built from ``source`` (see :func:`build`) and its path, its function ``entry``
+    declared as returning an int status and taking ``argtypes``; None where it cannot be built."""
+    path = build(source, cache)
+    if path is None:
+        return None
+    library = ctypes.CDLL(str(path))
+    function = getattr(library, entry)
+    function.restype, function.argtypes = ctypes.c_int, argtypes
+    return library, path
 
 
 def build(source: Path, cache: Path | None = None) -> Path | None:

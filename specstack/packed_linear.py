@@ -27,7 +27,7 @@ from pathlib import Path
 import attrs
 import torch
 
-from .native import SOURCES, build
+from .native import SOURCES, load
 
 GEMV_SOURCE = SOURCES / "gemv.cpp"
 
@@ -71,13 +71,10 @@ class GemvKernel:
 def load_gemv_kernel(cache: Path | None = None) -> GemvKernel | None:
     """The GEMV kernel, compiled into ``cache`` (default: the specstack cache) on first use; None where
     it cannot be built here."""
-    path = build(GEMV_SOURCE, cache)
-    if path is None:
+    loaded = load(GEMV_SOURCE, "specstack_gemv_f32", [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2 + [ctypes.c_int], cache)
+    if loaded is None:
         return None
-    library = ctypes.CDLL(str(path))
-    entry = library.specstack_gemv_f32
-    entry.restype = ctypes.c_int
-    entry.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2 + [ctypes.c_int]
+    library, path = loaded
     return GemvKernel(library=library, path=path)
 
 
