@@ -136,11 +136,11 @@ def _plugins(args: argparse.Namespace) -> int:
 def _prepare(args: argparse.Namespace) -> int:
     from .decode_attention import load_decode_kernel
     from .models import prepare_target
-    from .packed_linear import load_gemv_kernel
+    from .packed_linear import load_rows_kernel
 
     print(f"default target ready at {prepare_target()}")
     for what, kernel, instead in (("decode-attention", load_decode_kernel(), "attention stays with SDPA"),
-                                  ("GEMV", load_gemv_kernel(), "one-row linears stay with oneDNN")):
+                                  ("few-row linear", load_rows_kernel(), "linears stay with oneDNN")):
         print(f"{what} kernel built at {kernel.path}" if kernel else f"no {what} kernel (no C++ compiler, or its build failed): {instead}")
     return 0
 

@@ -189,7 +189,7 @@ class HFCausalLM:
         {Capability.KEYS, Capability.QUERIES, Capability.ATTENTION_WEIGHTS, Capability.SPARSE_ATTENTION, Capability.TREE_ATTENTION,
          Capability.HIDDEN_STATES})
     cuda_graphs: bool = True  # replay short chain forwards over bounded stores as CUDA graphs (specstack.graphs)
-    packed_linears: bool = True  # the module's fp32 linear layers on the CPU: one row through a GEMV, more through oneDNN (specstack.packed_linear)
+    packed_linears: bool = True  # the module's fp32 linear layers on the CPU: a few rows streamed, more through oneDNN (specstack.packed_linear)
     decode_kernel: bool = True  # attention of a few new tokens over a float32 cache on the CPU (specstack.decode_attention)
     vocab_size: int = attrs.field(init=False)
     max_length: int = attrs.field(init=False)

@@ -1,5 +1,5 @@
-"""The linear layers of a model on the CPU: one input row through a compiled GEMV, more rows through
-oneDNN with a packed copy of each weight.
+"""The linear layers of a model on the CPU: a few input rows through a compiled streaming kernel, more
+through oneDNN with a packed copy of each weight.
 
 On the 2-core AVX2 EPYC this project first ran on (torch 2.13, MKL 2024.2, 2 threads), ``F.linear``
 in fp32 took two rows at twice the cost of one, and the LM head 2-8 rows at 2.1-2.8x one row, so a
@@ -8,16 +8,15 @@ over a weight reordered once into its blocked layout (the kernel inductor uses f
 measured, for SmolLM2-135M's 210 layer matrices, 28 / 27 / 33 / 37 / 48 ms for 1 / 2 / 4 / 8 / 16 rows
 against ``F.linear``'s 33-39 / 52-56 / 54-59 / 46-50 / 56-61 ms, and for its LM head 5.5 / 6.1 / 7.0 /
 8.2 / 11 ms against 10 / 21 / 24 / 25 / 30 ms (docs/benchmarks.md, "The linear layers"). On an Intel
-host with AVX-512 the same packed kernel took one row through the 210 matrices in 25-26 ms, where
-``F.linear`` took 16 and a plain streaming GEMV (``csrc/gemv.cpp``, built by :mod:`specstack.native`)
-16.3: one row, the decode step, is a pure stream of the weights, which that GEMV does on any CPU.
-Results differ from ``F.linear``'s by rounding only.
+host with AVX-512 that packed kernel took 25-27 ms for one or two rows through the 210 matrices, where
+a kernel that only streams the weights once and reuses them for each row (``csrc/linear_rows.cpp``,
+built by :mod:`specstack.native`) took 17-20 ms (docs/benchmarks.md, "A few rows: a streaming kernel"). Results differ from ``F.linear``'s by rounding only.
 
 This module is the one place that choice is made. :func:`pack_linears` turns a model's ``nn.Linear``
 layers into :class:`PackedLinear` (the same module, parameters and state dict, another forward); each
-takes one fp32 row through the GEMV where it was built, packs its weight on its first multi-row fp32
-CPU forward without autograd, and keeps ``F.linear`` for every other case (another dtype or device, a
-forward that records gradients, a build without oneDNN)."""
+takes up to :data:`MAX_STREAMED_ROWS` fp32 rows through the streaming kernel where it was built, packs
+its weight on its first wider fp32 CPU forward without autograd, and keeps ``F.linear`` for every other
+case (another dtype or device, a forward that records gradients, a build without oneDNN)."""
 
 from __future__ import annotations
 
@@ -29,7 +28,11 @@ import torch
 
 from .native import SOURCES, load
 
-GEMV_SOURCE = SOURCES / "gemv.cpp"
+ROWS_SOURCE = SOURCES / "linear_rows.cpp"
+# The most input rows the streaming kernel takes. Whole target forwards on the Intel host, against
+# oneDNN's packed kernel: 1.15-1.22x at 1 token, 1.09-1.12x at 2, 1.05x at 3, 1.03x at 4, 1.01x at 8;
+# the draft, whose small weights stay in cache: 1.06x at 1 token, 0.95-0.97x at 2-3, 0.84x at 4.
+MAX_STREAMED_ROWS = 3
 
 PACKED_FOR_ROWS = 4  # the row count oneDNN's reorder is told to expect: measured best over 1-32 rows here (hint 1 doubled 2 rows' cost)
 
@@ -41,46 +44,48 @@ def onednn_available() -> bool:
 
 
 @attrs.frozen(kw_only=True)
-class GemvKernel:
-    """The compiled one-row product ``y = W x + b`` (``csrc/gemv.cpp``): fp32, on the CPU."""
+class RowsKernel:
+    """The compiled few-row product ``y_j = W x_j + b`` (``csrc/linear_rows.cpp``): fp32, on the CPU.
+    Each output is summed in one fixed order, so a row's outputs are the same bits alone or among others."""
 
     library: ctypes.CDLL = attrs.field(repr=False)
     path: Path
 
     def __reduce__(self):
         """Pickled and copied (with a model) as a request to load it again where it lands."""
-        return load_gemv_kernel, ()
+        return load_rows_kernel, ()
 
     def applies(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-        """Whether ``x`` [..., in] is one float32 row for ``weight`` [out, in] that the kernel takes."""
-        return (x.numel() == weight.shape[1] and weight.shape[1] % 8 == 0 and x.dtype == weight.dtype == torch.float32
+        """Whether ``x`` [..., in], 1 to MAX_STREAMED_ROWS float32 rows for ``weight`` [out, in], is the kernel's."""
+        return (0 < x.numel() <= MAX_STREAMED_ROWS * weight.shape[1] and weight.shape[1] % 8 == 0 and x.dtype == weight.dtype == torch.float32
                 and weight.is_contiguous() and (bias is None or (bias.dtype == torch.float32 and bias.is_contiguous())))
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """x [..., in] (one row) -> [..., out]."""
+        """x [..., in] -> [..., out]."""
         out, inp = weight.shape
         x = x.contiguous()
         y = torch.empty(*x.shape[:-1], out, dtype=x.dtype, device=x.device)  # [..., out]
-        status = self.library.specstack_gemv_f32(weight.data_ptr(), x.data_ptr(), None if bias is None else bias.data_ptr(),
-                                                 y.data_ptr(), out, inp, torch.get_num_threads())
+        status = self.library.specstack_linear_rows_f32(weight.data_ptr(), x.data_ptr(), None if bias is None else bias.data_ptr(),
+                                                        y.data_ptr(), x.numel() // inp, out, inp, torch.get_num_threads())
         if status != 0:
-            raise ValueError(f"the GEMV kernel refused a weight of shape {tuple(weight.shape)}")
+            raise ValueError(f"the few-row linear kernel refused a weight of shape {tuple(weight.shape)}")
         return y
 
 
-def load_gemv_kernel(cache: Path | None = None) -> GemvKernel | None:
-    """The GEMV kernel, compiled into ``cache`` (default: the specstack cache) on first use; None where
-    it cannot be built here."""
-    loaded = load(GEMV_SOURCE, "specstack_gemv_f32", [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2 + [ctypes.c_int], cache)
+def load_rows_kernel(cache: Path | None = None) -> RowsKernel | None:
+    """The few-row kernel, compiled into ``cache`` (default: the specstack cache) on first use; None
+    where it cannot be built here."""
+    argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
+    loaded = load(ROWS_SOURCE, "specstack_linear_rows_f32", argtypes, cache)
     if loaded is None:
         return None
     library, path = loaded
-    return GemvKernel(library=library, path=path)
+    return RowsKernel(library=library, path=path)
 
 
 class PackedLinear(torch.nn.Linear):
-    """``nn.Linear`` whose fp32 CPU forward without autograd takes one row through the GEMV kernel and
-    more rows through oneDNN over a packed weight copy.
+    """``nn.Linear`` whose fp32 CPU forward without autograd takes a few rows through the streaming
+    kernel and more through oneDNN over a packed weight copy.
 
     The copy is remade whenever the weight changes (its storage, which ``.to()`` and ``.data =``
     replace, or its version counter, which an optimizer's in-place step advances), so it is never stale. It is a plain attribute, not a buffer:
@@ -88,13 +93,13 @@ class PackedLinear(torch.nn.Linear):
 
     _packed: torch.Tensor | None
     _packed_from: tuple | None
-    _gemv: GemvKernel | None  # one row; None: where it could not be built
+    _rows: RowsKernel | None  # a few rows; None: where it could not be built
 
     @classmethod
-    def adopt(cls, linear: torch.nn.Linear, gemv: GemvKernel | None = None) -> None:
+    def adopt(cls, linear: torch.nn.Linear, rows: RowsKernel | None = None) -> None:
         """Give ``linear`` (exactly an ``nn.Linear``) this forward, in place."""
         linear.__class__ = cls
-        linear._packed, linear._packed_from, linear._gemv = None, None, gemv
+        linear._packed, linear._packed_from, linear._rows = None, None, rows
 
     def __getstate__(self) -> dict:
         """Copies and pickles leave the packed weight out (oneDNN's layout has no storage to copy)."""
@@ -104,8 +109,8 @@ class PackedLinear(torch.nn.Linear):
         """x [..., in] -> [..., out]."""
         if not self._takes(x):
             return torch.nn.functional.linear(x, self.weight, self.bias)  # [..., out]
-        if self._gemv is not None and self._gemv.applies(x, self.weight, self.bias):
-            return self._gemv(x, self.weight, self.bias)  # [..., out]
+        if self._rows is not None and self._rows.applies(x, self.weight, self.bias):
+            return self._rows(x, self.weight, self.bias)  # [..., out]
         return torch.ops.mkldnn._linear_pointwise(x, self._packed_weight(), self.bias, "none", [], "")  # [..., out]
 
     def _takes(self, x: torch.Tensor) -> bool:
@@ -123,13 +128,13 @@ class PackedLinear(torch.nn.Linear):
         return self._packed
 
 
-def pack_linears(module: torch.nn.Module, *, gemv: bool = True) -> int:
+def pack_linears(module: torch.nn.Module, *, streamed_rows: bool = True) -> int:
     """Give every ``nn.Linear`` in ``module`` (subclasses left alone) the :class:`PackedLinear`
-    forward, in place, one-row products through the GEMV kernel where ``gemv`` and it can be built;
-    returns how many. Does nothing where oneDNN is missing."""
+    forward, in place, a few rows through the streaming kernel where ``streamed_rows`` and it can be
+    built; returns how many. Does nothing where oneDNN is missing."""
     if not onednn_available():
         return 0
-    kernel = load_gemv_kernel() if gemv else None
+    kernel = load_rows_kernel() if streamed_rows else None
     linears = [m for m in module.modules() if type(m) is torch.nn.Linear]
     for linear in linears:
         PackedLinear.adopt(linear, kernel)

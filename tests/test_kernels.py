@@ -1,5 +1,6 @@
 """The linear kernels specstack's models use on the CPU (``specstack.packed_linear``): the layer's own
-outputs up to rounding for every row count (one row through the compiled GEMV, more through oneDNN),
+outputs up to rounding for every row count (a few rows through the compiled streaming kernel, more
+through oneDNN),
 ``F.linear`` itself wherever they do not apply, and never a stale packed weight."""
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 from specstack.native import find_compiler
-from specstack.packed_linear import GemvKernel, PackedLinear, load_gemv_kernel, onednn_available, pack_linears
+from specstack.packed_linear import MAX_STREAMED_ROWS, PackedLinear, RowsKernel, load_rows_kernel, onednn_available, pack_linears
 
 pytestmark = pytest.mark.skipif(not onednn_available(), reason="this torch build has no oneDNN linear ops")
 
@@ -31,35 +32,51 @@ def test_a_packed_linear_is_the_linear_layer_up_to_rounding(rows, bias) -> None:
     with torch.inference_mode():
         got = layer(hidden)  # [1, rows, V]
     want = torch.nn.functional.linear(hidden, layer.weight, layer.bias)  # [1, rows, V]
-    assert (layer._packed is None) == (rows == 1 and layer._gemv is not None)  # one row: the GEMV; more: oneDNN
+    assert (layer._packed is None) == (rows <= MAX_STREAMED_ROWS and layer._rows is not None)  # a few rows streamed; more: oneDNN
     assert got.shape == want.shape == (1, rows, 1000)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert torch.equal(got.argmax(-1), want.argmax(-1))
 
 
-@pytest.mark.skipif(find_compiler() is None, reason="no C++ compiler here: the GEMV cannot be built")
+needs_compiler = pytest.mark.skipif(find_compiler() is None, reason="no C++ compiler here: the kernel cannot be built")
+
+
+@needs_compiler
 @pytest.mark.parametrize(("in_features", "out_features", "bias", "shape"), [
     (576, 1536, False, (1, 1)),  # the default target's MLP, a decoder's [1, 1, H]
-    (1536, 576, True, (1,)),  # its down projection with a bias, [1, H]
-    (64, 1003, True, ()),  # output rows not a multiple of the four streamed together, a bare [H]
-    (8, 5, False, (1, 1)),  # the narrowest input it takes
+    (1536, 576, True, (1, 2)),  # its down projection with a bias, two tokens: a pair of rows
+    (64, 1003, True, (2,)),  # output rows not a multiple of the four streamed together
+    (8, 5, False, ()),  # the narrowest input it takes, a bare [H]
+    (576, 40, True, (MAX_STREAMED_ROWS,)),  # the most rows it takes
 ])
-def test_one_row_takes_the_gemv_and_is_the_linear_layer_up_to_rounding(monkeypatch, in_features, out_features, bias, shape) -> None:
+def test_a_few_rows_take_the_streaming_kernel_and_are_the_linear_layer_up_to_rounding(monkeypatch, in_features, out_features, bias, shape) -> None:
     calls = []
-    call = GemvKernel.__call__
-    monkeypatch.setattr(GemvKernel, "__call__", lambda self, *args: calls.append(1) or call(self, *args))
+    call = RowsKernel.__call__
+    monkeypatch.setattr(RowsKernel, "__call__", lambda self, *args: calls.append(1) or call(self, *args))
     layer = packed(in_features, out_features, bias=bias)
-    assert layer._gemv is not None
-    hidden = 3 * torch.randn(*shape, in_features)  # one row
+    assert layer._rows is not None
+    hidden = 3 * torch.randn(*shape, in_features)  # [..., in]
     with torch.inference_mode():
         got = layer(hidden)  # [..., out]
-        assert layer(torch.randn(2, in_features)).shape == (2, out_features) and len(calls) == 1  # two rows: oneDNN
+        assert layer(torch.randn(MAX_STREAMED_ROWS + 1, in_features)).shape == (MAX_STREAMED_ROWS + 1, out_features)
+    assert len(calls) == 1  # the wider forward went to oneDNN
     want = torch.nn.functional.linear(hidden.double(), layer.weight.double(), None if layer.bias is None else layer.bias.double())
     assert got.shape == want.shape == (*shape, out_features) and got.dtype == torch.float32
     torch.testing.assert_close(got.double(), want, rtol=0, atol=2e-5)
 
 
-def test_the_gemv_leaves_what_it_does_not_take_to_onednn() -> None:
+@needs_compiler
+def test_a_rows_outputs_are_the_same_bits_alone_or_among_others() -> None:
+    layer = packed(576, 1003, bias=True)
+    hidden = torch.randn(MAX_STREAMED_ROWS, 576)  # [T, H]
+    with torch.inference_mode():
+        together = layer(hidden)  # [T, V]
+        for count in range(1, MAX_STREAMED_ROWS + 1):
+            assert torch.equal(layer(hidden[:count]), together[:count])
+            assert torch.equal(layer(hidden[count - 1 : count]), together[count - 1 : count])
+
+
+def test_the_kernel_leaves_what_it_does_not_take_to_onednn() -> None:
     layer = packed(60, 32)  # an input width that is not a multiple of 8
     hidden = torch.randn(1, 60)
     with torch.inference_mode():
@@ -68,11 +85,17 @@ def test_the_gemv_leaves_what_it_does_not_take_to_onednn() -> None:
     torch.testing.assert_close(got, torch.nn.functional.linear(hidden, layer.weight), rtol=1e-5, atol=1e-5)
 
 
+def test_no_rows_give_no_outputs() -> None:
+    layer = packed(64, 32)
+    with torch.inference_mode():  # a forward asked for no logits hands the LM head no rows
+        assert layer(torch.randn(1, 0, 64)).shape == (1, 0, 32)
+
+
 def test_without_a_compiler_one_row_goes_through_onednn(monkeypatch, tmp_path) -> None:
     monkeypatch.setattr("shutil.which", lambda name: None)
-    assert load_gemv_kernel(tmp_path) is None
+    assert load_rows_kernel(tmp_path) is None
     layer = packed()
-    assert layer._gemv is None
+    assert layer._rows is None
     hidden = torch.randn(1, 64)
     with torch.inference_mode():
         got = layer(hidden)  # [1, V]
@@ -95,16 +118,16 @@ def test_bf16_and_a_forward_recording_gradients_keep_f_linear() -> None:
 
 def test_the_packed_weight_follows_an_in_place_update_of_the_weight() -> None:
     layer = packed()
-    hidden = torch.randn(3, 64)  # [3, H]
+    hidden = torch.randn(MAX_STREAMED_ROWS + 1, 64)  # [T, H], wider than the streaming kernel takes
     with torch.inference_mode():
-        before = layer(hidden)  # [3, V], packs the weight
+        before = layer(hidden)  # [T, V], packs the weight
     optimizer = torch.optim.SGD(layer.parameters(), lr=1.0)
     layer(torch.randn(5, 64)).pow(2).mean().backward()
     optimizer.step()  # in place, as training does between evaluations
     with torch.inference_mode():
-        after = layer(hidden)  # [3, V]
+        after = layer(hidden)  # [T, V]
         layer.weight.mul_(-1.0)  # in place within inference mode, as a test model's logit scale is set
-        flipped = layer(hidden)  # [3, V]
+        flipped = layer(hidden)  # [T, V]
     torch.testing.assert_close(after, torch.nn.functional.linear(hidden, layer.weight.neg()), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(flipped, torch.nn.functional.linear(hidden, layer.weight), rtol=1e-5, atol=1e-5)
     assert not torch.allclose(before, after)
@@ -114,16 +137,16 @@ def test_a_packed_model_copies_pickles_and_saves_as_plain_linears() -> None:
     model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8, bias=False))
     keys = list(model.state_dict())
     assert pack_linears(model) == 2
-    hidden = torch.randn(2, 64)
+    hidden = torch.randn(MAX_STREAMED_ROWS + 1, 64)  # [T, H], wider than the streaming kernel takes
     with torch.inference_mode():
-        want = model(hidden)  # [2, 8], packs both weights
+        want = model(hidden)  # [T, 8], packs both weights
         buffer = io.BytesIO()
         torch.save(model, buffer)
         buffer.seek(0)
-        one = model(hidden[:1])  # [1, 8], the GEMV where it was built
+        one = model(hidden[:1])  # [1, 8], the streaming kernel where it was built
         for twin in (copy.deepcopy(model), torch.load(buffer, weights_only=False)):
             torch.testing.assert_close(twin(hidden), want, rtol=1e-5, atol=1e-5)
-            assert torch.equal(twin(hidden[:1]), one) and (twin[0]._gemv is None) == (model[0]._gemv is None)
+            assert torch.equal(twin(hidden[:1]), one) and (twin[0]._rows is None) == (model[0]._rows is None)
     assert list(model.state_dict()) == keys
 
 

@@ -1,0 +1,85 @@
+// A few input rows through a linear layer on the CPU, float32: y_j = W x_j + b (specstack/packed_linear.py).
+//
+// A forward of a few tokens reads every weight once and does two flops per weight and token, so up
+// to a handful of tokens it is bound by how fast the weights stream from memory. Each thread takes its
+// own blocks of ROWS output rows, streams those weight rows from memory once, eight columns at a
+// time, and reuses them from L1 for every input row (two input rows at a time, then an odd last
+// one). Every output is one dot product summed in one fixed order, whatever the number of input rows
+// or threads: a token's outputs are the same bits alone or in a verify of several. Built by
+// specstack/native.py; plain C++ with GCC vector types, no torch headers.
+
+#include <stdint.h>
+
+#include <omp.h>
+
+namespace {
+
+typedef float v8 __attribute__((vector_size(32), aligned(4)));  // 8 floats, loads need no alignment
+
+constexpr int ROWS = 4;  // weight rows streamed side by side
+
+inline v8 load8(const float *p) { return *(const v8 *)p; }
+inline float hsum(v8 x) { return ((x[0] + x[4]) + (x[1] + x[5])) + ((x[2] + x[6]) + (x[3] + x[7])); }
+
+// y[j, r .. r+3] = w_{r .. r+3} . x_j for the n input rows: pairs of input rows, then an odd last one.
+void four_outputs(const float *w, const float *x, int n, int64_t in, int64_t out, int64_t r, float *y) {
+    const float *w0 = w + r * in, *w1 = w0 + in, *w2 = w1 + in, *w3 = w2 + in;
+    int j = 0;
+    for (; j + 2 <= n; j += 2) {
+        const float *x0 = x + j * in, *x1 = x0 + in;
+        v8 a0{}, a1{}, a2{}, a3{}, b0{}, b1{}, b2{}, b3{};
+        for (int64_t c = 0; c < in; c += 8) {
+            const v8 k0 = load8(w0 + c), k1 = load8(w1 + c), k2 = load8(w2 + c), k3 = load8(w3 + c);
+            const v8 p = load8(x0 + c), q = load8(x1 + c);
+            a0 += k0 * p, a1 += k1 * p, a2 += k2 * p, a3 += k3 * p;
+            b0 += k0 * q, b1 += k1 * q, b2 += k2 * q, b3 += k3 * q;
+        }
+        float *y0 = y + j * out + r, *y1 = y0 + out;
+        y0[0] = hsum(a0), y0[1] = hsum(a1), y0[2] = hsum(a2), y0[3] = hsum(a3);
+        y1[0] = hsum(b0), y1[1] = hsum(b1), y1[2] = hsum(b2), y1[3] = hsum(b3);
+    }
+    if (j < n) {
+        const float *x0 = x + j * in;
+        v8 a0{}, a1{}, a2{}, a3{};
+        for (int64_t c = 0; c < in; c += 8) {
+            const v8 p = load8(x0 + c);
+            a0 += load8(w0 + c) * p, a1 += load8(w1 + c) * p, a2 += load8(w2 + c) * p, a3 += load8(w3 + c) * p;
+        }
+        float *y0 = y + j * out + r;
+        y0[0] = hsum(a0), y0[1] = hsum(a1), y0[2] = hsum(a2), y0[3] = hsum(a3);
+    }
+}
+
+// y[j, r] = w_r . x_j for one output row (the last, short block), summed in the same order.
+void one_output(const float *w, const float *x, int n, int64_t in, int64_t out, int64_t r, float *y) {
+    for (int j = 0; j < n; ++j) {
+        v8 a{};
+        for (int64_t c = 0; c < in; c += 8) a += load8(w + r * in + c) * load8(x + j * in + c);
+        y[j * out + r] = hsum(a);
+    }
+}
+
+}  // namespace
+
+extern "C" {
+
+// w [out, in] row-major, x [n, in] row-major, bias [out] or null, y [n, out]. Returns 0, or -1 for
+// shapes it does not take (in not a multiple of 8; the caller falls back).
+int specstack_linear_rows_f32(const float *w, const float *x, const float *bias, float *y, int n, int64_t out, int64_t in, int threads) {
+    if (in < 8 || in % 8 != 0 || out < 1 || n < 1 || threads < 1) return -1;
+    const int64_t blocks = (out + ROWS - 1) / ROWS;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t b = 0; b < blocks; ++b) {
+        const int64_t first = b * ROWS, last = first + ROWS < out ? first + ROWS : out;
+        if (last - first == ROWS)
+            four_outputs(w, x, n, in, out, first, y);
+        else
+            for (int64_t r = first; r < last; ++r) one_output(w, x, n, in, out, r, y);
+        if (bias)
+            for (int j = 0; j < n; ++j)
+                for (int64_t r = first; r < last; ++r) y[j * out + r] += bias[r];
+    }
+    return 0;
+}
+
+}  // extern "C"
