@@ -28,6 +28,11 @@ from .kvstore import KVStore
 from .sampling import SamplingConfig, warp
 from .types import Capability
 
+# Hidden states are seeded by this integer beside the model's seed and the context, so that they come
+# from another stream than the logits. Integers hash the same in every process; strings do not
+# (PYTHONHASHSEED), which once made the hidden states, and a test's power, change from run to run.
+HIDDEN_STREAM = 0x6869_6464_656E  # "hidden" in ASCII
+
 
 @attrs.define(eq=False, kw_only=True)
 class SyntheticLM:
@@ -60,7 +65,7 @@ class SyntheticLM:
 
     def hidden_for(self, context: Sequence[int]) -> torch.Tensor:
         """[H] the hidden state after ``context``: hash-seeded, like the logits."""
-        generator = torch.Generator(device="cpu").manual_seed(hash(("hidden", self.seed, *context)) & 0x7FFF_FFFF_FFFF_FFFF)
+        generator = torch.Generator(device="cpu").manual_seed(hash((HIDDEN_STREAM, self.seed, *context)) & 0x7FFF_FFFF_FFFF_FFFF)
         return torch.randn(self.hidden_size, generator=generator, device="cpu")  # [H]
 
     def output_logits(self, states: torch.Tensor) -> torch.Tensor:
