@@ -10,7 +10,8 @@ against ``F.linear``'s 33-39 / 52-56 / 54-59 / 46-50 / 56-61 ms, and for its LM 
 8.2 / 11 ms against 10 / 21 / 24 / 25 / 30 ms (docs/benchmarks.md, "The linear layers"). On an Intel
 host with AVX-512 that packed kernel took 25-27 ms for one or two rows through the 210 matrices, where
 a kernel that only streams the weights once and reuses them for each row (``csrc/linear_rows.cpp``,
-built by :mod:`specstack.native`) took 17-20 ms (docs/benchmarks.md, "A few rows: a streaming kernel"). Results differ from ``F.linear``'s by rounding only.
+built by :mod:`specstack.native`) took 17-20 ms (docs/benchmarks.md, "A few rows: a streaming
+kernel"). Results differ from ``F.linear``'s by rounding only.
 
 This module is the one place that choice is made. :func:`pack_linears` turns a model's ``nn.Linear``
 layers into :class:`PackedLinear` (the same module, parameters and state dict, another forward); each
