@@ -1,7 +1,7 @@
 """A CPU kernel for attention of a few new tokens over a long float32 KV cache.
 
-SDPA's CPU kernels spend 3-4x the time it takes to read the cache once when one to four tokens
-attend over thousands of keys (docs/benchmarks.md). ``csrc/decode_attention.cpp`` does what
+SDPA's CPU kernels took 3-4x the time it takes to read the cache once (AMD Zen 3) and about 2x
+(Intel with AVX-512) when one to four tokens attend over 7,500 keys (docs/benchmarks.md). ``csrc/decode_attention.cpp`` does what
 flash-decoding does (Dao et al., 2023): each thread streams its own range of the cache through an
 online softmax, and the ranges are merged by their maxima. It is built and loaded by
 :mod:`specstack.native`; where it cannot be built, :func:`load_decode_kernel` returns None and
@@ -39,23 +39,24 @@ class DecodeKernel:
         """Pickled (a model sent to a bench worker) as a request to load it again where it lands."""
         return load_decode_kernel, ()
 
-    def applies(self, query: torch.Tensor, key: torch.Tensor) -> bool:
-        """Whether ``query`` [1, Hq, T, D] over ``key`` [1, Hkv, n, D] (the last T keys its own) takes the kernel."""
+    def applies(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
+        """Whether ``query`` [1, Hq, T, D] over ``key``/``value`` [1, Hkv, n, D] (the last T its own) takes
+        the kernel: float32 on the CPU, a few tokens over cached ones, keys and values stored in rows
+        (as the KV store holds them, each head a strided view)."""
         _, hq, t, d = query.shape
         hkv, n = key.shape[1], key.shape[2]
-        return (query.device.type == "cpu" and query.dtype == key.dtype == torch.float32 and t <= MAX_TOKENS and n > t
-                and hq // hkv * t <= self.max_rows and d <= self.max_dim and d % 8 == 0 and key.stride(-1) == 1 and key.stride(-2) == d)
+        in_rows = all(x.stride(-1) == 1 and x.stride(-2) == d for x in (key, value))
+        return (query.device.type == "cpu" and query.dtype == key.dtype == value.dtype == torch.float32 and t <= MAX_TOKENS and n > t
+                and hq // hkv * t <= self.max_rows and d <= self.max_dim and d % 8 == 0 and in_rows)
 
     def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float | None, sees: torch.Tensor | None) -> torch.Tensor:
         """query [1, Hq, T, D], key/value [1, Hkv, n, D] (the last T the new tokens'), ``sees`` [T, T] among
         the new tokens (None: causal, a chain) -> [1, T, Hq, D]."""
         _, hq, t, d = query.shape
         hkv, n = key.shape[1], key.shape[2]
-        if value.stride(-1) != 1 or value.stride(-2) != d:
-            value = value.contiguous()
         q = query.reshape(hkv, hq // hkv * t, d).contiguous()  # [Hkv, G*T, D]; row g*T + t: head g of the group, token t
         out = torch.empty_like(q)  # [Hkv, G*T, D]
-        mask = None if sees is None else sees.to(device="cpu", dtype=torch.uint8).contiguous()  # [T, T]
+        mask = None if sees is None else sees.to(device="cpu", dtype=torch.bool).contiguous().view(torch.uint8)  # [T, T], 0 or 1, no copy
         scale = scaling if scaling is not None else d**-0.5
         status = self.library.specstack_decode_attention_f32(
             q.data_ptr(), key.data_ptr(), value.data_ptr(), key.stride(1), value.stride(1), hkv, q.shape[1], t, d, n,

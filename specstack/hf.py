@@ -59,11 +59,12 @@ def grouped_attention(module, query, key, value, attention_mask, scaling=None, d
         causal = causal_lower_right(t, n) if 1 < t < n else None  # t == n: plain is_causal, fast on the CPU too
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=causal, is_causal=1 < t == n, scale=scaling, enable_gqa=hq != hkv)  # [1, Hq, T, D]
         return out.transpose(1, 2), None
-    kernel: DecodeKernel | None = kwargs.get("specstack_kernel")
-    if kernel is not None and kernel.applies(query, key):  # a few tokens over a float32 cache on the CPU
-        return kernel.attend(query, key, value, scaling, None if batch.is_chain else batch.sees), None
+    sees = None if batch.is_chain else batch.sees  # [T, T] among the new tokens; None: causal
+    kernel: DecodeKernel | None = kwargs.get("specstack_attention_kernel")
+    if kernel is not None and kernel.applies(query, key, value):  # a few tokens over a float32 cache on the CPU
+        return kernel.attend(query, key, value, scaling, sees), None
     if 1 < t < n and _CPU_FLASH is not None and not query.is_cuda:  # verifies, trees, prefill chunks
-        return _split_attention(query, key, value, scaling, None if batch.is_chain else batch.sees), None
+        return _split_attention(query, key, value, scaling, sees), None
     # one token (or no CPU flash kernel): folding the GQA group into the query length reads each key
     # once, faster than SDPA's grouped path on the CPU
     mask = batch.mask(n - t, hq // hkv, query.device) if t > 1 else None  # [G*T, n]
@@ -194,7 +195,7 @@ class HFCausalLM:
     vocab_size: int = attrs.field(init=False)
     max_length: int = attrs.field(init=False)
     graphs: ForwardGraphs = attrs.field(init=False)
-    kernel: DecodeKernel | None = attrs.field(init=False)  # None: not asked for, or no compiler here
+    attention_kernel: DecodeKernel | None = attrs.field(init=False)  # None: not asked for, or no compiler here
 
     def __attrs_post_init__(self) -> None:
         config = self.module.config
@@ -207,7 +208,7 @@ class HFCausalLM:
             pack_linears(self.module)
         self.vocab_size = config.vocab_size
         self.max_length = config.max_position_embeddings
-        self.kernel = load_decode_kernel() if self.decode_kernel else None
+        self.attention_kernel = load_decode_kernel() if self.decode_kernel else None
         self.graphs = ForwardGraphs(self._static_forward, config.num_attention_heads // config.num_key_value_heads)
 
     @property
@@ -245,7 +246,7 @@ class HFCausalLM:
         else:
             tokens, rope = batch.tokens[None].to(self.device), rope[None].to(self.device)  # [1, T] each
             logits, hidden = self._run(tokens, rope, StoreCache(cache), batch.num_logits, specstack_batch=batch, specstack_store=cache,
-                                      specstack_kernel=self.kernel)
+                                      specstack_attention_kernel=self.attention_kernel)
             batch.hidden = hidden if batch.keep_hidden else None
         cache.commit()
         return logits

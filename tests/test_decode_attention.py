@@ -62,7 +62,7 @@ def test_the_kernel_is_attention_up_to_rounding(t, n, d, kv_heads, group, tree) 
     values = torch.randn(1, kv_heads, capacity, d, generator=generator)[:, :, :n]  # [1, Hkv, n, D]
     query = 2 * torch.randn(1, kv_heads * group, t, d, generator=generator)  # [1, Hq, T, D]
     sees = random_tree_mask(t, generator) if tree else None  # [T, T]
-    assert KERNEL.applies(query, keys) == (n > t)
+    assert KERNEL.applies(query, keys, values) == (n > t)
     got = KERNEL.attend(query, keys, values, None, sees)  # [1, T, Hq, D]
     want = reference(query, keys, values, sees)  # [1, T, Hq, D]
     assert got.shape == want.shape and got.dtype == torch.float32
@@ -78,12 +78,15 @@ def test_the_scale_is_the_callers() -> None:
 
 def test_it_applies_only_to_few_float32_tokens_over_a_cache() -> None:
     query, keys = torch.randn(1, 9, 2, 64), torch.randn(1, 3, 500, 64)
-    assert KERNEL.applies(query, keys)
-    assert not KERNEL.applies(query.bfloat16(), keys.bfloat16())  # bf16 stays with SDPA
-    assert not KERNEL.applies(torch.randn(1, 9, MAX_TOKENS + 1, 64), keys)  # a wide verify or a prefill chunk
-    assert not KERNEL.applies(torch.randn(1, 9, 500, 64), keys)  # nothing cached: a prefill
-    assert not KERNEL.applies(query, keys.transpose(2, 3).contiguous().transpose(2, 3))  # keys not in rows
-    assert not KERNEL.applies(torch.randn(1, 9, 2, 12), torch.randn(1, 3, 500, 12))  # D not a multiple of 8
+    assert KERNEL.applies(query, keys, keys)
+    assert not KERNEL.applies(query.bfloat16(), keys.bfloat16(), keys.bfloat16())  # bf16 stays with SDPA
+    assert not KERNEL.applies(torch.randn(1, 9, MAX_TOKENS + 1, 64), keys, keys)  # a wide verify or a prefill chunk
+    assert not KERNEL.applies(torch.randn(1, 9, 500, 64), keys, keys)  # nothing cached: a prefill
+    columns = keys.transpose(2, 3).contiguous().transpose(2, 3)  # [1, Hkv, n, D] stored by columns
+    assert not KERNEL.applies(query, columns, keys)  # keys not in rows
+    assert not KERNEL.applies(query, keys, columns)  # values not in rows
+    small = torch.randn(1, 3, 500, 12)
+    assert not KERNEL.applies(torch.randn(1, 9, 2, 12), small, small)  # D not a multiple of 8
 
 
 def test_a_model_forward_takes_the_kernel_and_matches_sdpa(monkeypatch) -> None:
@@ -92,7 +95,7 @@ def test_a_model_forward_takes_the_kernel_and_matches_sdpa(monkeypatch) -> None:
     monkeypatch.setattr(DecodeKernel, "attend", lambda self, *args: calls.append(args[0].shape[2]) or attend(self, *args))
     model = random_llama(layers=2)
     plain = HFCausalLM(module=model.module, tokenizer_id=model.tokenizer_id, decode_kernel=False)
-    assert model.kernel is not None and plain.kernel is None
+    assert model.attention_kernel is not None and plain.attention_kernel is None
     prompt = torch.randint(0, 256, (300,), generator=torch.Generator().manual_seed(0)).tolist()
     draft = Draft(tokens=torch.tensor([5, 6, 7, 8]), probs=torch.zeros(4, 256), parents=torch.tensor([-1, -1, 0, 1]), kind=DraftKind.TREE_DETERMINISTIC)
     batches = [lambda: TokenBatch.chain([3], 300, 1), lambda: TokenBatch.chain([3, 4, 9, 1, 2], 300, 5), lambda: TokenBatch.tree([3], 300, draft)]
@@ -115,7 +118,7 @@ def test_without_a_compiler_there_is_no_kernel_and_forwards_use_sdpa(monkeypatch
     monkeypatch.setattr("shutil.which", lambda name: None)
     assert load_decode_kernel(tmp_path) is None
     model = random_llama(layers=1)
-    assert model.kernel is None
+    assert model.attention_kernel is None
     cache = model.new_cache(40)
     model.forward(TokenBatch.chain(list(range(30)), 0, 1), cache)
     assert model.forward(TokenBatch.chain([1, 2], 30, 2), cache).shape == (2, 256)

@@ -1,0 +1,72 @@
+"""The compiled CPU kernels on and off, in one process: the on/off tables of docs/benchmarks.md
+("The decode-attention kernel", "A few rows: a streaming kernel").
+
+Three settings of the same loaded models, alternated ``--rounds`` times (the best median is kept):
+  * ``torch``: SDPA for attention, oneDNN's packed kernel for every linear (what ran before the kernels);
+  * ``attention``: the decode-attention kernel (``specstack.decode_attention``);
+  * ``both``: that and the few-row linear kernel (``specstack.packed_linear``), the shipped default.
+
+Each row is one ``HFCausalLM.forward`` of T tokens (a chain, or with ``tree`` one committed token and a
+binary tree) over a random cache, timed as ``specstack floor`` times it; ratios are ``torch`` ÷ setting.
+
+    python examples/cpu_kernels.py --threads 2
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from specstack.bench.floor import WINDOW, fill, time_forward
+from specstack.models import load_default
+from specstack.packed_linear import PackedLinear, load_rows_kernel
+
+FORWARDS = [(1, False), (2, False), (3, False), (4, False), (8, False), (16, False), (4, True), (8, True), (16, True)]
+
+
+def use(model, setting: str, attention, rows) -> None:
+    """Put ``model`` (an HFCausalLM) in one setting: which compiled kernels its forwards take."""
+    model.attention_kernel = attention if setting in ("attention", "both") else None
+    for module in model.module.modules():
+        if isinstance(module, PackedLinear):
+            PackedLinear.adopt(module, rows if setting == "both" else None)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    parser.add_argument("--caches", type=int, nargs="+", default=[7500, 1024], help="the target's cached slots")
+    parser.add_argument("--repeats", type=int, default=7, help="timed forwards per figure (median)")
+    parser.add_argument("--rounds", type=int, default=2, help="alternations of the settings (best median kept)")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    target, draft, _ = load_default()
+    attention, rows = target.attention_kernel, load_rows_kernel()
+    if attention is None or rows is None:
+        raise SystemExit("the kernels cannot be built here (no C++ compiler?)")
+    generator = torch.Generator(device="cpu").manual_seed(0)
+    settings = ("torch", "attention", "both")
+    print(f"{'model':<7} {'cache':>6} {'T':>3} {'shape':<5} " + " ".join(f"{s + ' ms':>13}" for s in settings) + "   torch ÷ attention, ÷ both")
+    for model, caches, relative in ((target, args.caches, False), (draft, [WINDOW], True)):
+        for cached in caches:
+            store = model.new_cache(cached + 16, relative_positions=relative)
+            fill(store, cached, generator)
+            for tokens, tree in FORWARDS:
+                best = dict.fromkeys(settings, float("inf"))
+                for _ in range(args.rounds):
+                    for setting in settings:
+                        use(model, setting, attention, rows)
+                        seconds = time_forward(model, store, cached=cached, tokens=tokens, tree=tree, repeats=args.repeats, generator=generator)
+                        best[setting] = min(best[setting], seconds)
+                use(model, "both", attention, rows)
+                name = "target" if model is target else "draft"
+                print(f"{name:<7} {cached:>6} {tokens:>3} {'tree' if tree else 'chain':<5} "
+                      + " ".join(f"{1e3 * best[s]:>13.2f}" for s in settings)
+                      + f"   {best['torch'] / best['attention']:.2f}x, {best['torch'] / best['both']:.2f}x", flush=True)
+            del store
+
+
+if __name__ == "__main__":
+    main()
