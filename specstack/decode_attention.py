@@ -1,9 +1,12 @@
-"""A CPU kernel for attention of a few new tokens over a long float32 KV cache.
+"""A CPU kernel for attention of a few new tokens over a long float32 or bfloat16 KV cache.
 
 SDPA's CPU kernels took 3-4x the time it takes to read the cache once (AMD Zen 3) and about 2x
 (Intel with AVX-512) when one to four tokens attend over 7,500 keys (docs/benchmarks.md). ``csrc/decode_attention.cpp`` does what
 flash-decoding does (Dao et al., 2023): each thread streams its own range of the cache through an
-online softmax, and the ranges are merged by their maxima. It is built and loaded by
+online softmax, and the ranges are merged by their maxima. A verify's many query rows are scored as a
+small GEMM over keys transposed block by block, in the machine's widest vectors. A bfloat16 cache is
+read as it is stored and widened to float32 in registers: queries, arithmetic and output are float32,
+so a bfloat16 model's attention is computed at least as precisely as SDPA's. It is built and loaded by
 :mod:`specstack.native`; where it cannot be built, :func:`load_decode_kernel` returns None and
 attention stays with SDPA.
 
@@ -21,14 +24,15 @@ import torch
 from .native import SOURCES, load
 
 SOURCE = SOURCES / "decode_attention.cpp"
-# The most new tokens that take the kernel: up to here it beat SDPA on both CPUs it was measured on
-# (docs/benchmarks.md, "The decode-attention kernel"); wider verifies and prefill chunks stay with SDPA.
-MAX_TOKENS = 16
+# The most new tokens that take the kernel, per cache dtype: up to here it beat SDPA on the CPUs it was
+# measured on (docs/benchmarks.md, "The decode-attention kernel"). In bfloat16 SDPA's own kernel (AMX
+# tiles on the Intel host) is faster from six tokens. Wider verifies and prefill chunks stay with SDPA.
+MAX_TOKENS = {torch.float32: 16, torch.bfloat16: 4}
 
 
 @attrs.frozen(kw_only=True)
 class DecodeKernel:
-    """The compiled kernel: query rows of each KV head against a float32 cache on the CPU."""
+    """The compiled kernel: query rows of each KV head against a float32 or bfloat16 cache on the CPU."""
 
     library: ctypes.CDLL = attrs.field(repr=False)
     path: Path
@@ -41,12 +45,12 @@ class DecodeKernel:
 
     def applies(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
         """Whether ``query`` [1, Hq, T, D] over ``key``/``value`` [1, Hkv, n, D] (the last T its own) takes
-        the kernel: float32 on the CPU, a few tokens over cached ones, keys and values stored in rows
-        (as the KV store holds them, each head a strided view)."""
+        the kernel: float32 or bfloat16 on the CPU, a few tokens (``MAX_TOKENS``) over cached ones, keys and values
+        stored in rows (as the KV store holds them, each head a strided view)."""
         _, hq, t, d = query.shape
         hkv, n = key.shape[1], key.shape[2]
         in_rows = all(x.stride(-1) == 1 and x.stride(-2) == d for x in (key, value))
-        return (query.device.type == "cpu" and query.dtype == key.dtype == value.dtype == torch.float32 and t <= MAX_TOKENS and n > t
+        return (query.device.type == "cpu" and query.dtype == key.dtype == value.dtype and t <= MAX_TOKENS.get(key.dtype, 0) and n > t
                 and hq // hkv * t <= self.max_rows and d <= self.max_dim and d % 8 == 0 and in_rows)
 
     def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float | None, sees: torch.Tensor | None) -> torch.Tensor:
@@ -54,23 +58,23 @@ class DecodeKernel:
         the new tokens (None: causal, a chain) -> [1, T, Hq, D]."""
         _, hq, t, d = query.shape
         hkv, n = key.shape[1], key.shape[2]
-        q = query.reshape(hkv, hq // hkv * t, d).contiguous()  # [Hkv, G*T, D]; row g*T + t: head g of the group, token t
-        out = torch.empty_like(q)  # [Hkv, G*T, D]
+        q = query.reshape(hkv, hq // hkv * t, d).float().contiguous()  # [Hkv, G*T, D]; row g*T + t: head g of the group, token t
+        out = torch.empty_like(q)  # [Hkv, G*T, D], float32
         mask = None if sees is None else sees.to(device="cpu", dtype=torch.bool).contiguous().view(torch.uint8)  # [T, T], 0 or 1, no copy
         scale = scaling if scaling is not None else d**-0.5
-        status = self.library.specstack_decode_attention_f32(
+        status = self.library.specstack_decode_attention(
             q.data_ptr(), key.data_ptr(), value.data_ptr(), key.stride(1), value.stride(1), hkv, q.shape[1], t, d, n,
-            None if mask is None else mask.data_ptr(), scale, out.data_ptr(), torch.get_num_threads())
+            None if mask is None else mask.data_ptr(), scale, out.data_ptr(), torch.get_num_threads(), key.dtype == torch.bfloat16)
         if status != 0:
             raise ValueError(f"decode kernel refused query {tuple(query.shape)} over keys {tuple(key.shape)}")
-        return out.reshape(1, hq, t, d).transpose(1, 2)  # [1, T, Hq, D]
+        return out.reshape(1, hq, t, d).transpose(1, 2).to(query.dtype)  # [1, T, Hq, D]
 
 
 def load_decode_kernel(cache: Path | None = None) -> DecodeKernel | None:
     """The kernel, compiled into ``cache`` (default: the specstack cache) on first use; None where it
     cannot be built here."""
-    argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_int] * 4 + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p, ctypes.c_int]
-    loaded = load(SOURCE, "specstack_decode_attention_f32", argtypes, cache)
+    argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_int] * 4 + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
+    loaded = load(SOURCE, "specstack_decode_attention", argtypes, cache)
     if loaded is None:
         return None
     library, path = loaded

@@ -61,7 +61,7 @@ def grouped_attention(module, query, key, value, attention_mask, scaling=None, d
         return out.transpose(1, 2), None
     sees = None if batch.is_chain else batch.sees  # [T, T] among the new tokens; None: causal
     kernel: DecodeKernel | None = kwargs.get("specstack_attention_kernel")
-    if kernel is not None and kernel.applies(query, key, value):  # a few tokens over a float32 cache on the CPU
+    if kernel is not None and kernel.applies(query, key, value):  # a few tokens over a float32 or bfloat16 cache on the CPU
         return kernel.attend(query, key, value, scaling, sees), None
     if 1 < t < n and _CPU_FLASH is not None and not query.is_cuda:  # verifies, trees, prefill chunks
         return _split_attention(query, key, value, scaling, sees), None
@@ -190,8 +190,8 @@ class HFCausalLM:
         {Capability.KEYS, Capability.QUERIES, Capability.ATTENTION_WEIGHTS, Capability.SPARSE_ATTENTION, Capability.TREE_ATTENTION,
          Capability.HIDDEN_STATES})
     cuda_graphs: bool = True  # replay short chain forwards over bounded stores as CUDA graphs (specstack.graphs)
-    packed_linears: bool = True  # the module's fp32 linear layers on the CPU: a few rows streamed, more through oneDNN (specstack.packed_linear)
-    decode_kernel: bool = True  # attention of a few new tokens over a float32 cache on the CPU (specstack.decode_attention)
+    packed_linears: bool = True  # the module's linear layers on the CPU: a few rows streamed (fp32, and bf16 with AVX-512 bf16), more fp32 rows through oneDNN (specstack.packed_linear)
+    decode_kernel: bool = True  # attention of a few new tokens over a float32 or bfloat16 cache on the CPU (specstack.decode_attention)
     vocab_size: int = attrs.field(init=False)
     max_length: int = attrs.field(init=False)
     graphs: ForwardGraphs = attrs.field(init=False)

@@ -11,13 +11,16 @@ against ``F.linear``'s 33-39 / 52-56 / 54-59 / 46-50 / 56-61 ms, and for its LM 
 host with AVX-512 that packed kernel took 25-27 ms for one or two rows through the 210 matrices, where
 a kernel that only streams the weights once and reuses them for each row (``csrc/linear_rows.cpp``,
 built by :mod:`specstack.native`) took 17-20 ms (docs/benchmarks.md, "A few rows: a streaming
-kernel"). Results differ from ``F.linear``'s by rounding only.
+kernel"). In bfloat16, where the CPU has AVX-512's bf16 dot products, the same kernel reads bf16
+weights without widening them (docs/benchmarks.md, "bf16 linears through vdpbf16ps"). Results differ
+from ``F.linear``'s by rounding only.
 
 This module is the one place that choice is made. :func:`pack_linears` turns a model's ``nn.Linear``
 layers into :class:`PackedLinear` (the same module, parameters and state dict, another forward); each
-takes up to :data:`MAX_STREAMED_ROWS` fp32 rows through the streaming kernel where it was built, packs
-its weight on its first wider fp32 CPU forward without autograd, and keeps ``F.linear`` for every other
-case (another dtype or device, a forward that records gradients, a build without oneDNN)."""
+takes up to :data:`MAX_STREAMED_ROWS` fp32 or bf16 rows through the streaming kernel where it was built
+(bf16: where the CPU has the instructions), packs its weight on its first wider fp32 CPU forward without
+autograd, and keeps ``F.linear`` for every other case (another dtype or device, a wider bf16 forward, a
+forward that records gradients, a build without oneDNN)."""
 
 from __future__ import annotations
 
@@ -46,28 +49,34 @@ def onednn_available() -> bool:
 
 @attrs.frozen(kw_only=True)
 class RowsKernel:
-    """The compiled few-row product ``y_j = W x_j + b`` (``csrc/linear_rows.cpp``): fp32, on the CPU.
-    Each output is summed in one fixed order, so a row's outputs are the same bits alone or among others."""
+    """The compiled few-row product ``y_j = W x_j + b`` (``csrc/linear_rows.cpp``) on the CPU: fp32, and
+    bf16 where ``bf16`` (the CPU has AVX-512's bf16 dot products). Each output is summed in one fixed
+    order, so a row's outputs are the same bits alone or among others."""
 
     library: ctypes.CDLL = attrs.field(repr=False)
     path: Path
+    bf16: bool = False
 
     def __reduce__(self):
         """Pickled and copied (with a model) as a request to load it again where it lands."""
         return load_rows_kernel, ()
 
     def applies(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-        """Whether ``x`` [..., in], 1 to MAX_STREAMED_ROWS float32 rows for ``weight`` [out, in], is the kernel's."""
-        return (0 < x.numel() <= MAX_STREAMED_ROWS * weight.shape[1] and weight.shape[1] % 8 == 0 and x.dtype == weight.dtype == torch.float32
-                and weight.is_contiguous() and (bias is None or (bias.dtype == torch.float32 and bias.is_contiguous())))
+        """Whether ``x`` [..., in], 1 to MAX_STREAMED_ROWS float32 (or, where ``bf16``, bfloat16) rows on
+        the CPU for ``weight`` [out, in], is the kernel's."""
+        dtype, width = weight.dtype, weight.shape[1]
+        shape = width % 8 == 0 if dtype == torch.float32 else (self.bf16 and dtype == torch.bfloat16 and width % 32 == 0)
+        return (shape and 0 < x.numel() <= MAX_STREAMED_ROWS * width and x.dtype == dtype and x.device.type == weight.device.type == "cpu"
+                and weight.is_contiguous() and (bias is None or (bias.dtype == dtype and bias.is_contiguous())))
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [..., in] -> [..., out]."""
         out, inp = weight.shape
         x = x.contiguous()
         y = torch.empty(*x.shape[:-1], out, dtype=x.dtype, device=x.device)  # [..., out]
-        status = self.library.specstack_linear_rows_f32(weight.data_ptr(), x.data_ptr(), None if bias is None else bias.data_ptr(),
-                                                        y.data_ptr(), x.numel() // inp, out, inp, torch.get_num_threads())
+        entry = self.library.specstack_linear_rows_f32 if x.dtype == torch.float32 else self.library.specstack_linear_rows_bf16
+        status = entry(weight.data_ptr(), x.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(), x.numel() // inp, out, inp,
+                       torch.get_num_threads())
         if status != 0:
             raise ValueError(f"the few-row linear kernel refused a weight of shape {tuple(weight.shape)}")
         return y
@@ -81,12 +90,13 @@ def load_rows_kernel(cache: Path | None = None) -> RowsKernel | None:
     if loaded is None:
         return None
     library, path = loaded
-    return RowsKernel(library=library, path=path)
+    library.specstack_linear_rows_bf16.restype, library.specstack_linear_rows_bf16.argtypes = ctypes.c_int, argtypes
+    return RowsKernel(library=library, path=path, bf16=library.specstack_linear_rows_bf16_supported() == 1)
 
 
 class PackedLinear(torch.nn.Linear):
-    """``nn.Linear`` whose fp32 CPU forward without autograd takes a few rows through the streaming
-    kernel and more through oneDNN over a packed weight copy.
+    """``nn.Linear`` whose CPU forward without autograd takes a few rows through the streaming kernel
+    (fp32; bf16 where it has the instructions) and more fp32 rows through oneDNN over a packed weight copy.
 
     The copy is remade whenever the weight changes (its storage, which ``.to()`` and ``.data =``
     replace, or its version counter, which an optimizer's in-place step advances), so it is never stale. It is a plain attribute, not a buffer:
@@ -112,12 +122,13 @@ class PackedLinear(torch.nn.Linear):
             return torch.nn.functional.linear(x, self.weight, self.bias)  # [..., out]
         if self._rows is not None and self._rows.applies(x, self.weight, self.bias):
             return self._rows(x, self.weight, self.bias)  # [..., out]
+        if x.dtype != torch.float32:
+            return torch.nn.functional.linear(x, self.weight, self.bias)  # [..., out]
         return torch.ops.mkldnn._linear_pointwise(x, self._packed_weight(), self.bias, "none", [], "")  # [..., out]
 
     def _takes(self, x: torch.Tensor) -> bool:
-        """Whether this forward is ours: fp32 on the CPU, recording no gradients."""
-        return (x.device.type == "cpu" and x.dtype == torch.float32
-                and not (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)))
+        """Whether this forward is ours: on the CPU, recording no gradients."""
+        return x.device.type == "cpu" and not (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad))
 
     def _packed_weight(self) -> torch.Tensor:
         weight = self.weight

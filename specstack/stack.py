@@ -269,11 +269,16 @@ class SpeculationStack:
         not seen), so activations stay O(chunk) and a long prompt reports its progress. Caches kept
         from an earlier call (or a shared prefill) are fed in one step: a chunk shorter than what a
         level already holds would roll it back."""
-        step = self.prefill_chunk if chunked else length
-        for end in [*range(step, length, step), length]:
+        for end in prefill_ends(length, self.prefill_chunk if chunked else length):
             self.top.prefill(sequence.view(end))
             if progress is not None:
                 progress(end, length)
+
+
+def prefill_ends(length: int, chunk: int) -> list[int]:
+    """The prompt lengths after each prefill step of ``chunk`` tokens: where a stack's prefill (and
+    anything that must reproduce its KV cache bit for bit, like the bf16 certificate's replay) stops."""
+    return [*range(chunk, length, chunk), length]
 
 
 def _cached_models(levels: Sequence[Level]) -> list[CachedModel | None]:

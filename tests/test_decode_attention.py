@@ -1,6 +1,7 @@
 """The CPU decode-attention kernel (``specstack.decode_attention``): attention of a few new tokens
-over a float32 cache, equal to a float64 reference up to rounding for chains and trees, taken by a
-model's forwards exactly where it applies, and absent (SDPA instead) where it cannot be built."""
+over a float32 or bfloat16 cache, equal to a float64 reference up to rounding for chains and trees
+(a bfloat16 cache: bit for bit the float32 kernel on the same numbers widened), taken by a model's
+forwards exactly where it applies, and absent (SDPA instead) where it cannot be built."""
 
 from __future__ import annotations
 
@@ -54,19 +55,43 @@ def random_tree_mask(t: int, generator: torch.Generator) -> torch.Tensor:
     (2, 515, 128, 2, 4),  # a wider head
     (7, 133, 72, 1, 8),  # a head dimension that is not a multiple of 64
     (8, 300, 64, 1, 8),  # 64 query rows, the most it takes
+    (4, 3_000, 64, 3, 3), (2, 200, 64, 3, 3),  # the few-row path and the GEMM path around GEMM_ROWS (8)
 ])
 def test_the_kernel_is_attention_up_to_rounding(t, n, d, kv_heads, group, tree) -> None:
+    query, keys, values, sees = attention_inputs(t, n, d, kv_heads, group, tree)
+    assert KERNEL.applies(query, keys, values) == (n > t)
+    got = KERNEL.attend(query, keys, values, None, sees)  # [1, T, Hq, D]
+    want = reference(query, keys, values, sees)  # [1, T, Hq, D]
+    assert got.shape == want.shape and got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), want, rtol=0, atol=5e-6)
+
+
+@pytest.mark.parametrize("tree", [False, True])
+@pytest.mark.parametrize(("t", "n", "d", "kv_heads", "group"), [
+    (1, 7_000, 64, 3, 3), (4, 2_000, 64, 3, 3),  # the default target's step and its widest bf16 verify
+    (2, 2_000, 64, 3, 3),  # 6 rows: the few-row path
+    (1, 2, 64, 3, 3), (3, 70, 64, 3, 3), (2, 515, 128, 2, 4), (3, 133, 72, 1, 8),
+    (2, 300, 64, 2, 8),  # 16 rows: the GEMM path
+])
+def test_a_bfloat16_cache_is_read_as_its_float32_values(t, n, d, kv_heads, group, tree) -> None:
+    """bf16 queries, keys and values: the output is the float32 kernel's on the same numbers widened
+    (exactly representable), rounded once to bf16; the kernel reads the bf16 cache in place."""
+    query, keys, values, sees = (x.bfloat16() if x is not None and x.is_floating_point() else x for x in attention_inputs(t, n, d, kv_heads, group, tree))
+    assert KERNEL.applies(query, keys, values) == (n > t)
+    got = KERNEL.attend(query, keys, values, None, sees)  # [1, T, Hq, D]
+    want = KERNEL.attend(query.float(), keys.float(), values.float(), None, sees)  # [1, T, Hq, D]
+    assert got.dtype == torch.bfloat16 and torch.equal(got, want.bfloat16())
+
+
+def attention_inputs(t, n, d, kv_heads, group, tree):
+    """query [1, Hq, T, D], keys and values [1, Hkv, n, D] laid out as the store holds them, sees [T, T] or None."""
     generator = torch.Generator().manual_seed(t * 1000 + n)
     capacity = n + 37  # the store's layout: a layer's keys are a strided view of [H, C, D]
     keys = torch.randn(1, kv_heads, capacity, d, generator=generator)[:, :, :n]  # [1, Hkv, n, D]
     values = torch.randn(1, kv_heads, capacity, d, generator=generator)[:, :, :n]  # [1, Hkv, n, D]
     query = 2 * torch.randn(1, kv_heads * group, t, d, generator=generator)  # [1, Hq, T, D]
     sees = random_tree_mask(t, generator) if tree else None  # [T, T]
-    assert KERNEL.applies(query, keys, values) == (n > t)
-    got = KERNEL.attend(query, keys, values, None, sees)  # [1, T, Hq, D]
-    want = reference(query, keys, values, sees)  # [1, T, Hq, D]
-    assert got.shape == want.shape and got.dtype == torch.float32
-    torch.testing.assert_close(got.double(), want, rtol=0, atol=5e-6)
+    return query, keys, values, sees
 
 
 def test_the_scale_is_the_callers() -> None:
@@ -76,11 +101,15 @@ def test_the_scale_is_the_callers() -> None:
     torch.testing.assert_close(got.double(), want, rtol=0, atol=5e-6)
 
 
-def test_it_applies_only_to_few_float32_tokens_over_a_cache() -> None:
+def test_it_applies_only_to_few_tokens_over_a_float32_or_bfloat16_cache() -> None:
     query, keys = torch.randn(1, 9, 2, 64), torch.randn(1, 3, 500, 64)
     assert KERNEL.applies(query, keys, keys)
-    assert not KERNEL.applies(query.bfloat16(), keys.bfloat16(), keys.bfloat16())  # bf16 stays with SDPA
-    assert not KERNEL.applies(torch.randn(1, 9, MAX_TOKENS + 1, 64), keys, keys)  # a wide verify or a prefill chunk
+    assert KERNEL.applies(query.bfloat16(), keys.bfloat16(), keys.bfloat16())
+    assert not KERNEL.applies(query.half(), keys.half(), keys.half())  # fp16 stays with SDPA
+    assert not KERNEL.applies(query, keys.bfloat16(), keys.bfloat16())  # mixed dtypes too
+    for dtype, most in MAX_TOKENS.items():  # a wide verify or a prefill chunk
+        assert KERNEL.applies(torch.randn(1, 9, most, 64, dtype=dtype), keys.to(dtype), keys.to(dtype))
+        assert not KERNEL.applies(torch.randn(1, 9, most + 1, 64, dtype=dtype), keys.to(dtype), keys.to(dtype))
     assert not KERNEL.applies(torch.randn(1, 9, 500, 64), keys, keys)  # nothing cached: a prefill
     columns = keys.transpose(2, 3).contiguous().transpose(2, 3)  # [1, Hkv, n, D] stored by columns
     assert not KERNEL.applies(query, columns, keys)  # keys not in rows

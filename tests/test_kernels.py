@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import io
 
+import attrs
 import pytest
 import torch
 
@@ -76,6 +77,57 @@ def test_a_rows_outputs_are_the_same_bits_alone_or_among_others() -> None:
             assert torch.equal(layer(hidden[count - 1 : count]), together[count - 1 : count])
 
 
+ROWS_KERNEL = load_rows_kernel()
+needs_bf16_dots = pytest.mark.skipif(ROWS_KERNEL is None or not ROWS_KERNEL.bf16, reason="no AVX-512 bf16 dot products here: bf16 rows keep F.linear")
+
+
+@needs_bf16_dots
+@pytest.mark.parametrize(("in_features", "out_features", "bias", "shape"), [
+    (576, 1536, False, (1, 1)),  # the default target's MLP
+    (1536, 576, True, (1, 2)),  # its down projection with a bias, two tokens
+    (64, 1003, True, (MAX_STREAMED_ROWS,)),  # output rows not a multiple of four, the most rows it takes
+    (32, 5, False, ()),  # the narrowest input it takes, a bare [H]
+])
+def test_bf16_rows_take_the_kernel_and_are_the_linear_layer_rounded_once(monkeypatch, in_features, out_features, bias, shape) -> None:
+    """bf16: each output is the exact product of the bf16 numbers, summed in float32 and rounded once
+    to bf16 (half a bf16 ulp, at most 2^-8 relative, plus the float32 sum's error)."""
+    calls = []
+    call = RowsKernel.__call__
+    monkeypatch.setattr(RowsKernel, "__call__", lambda self, *args: calls.append(1) or call(self, *args))
+    layer = packed(in_features, out_features, bias=bias).to(torch.bfloat16)
+    hidden = (3 * torch.randn(*shape, in_features)).bfloat16()  # [..., in]
+    with torch.inference_mode():
+        got = layer(hidden)  # [..., out]
+        wide = torch.randn(MAX_STREAMED_ROWS + 1, in_features).bfloat16()
+        assert torch.equal(layer(wide), torch.nn.functional.linear(wide, layer.weight, layer.bias))  # wider: F.linear
+    assert len(calls) == 1 and layer._packed is None
+    want = torch.nn.functional.linear(hidden.double(), layer.weight.double(), None if layer.bias is None else layer.bias.double())
+    assert got.shape == want.shape == (*shape, out_features) and got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.double(), want, rtol=2**-8, atol=1e-5)
+
+
+@needs_bf16_dots
+def test_a_bf16_rows_outputs_are_the_same_bits_alone_or_among_others() -> None:
+    layer = packed(576, 1003, bias=True).to(torch.bfloat16)
+    hidden = torch.randn(MAX_STREAMED_ROWS, 576).bfloat16()  # [T, H]
+    with torch.inference_mode():
+        together = layer(hidden)  # [T, V]
+        for count in range(1, MAX_STREAMED_ROWS + 1):
+            assert torch.equal(layer(hidden[count - 1 : count]), together[count - 1 : count])
+
+
+@needs_compiler
+def test_bf16_rows_keep_f_linear_where_the_cpu_lacks_bf16_dot_products() -> None:
+    layer = packed(576, 40).to(torch.bfloat16)
+    without = attrs.evolve(layer._rows, bf16=False)
+    hidden = torch.randn(1, 576).bfloat16()
+    assert not without.applies(hidden, layer.weight, None)
+    assert not layer._rows.applies(torch.randn(1, 48).bfloat16(), torch.randn(40, 48).bfloat16(), None)  # in not a multiple of 32
+    layer._rows = without
+    with torch.inference_mode():
+        assert torch.equal(layer(hidden), torch.nn.functional.linear(hidden, layer.weight))
+
+
 def test_the_kernel_leaves_what_it_does_not_take_to_onednn() -> None:
     layer = packed(60, 32)  # an input width that is not a multiple of 8
     hidden = torch.randn(1, 60)
@@ -103,7 +155,7 @@ def test_without_a_compiler_one_row_goes_through_onednn(monkeypatch, tmp_path) -
     torch.testing.assert_close(got, torch.nn.functional.linear(hidden, layer.weight), rtol=1e-5, atol=1e-5)
 
 
-def test_bf16_and_a_forward_recording_gradients_keep_f_linear() -> None:
+def test_wide_bf16_forwards_and_a_forward_recording_gradients_keep_f_linear() -> None:
     layer = packed(bias=True)
     hidden = torch.randn(4, 64, requires_grad=True)
     out = layer(hidden)  # [4, V], autograd on

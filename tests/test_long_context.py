@@ -246,3 +246,27 @@ def test_each_level_reports_the_memory_of_its_kv_cache(tiny_dir) -> None:
     result = stack.generate([1 + i % 63 for i in range(100)], 6)
     per_slot = 2 * 2 * 8 * 4  # layers x KV heads x head dim x fp32 bytes, for keys or values
     assert [level.cache_bytes for level in result.levels] == [3 * 32 * per_slot, 2 * 48 * per_slot, 2 * 256 * per_slot]
+
+
+def test_the_bf16_certificate_replays_the_prefill_in_the_stacks_chunks() -> None:
+    """A prompt longer than a prefill chunk: the certificate's replay keys its cache chunk by chunk, as
+    a stack's prefill did, so its logits for the first generated token are autoregressive decoding's
+    bit for bit. One whole-prompt forward keys it with other bf16 roundings (the 32K demo's replay
+    once refused a reference it had made that way)."""
+    from specstack.model import CachedModel
+    from specstack.policies import FullCache
+    from specstack.stack import prefill_ends
+    from specstack.testing.certificate import GreedyReference
+    from specstack.testing.llama import random_llama
+    from specstack.types import LevelStats
+
+    target = random_llama(dtype=torch.bfloat16, layers=2)
+    prompt = torch.randint(0, 256, (100,), generator=torch.Generator().manual_seed(0)).tolist()
+    decoding = CachedModel(target, FullCache(), LevelStats(name="autoregressive"))
+    for end in prefill_ends(len(prompt), 16):  # what SpeculationStack.generate does with prefill_chunk=16
+        decoding.logits(prompt[:end], 1)
+    first = decoding.logits(prompt, 1)[0]  # [V]: decoding feeds the prompt's last token again, alone
+    tokens = [int(first.argmax())]
+    assert prefill_ends(100, 16) == [16, 32, 48, 64, 80, 96, 100] and prefill_ends(100, 100) == [100]
+    assert torch.equal(GreedyReference(target, prompt, tokens, prefill_chunk=16).logits(0), first)
+    assert not torch.equal(GreedyReference(target, prompt, tokens, prefill_chunk=len(prompt)).logits(0), first)

@@ -1,4 +1,5 @@
-// Attention of a few new tokens over a long KV cache on the CPU, float32 (specstack/decode_attention.py).
+// Attention of a few new tokens over a long KV cache on the CPU, float32 or bfloat16 keys and values
+// (specstack/decode_attention.py); queries, arithmetic and output in float32.
 //
 // Flash-decoding (Dao et al., 2023) for the query rows of one KV head: the cached keys are split into
 // ranges, one per work item, so that every thread streams its own part of the cache; within a range,
@@ -7,8 +8,15 @@
 // own keys (the last T of the n keys, under a T x T mask) are folded in at the merge:
 //     out_r = (sum_s e^{m_s - M} acc_s + sum_i e^{x_i - M} v_i) / (sum_s e^{m_s - M} l_s + sum_i e^{x_i - M}).
 // Rows are the query heads of a group folded into the query length: row r = g * T + t is head g of
-// the group and token t. Compiled at first use by specstack/decode_attention.py; plain C++ with GCC
-// vector types, no torch headers. Not built with -ffast-math: the -infinities of the merge must stay.
+// the group and token t.
+//
+// Two ways to score a block. Few rows (a one-token step: G rows) take each key row against each query
+// row (dot products along D, summed across lanes). Many rows (a verify) transpose the block's keys
+// once and run both products as a small GEMM, four rows by two vectors of columns in registers, in
+// vectors as wide as the machine has (16 floats with AVX-512). A bfloat16 block is widened to float32
+// as it is read (exact: a bf16 is the top half of a float), so the cache is read at half the bytes.
+// Compiled at first use by specstack/decode_attention.py; plain C++ with GCC vector types, no torch
+// headers. Not built with -ffast-math: the -infinities of the merge must stay.
 
 #include <math.h>
 #include <stdint.h>
@@ -20,15 +28,26 @@ namespace {
 
 typedef float v8 __attribute__((vector_size(32), aligned(4)));  // 8 floats, loads need no alignment
 typedef int32_t v8i __attribute__((vector_size(32), aligned(4)));
+typedef uint16_t v8h __attribute__((vector_size(16), aligned(2)));  // 8 bfloat16 bit patterns
+#ifdef __AVX512F__
+constexpr int W = 16;  // floats in the widest vector: the GEMM path's unit
+#else
+constexpr int W = 8;
+#endif
+typedef float vw __attribute__((vector_size(4 * W), aligned(4)));
 
 constexpr int BLOCK = 64;       // keys scored at once: 16 KB of fp32 keys with D = 64
 constexpr int MAX_ROWS = 64;    // query rows per KV head (G * T)
 constexpr int MAX_DIM = 256;    // head dimension
+constexpr int GEMM_ROWS = 8;    // from this many rows on a block is scored as a GEMM (docs/benchmarks.md)
 constexpr float LOWEST = -87.33f;  // exp(LOWEST) is the smallest normal float; below it exp8 would lose its exponent
 
 inline v8 load8(const float *p) { return *(const v8 *)p; }
 inline void store8(float *p, v8 x) { *(v8 *)p = x; }
 inline v8 splat(float x) { return v8{x, x, x, x, x, x, x, x}; }
+inline v8 load8_bf16(const uint16_t *p) { return (v8)(__builtin_convertvector(*(const v8h *)p, v8i) << 16); }
+inline vw loadw(const float *p) { return *(const vw *)p; }
+inline void storew(float *p, vw x) { *(vw *)p = x; }
 inline float hsum(v8 x) { return ((x[0] + x[4]) + (x[1] + x[5])) + ((x[2] + x[6]) + (x[3] + x[7])); }
 
 // e^x for x <= 0 (Cephes' expf: x = n ln2 + r, a degree-7 polynomial in r, 2^n by the exponent bits).
@@ -138,6 +157,74 @@ void pair_values(const float *p0, const float *p1, float keep0, float keep1, int
     }
 }
 
+// c[r][0, cols) += sum_i a[r * lda + i] b[i * ldb + 0, cols) for r < rows (cols a multiple of 2W): four rows
+// by two vectors of columns at a time, then the rows left over one at a time.
+void small_gemm(const float *a, int lda, const float *b, int ldb, int inner, float *c, int ldc, int rows, int cols) {
+    int r = 0;
+    for (; r + 4 <= rows; r += 4) {
+        const float *a0 = a + r * lda, *a1 = a0 + lda, *a2 = a1 + lda, *a3 = a2 + lda;
+        float *c0 = c + r * ldc, *c1 = c0 + ldc, *c2 = c1 + ldc, *c3 = c2 + ldc;
+        for (int col = 0; col < cols; col += 2 * W) {
+            vw x0 = loadw(c0 + col), y0 = loadw(c0 + col + W), x1 = loadw(c1 + col), y1 = loadw(c1 + col + W);
+            vw x2 = loadw(c2 + col), y2 = loadw(c2 + col + W), x3 = loadw(c3 + col), y3 = loadw(c3 + col + W);
+            for (int i = 0; i < inner; ++i) {
+                const vw u = loadw(b + (int64_t)i * ldb + col), w = loadw(b + (int64_t)i * ldb + col + W);
+                x0 += a0[i] * u, y0 += a0[i] * w, x1 += a1[i] * u, y1 += a1[i] * w;
+                x2 += a2[i] * u, y2 += a2[i] * w, x3 += a3[i] * u, y3 += a3[i] * w;
+            }
+            storew(c0 + col, x0), storew(c0 + col + W, y0), storew(c1 + col, x1), storew(c1 + col + W, y1);
+            storew(c2 + col, x2), storew(c2 + col + W, y2), storew(c3 + col, x3), storew(c3 + col + W, y3);
+        }
+    }
+    for (; r < rows; ++r)
+        for (int col = 0; col < cols; col += 2 * W) {
+            vw x = loadw(c + r * ldc + col), y = loadw(c + r * ldc + col + W);
+            for (int i = 0; i < inner; ++i) {
+                const float ai = a[r * lda + i];
+                x += ai * loadw(b + (int64_t)i * ldb + col), y += ai * loadw(b + (int64_t)i * ldb + col + W);
+            }
+            storew(c + r * ldc + col, x), storew(c + r * ldc + col + W, y);
+        }
+}
+
+// Eight floats of row j of a block: zeros past its len rows (the padding of a last block).
+inline v8 block_load8(const void *rows, bool bf16, int d, int len, int j, int c) {
+    if (j >= len) return splat(0.0f);
+    return bf16 ? load8_bf16((const uint16_t *)rows + (int64_t)j * d + c) : load8((const float *)rows + (int64_t)j * d + c);
+}
+
+// kt[c * BLOCK + j] = key j's column c, for the block's len keys (rows of d) and zeros up to BLOCK:
+// 8 x 8 tiles transposed in registers (three rounds of shuffles).
+void transpose_keys(const void *k, bool bf16, int d, int len, float *kt) {
+    for (int j = 0; j < BLOCK; j += 8)
+        for (int c = 0; c < d; c += 8) {
+            v8 r[8];
+            for (int i = 0; i < 8; ++i) r[i] = block_load8(k, bf16, d, len, j + i, c);
+            v8 t[8], u[8];
+            for (int i = 0; i < 8; i += 2) {
+                t[i] = __builtin_shufflevector(r[i], r[i + 1], 0, 8, 1, 9, 4, 12, 5, 13);
+                t[i + 1] = __builtin_shufflevector(r[i], r[i + 1], 2, 10, 3, 11, 6, 14, 7, 15);
+            }
+            for (int i = 0; i < 8; i += 4)
+                for (int h = 0; h < 2; ++h) {
+                    u[i + 2 * h] = __builtin_shufflevector(t[i + h], t[i + h + 2], 0, 1, 8, 9, 4, 5, 12, 13);
+                    u[i + 2 * h + 1] = __builtin_shufflevector(t[i + h], t[i + h + 2], 2, 3, 10, 11, 6, 7, 14, 15);
+                }
+            // u[0..3] hold columns (0,4), (1,5), (2,6), (3,7) of rows 0-3; u[4..7] the same of rows 4-7
+            for (int i = 0; i < 4; ++i) {
+                store8(kt + (c + i) * BLOCK + j, __builtin_shufflevector(u[i], u[i + 4], 0, 1, 2, 3, 8, 9, 10, 11));
+                store8(kt + (c + i + 4) * BLOCK + j, __builtin_shufflevector(u[i], u[i + 4], 4, 5, 6, 7, 12, 13, 14, 15));
+            }
+        }
+}
+
+// out = the block's len rows of d as float32 (a bfloat16 block widened; float32 read in place).
+const float *widened(const void *rows, bool bf16, int d, int len, float *out) {
+    if (!bf16) return (const float *)rows;
+    for (int64_t i = 0; i < (int64_t)len * d; i += 8) store8(out + i, load8_bf16((const uint16_t *)rows + i));
+    return out;
+}
+
 // Scores of all rows: pairs of rows, then an odd last row alone.
 void block_scores(const float *q, int rows, int d, const float *k, int len, float *s) {
     int r = 0;
@@ -152,16 +239,48 @@ void accumulate_values(const float *p, const float *keep, int rows, int d, const
     if (r < rows) row_values(p + r * BLOCK, keep[r], d, v, len, acc + r * d);
 }
 
+// s[r * BLOCK + j] = q_r . k_j for the block's len keys (rows of d, float32 or bfloat16); kt is
+// scratch of d * BLOCK floats. A bfloat16 block is widened once, then read by every row.
+void score_block(const float *q, int rows, int d, const void *k, bool bf16, int len, float *kt, float *s) {
+    if (rows >= GEMM_ROWS && d % (2 * W) == 0) {
+        transpose_keys(k, bf16, d, len, kt);  // [D, BLOCK]
+        for (int i = 0; i < rows * BLOCK; ++i) s[i] = 0.0f;
+        small_gemm(q, d, kt, BLOCK, d, s, BLOCK, rows, BLOCK);  // [rows, D] x [D, BLOCK]
+    } else {
+        block_scores(q, rows, d, widened(k, bf16, d, len, kt), len, s);  // kt as scratch for the widened keys
+    }
+}
+
+// acc_r = acc_r * keep_r + sum_j p[r * BLOCK + j] v_j over the block's len values; vw is scratch of
+// BLOCK * d floats.
+void accumulate_block(const float *p, const float *keep, int rows, int d, const void *v, bool bf16, int len, float *vw, float *acc) {
+    if (rows >= GEMM_ROWS && d % (2 * W) == 0) {
+        for (int r = 0; r < rows; ++r)
+            for (int c = 0; c < d; ++c) acc[r * d + c] *= keep[r];
+        small_gemm(p, BLOCK, widened(v, bf16, d, len, vw), d, len, acc, d, rows, d);  // [rows, len] x [len, D]
+    } else {
+        accumulate_values(p, keep, rows, d, widened(v, bf16, d, len, vw), len, acc);
+    }
+}
+
 // One work item: keys [begin, end) of one KV head into running maxima m, sums l and weighted values acc.
-void attend_range(const float *q, int rows, int d, const float *k, const float *v, int64_t begin, int64_t end,
-                  float *m, float *l, float *acc) {
-    alignas(32) float s[MAX_ROWS * BLOCK];
+// k and v point at the head's first key and value; bf16 says how they are stored.
+int attend_range(const float *q, int rows, int d, const void *k, const void *v, bool bf16, int64_t begin, int64_t end,
+                 float *m, float *l, float *acc) {
+    const size_t elem = bf16 ? 2 : 4;
+    float *scratch = (float *)malloc(sizeof(float) * ((size_t)MAX_ROWS * BLOCK + 2 * (size_t)BLOCK * d));
+    if (!scratch) return -1;
+    float *s = scratch, *kt = s + MAX_ROWS * BLOCK, *vw = kt + BLOCK * d;
     float rescale[MAX_ROWS];
     for (int r = 0; r < rows; ++r) m[r] = -INFINITY, l[r] = 0.0f;
     for (int i = 0; i < rows * d; ++i) acc[i] = 0.0f;
     for (int64_t b = begin; b < end; b += BLOCK) {
         const int len = (int)(end - b < BLOCK ? end - b : BLOCK);
-        block_scores(q, rows, d, k + b * d, len, s);
+        if (b + BLOCK < end) {  // the next block on its way from memory while this one is computed
+            const char *next_k = (const char *)k + (b + BLOCK) * d * elem, *next_v = (const char *)v + (b + BLOCK) * d * elem;
+            for (size_t i = 0; i < (size_t)BLOCK * d * elem; i += 64) __builtin_prefetch(next_k + i, 0, 3), __builtin_prefetch(next_v + i, 0, 3);
+        }
+        score_block(q, rows, d, (const char *)k + b * d * elem, bf16, len, kt, s);
         for (int r = 0; r < rows; ++r) {
             float *sr = s + r * BLOCK;
             for (int j = len; j < BLOCK; ++j) sr[j] = -INFINITY;  // padding of the last block
@@ -180,8 +299,10 @@ void attend_range(const float *q, int rows, int d, const float *k, const float *
             l[r] = l[r] * rescale[r] + hsum(sum);
             m[r] = top;
         }
-        accumulate_values(s, rescale, rows, d, v + b * d, len, acc);
+        accumulate_block(s, rescale, rows, d, (const char *)v + b * d * elem, bf16, len, vw, acc);
     }
+    free(scratch);
+    return 0;
 }
 
 // Row r of one KV head: merge the ranges' partials and fold in the new tokens' own keys under the mask.
@@ -226,35 +347,52 @@ extern "C" {
 int specstack_max_rows() { return MAX_ROWS; }
 int specstack_max_dim() { return MAX_DIM; }
 
-// q [hkv, rows, d] contiguous (rows = G * t); keys and values of head h at k + h * k_head_stride, rows
-// of d floats, n of them, the last t the new tokens' own; sees [t, t] (token i sees own key j) or null
-// for a chain. out [hkv, rows, d]. Returns 0, or -1 for shapes it does not take (the caller falls back).
-int specstack_decode_attention_f32(const float *q, const float *k, const float *v, int64_t k_head_stride, int64_t v_head_stride,
-                                   int hkv, int rows, int t, int d, int64_t n, const uint8_t *sees, float scale,
-                                   float *out, int threads) {
+// q [hkv, rows, d] contiguous (rows = G * t); keys and values of head h at k + h * k_head_stride elements,
+// rows of d, n of them, the last t the new tokens' own; float32, or bfloat16 where kv_bf16 is nonzero.
+// sees [t, t] (token i sees own key j) or null for a chain. out [hkv, rows, d] float32. Returns 0, or -1
+// for shapes it does not take (the caller falls back).
+int specstack_decode_attention(const float *q, const void *k, const void *v, int64_t k_head_stride, int64_t v_head_stride,
+                               int hkv, int rows, int t, int d, int64_t n, const uint8_t *sees, float scale,
+                               float *out, int threads, int kv_bf16) {
     if (rows < 1 || rows > MAX_ROWS || t < 1 || rows % t != 0 || d % 8 != 0 || d > MAX_DIM || n < t || hkv < 1 || threads < 1) return -1;
+    const bool bf16 = kv_bf16 != 0;
+    const size_t elem = bf16 ? 2 : 4;
     const int64_t past = n - t;
     // as many ranges per head as make the work items a multiple of the threads, none under one block
     int splits = threads / gcd(hkv, threads);
     while (splits > 1 && past / splits < BLOCK) --splits;
     const int items = hkv * splits;
-    float *scaled = (float *)malloc(sizeof(float) * ((size_t)hkv * rows * d + (size_t)items * rows * (d + 2)));
+    const size_t own = (size_t)hkv * t * d;  // the new tokens' own keys (and values), widened to float32
+    float *scaled = (float *)malloc(sizeof(float) * ((size_t)hkv * rows * d + (size_t)items * rows * (d + 2) + 2 * own));
     if (!scaled) return -1;
     float *m = scaled + (size_t)hkv * rows * d, *l = m + (size_t)items * rows, *acc = l + (size_t)items * rows;
+    float *k_own = acc + (size_t)items * rows * d, *v_own = k_own + own;
     for (int64_t i = 0; i < (int64_t)hkv * rows * d; ++i) scaled[i] = q[i] * scale;
+    for (int h = 0; h < hkv; ++h)
+        for (int64_t i = 0; i < (int64_t)t * d; i += 8) {
+            const int64_t at = past * d + i;
+            store8(k_own + h * t * d + i, bf16 ? load8_bf16((const uint16_t *)k + h * k_head_stride + at) : load8((const float *)k + h * k_head_stride + at));
+            store8(v_own + h * t * d + i, bf16 ? load8_bf16((const uint16_t *)v + h * v_head_stride + at) : load8((const float *)v + h * v_head_stride + at));
+        }
 
-#pragma omp parallel for num_threads(threads) schedule(static)
+    int failed = 0;
+#pragma omp parallel for num_threads(threads) schedule(static) reduction(| : failed)
     for (int item = 0; item < items; ++item) {
         const int h = item / splits, s = item % splits;
         const int64_t begin = past * s / splits, end = past * (s + 1) / splits;
-        attend_range(scaled + (int64_t)h * rows * d, rows, d, k + h * k_head_stride, v + h * v_head_stride, begin, end,
-                     m + (int64_t)item * rows, l + (int64_t)item * rows, acc + (int64_t)item * rows * d);
+        failed |= attend_range(scaled + (int64_t)h * rows * d, rows, d, (const char *)k + h * k_head_stride * elem,
+                               (const char *)v + h * v_head_stride * elem, bf16, begin, end,
+                               m + (int64_t)item * rows, l + (int64_t)item * rows, acc + (int64_t)item * rows * d);
+    }
+    if (failed) {
+        free(scaled);
+        return -1;
     }
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int hr = 0; hr < hkv * rows; ++hr) {
         const int h = hr / rows, r = hr % rows;
         const int64_t first = (int64_t)h * splits;
-        merge_row(scaled + (int64_t)hr * d, r, t, d, splits, k + h * k_head_stride + past * d, v + h * v_head_stride + past * d, sees,
+        merge_row(scaled + (int64_t)hr * d, r, t, d, splits, k_own + h * t * d, v_own + h * t * d, sees,
                   m + first * rows, l + first * rows, acc + first * rows * d, rows, out + (int64_t)hr * d);
     }
     free(scaled);

@@ -1,4 +1,5 @@
-// A few input rows through a linear layer on the CPU, float32: y_j = W x_j + b (specstack/packed_linear.py).
+// A few input rows through a linear layer on the CPU, float32 or bfloat16: y_j = W x_j + b
+// (specstack/packed_linear.py).
 //
 // A forward of a few tokens reads every weight once and does two flops per weight and token, so up
 // to a handful of tokens it is bound by how fast the weights stream from memory. Each thread takes its
@@ -7,10 +8,19 @@
 // one). Every output is one dot product summed in one fixed order, whatever the number of input rows
 // or threads: a token's outputs are the same bits alone or in a verify of several. Built by
 // specstack/native.py; plain C++ with GCC vector types, no torch headers.
+//
+// bfloat16 takes AVX-512's bf16 dot products (vdpbf16ps: pairs of bf16 products summed into float32
+// lanes), so the weights stream at half the bytes and are never widened; each output is summed in
+// float32 in one fixed order and rounded once to bf16 (to nearest even), bias included. Where the
+// compiler targets no such instructions, specstack_linear_rows_bf16_supported() says 0.
 
 #include <stdint.h>
+#include <string.h>
 
 #include <omp.h>
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -59,6 +69,48 @@ void one_output(const float *w, const float *x, int n, int64_t in, int64_t out, 
     }
 }
 
+#if defined(__AVX512BF16__)
+inline float bf16_to_float(uint16_t h) {
+    const uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+inline uint16_t float_to_bf16(float f) {  // round to nearest even (no NaNs reach here from finite weights)
+    uint32_t bits;
+    memcpy(&bits, &f, 4);
+    return (uint16_t)((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
+}
+
+inline __m512 dot32(__m512 acc, const uint16_t *a, const uint16_t *b) {  // acc lanes += pairs of 32 bf16 products
+    return _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(a), (__m512bh)_mm512_loadu_si512(b));
+}
+
+// acc[j * 4 + i] = w_{r+i} . x_j for j < n <= 3 (the lanes of each, summed below), 32 columns at a time.
+void bf16_four_outputs(const uint16_t *w, const uint16_t *x, int n, int64_t in, int64_t r, float *sums) {
+    const uint16_t *w0 = w + r * in, *w1 = w0 + in, *w2 = w1 + in, *w3 = w2 + in;
+    __m512 a[3][4];
+    for (int j = 0; j < 3; ++j)
+        for (int i = 0; i < 4; ++i) a[j][i] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < in; c += 32)
+        for (int j = 0; j < n; ++j) {  // n is 1 to 3: the compiler keeps a[][] in registers
+            const uint16_t *xj = x + j * in + c;
+            a[j][0] = dot32(a[j][0], xj, w0 + c), a[j][1] = dot32(a[j][1], xj, w1 + c);
+            a[j][2] = dot32(a[j][2], xj, w2 + c), a[j][3] = dot32(a[j][3], xj, w3 + c);
+        }
+    for (int j = 0; j < n; ++j)
+        for (int i = 0; i < 4; ++i) sums[j * 4 + i] = _mm512_reduce_add_ps(a[j][i]);
+}
+
+// The same for one output row (the last, short block), summed in the same order.
+float bf16_one_output(const uint16_t *wr, const uint16_t *xj, int64_t in) {
+    __m512 a = _mm512_setzero_ps();
+    for (int64_t c = 0; c < in; c += 32) a = dot32(a, xj + c, wr + c);
+    return _mm512_reduce_add_ps(a);
+}
+#endif
+
 }  // namespace
 
 extern "C" {
@@ -80,6 +132,41 @@ int specstack_linear_rows_f32(const float *w, const float *x, const float *bias,
                 for (int64_t r = first; r < last; ++r) y[j * out + r] += bias[r];
     }
     return 0;
+}
+
+int specstack_linear_rows_bf16_supported() {
+#if defined(__AVX512BF16__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+// The same in bfloat16 (uint16_t bit patterns): w [out, in], x [n, in] with n <= 3, bias [out] or null,
+// y [n, out]. Returns 0, or -1 for shapes it does not take (in not a multiple of 32, more than three
+// rows, or a build without AVX-512 bf16 instructions).
+int specstack_linear_rows_bf16(const uint16_t *w, const uint16_t *x, const uint16_t *bias, uint16_t *y, int n, int64_t out, int64_t in, int threads) {
+#if defined(__AVX512BF16__)
+    if (in < 32 || in % 32 != 0 || out < 1 || n < 1 || n > 3 || threads < 1) return -1;
+    const int64_t blocks = (out + ROWS - 1) / ROWS;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t b = 0; b < blocks; ++b) {
+        const int64_t first = b * ROWS, last = first + ROWS < out ? first + ROWS : out;
+        float sums[3 * ROWS];
+        if (last - first == ROWS)
+            bf16_four_outputs(w, x, n, in, first, sums);
+        else
+            for (int64_t r = first; r < last; ++r)
+                for (int j = 0; j < n; ++j) sums[j * ROWS + (r - first)] = bf16_one_output(w + r * in, x + j * in, in);
+        for (int j = 0; j < n; ++j)
+            for (int64_t r = first; r < last; ++r)
+                y[j * out + r] = float_to_bf16(sums[j * ROWS + (r - first)] + (bias ? bf16_to_float(bias[r]) : 0.0f));
+    }
+    return 0;
+#else
+    (void)w, (void)x, (void)bias, (void)y, (void)n, (void)out, (void)in, (void)threads;
+    return -1;
+#endif
 }
 
 }  // extern "C"

@@ -36,6 +36,7 @@ from ..errors import SpecstackError
 from ..model import CachedModel, CausalLM
 from ..policies import FullCache
 from ..sampling import SamplingConfig, warp
+from ..stack import PREFILL_CHUNK, prefill_ends
 from ..types import LevelStats
 
 WIDTHS = (2, 3, 4, 5, 6, 7, 8, 16)  # verify widths (γ + 1) of the registered stacks, and a wide tree
@@ -76,13 +77,15 @@ class GreedyReference:
     prompt: list[int] = attrs.field(converter=list)
     tokens: list[int] = attrs.field(converter=list)
     widths: tuple[int, ...] = WIDTHS
+    prefill_chunk: int = PREFILL_CHUNK  # the stacks' (SpeculationStack.prefill_chunk)
     _lm: CachedModel = attrs.field(init=False)  # the target over its full cache
     _exact: int = attrs.field(init=False)  # the cache's positions below this hold autoregressive KV
     _rows: list[torch.Tensor] = attrs.field(init=False, factory=list)  # l1 of each generated token
 
     def __attrs_post_init__(self) -> None:
         self._lm = CachedModel(self.target, FullCache(), LevelStats(name="autoregressive replay"))
-        self._lm.logits(self.prompt, 1)  # the prefill, as ModelLevel.prefill does it
+        for end in prefill_ends(len(self.prompt), self.prefill_chunk):  # the prefill, as a stack's: chunked
+            self._lm.logits(self.prompt[:end], 1)  # (one 32K-token forward keys the cache with other bf16 roundings)
         self._exact = len(self.prompt) - 1  # decoding feeds the prompt's last token again, alone
 
     def certify(self, output: Sequence[int]) -> Certificate:
