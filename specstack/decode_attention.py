@@ -5,8 +5,8 @@ SDPA's CPU kernels took 3-4x the time it takes to read the cache once (AMD Zen 3
 flash-decoding does (Dao et al., 2023): each thread streams its own range of the cache through an
 online softmax, and the ranges are merged by their maxima. A verify's many query rows are scored as a
 small GEMM over keys transposed block by block, in the machine's widest vectors. A bfloat16 cache is
-read as it is stored and widened to float32 in registers: queries, arithmetic and output are float32,
-so a bfloat16 model's attention is computed at least as precisely as SDPA's. It is built and loaded by
+read as it is stored and widened to float32 block by block: queries, arithmetic and output are
+float32, rounded once to bfloat16 at the end. It is built and loaded by
 :mod:`specstack.native`; where it cannot be built, :func:`load_decode_kernel` returns None and
 attention stays with SDPA.
 
