@@ -17,7 +17,7 @@ from ``F.linear``'s by rounding only.
 
 This module is the one place that choice is made. :func:`pack_linears` turns a model's ``nn.Linear``
 layers into :class:`PackedLinear` (the same module, parameters and state dict, another forward); each
-takes up to :data:`MAX_STREAMED_ROWS` fp32 or bf16 rows through the streaming kernel where it was built
+takes up to :data:`MAX_STREAMED_ROWS` fp32 (3) or bf16 (4) rows through the streaming kernel where it was built
 (bf16: where the CPU has the instructions), packs its weight on its first wider fp32 CPU forward without
 autograd, and keeps ``F.linear`` for every other case (another dtype or device, a wider bf16 forward, a
 forward that records gradients, a build without oneDNN)."""
@@ -33,11 +33,12 @@ import torch
 from .native import SOURCES, load
 
 ROWS_SOURCE = SOURCES / "linear_rows.cpp"
-# The most input rows the streaming kernel takes. Whole target forwards on the Intel host, against
-# oneDNN's packed kernel: 1.15-1.22x at 1 token, 1.09-1.12x at 2, 1.05x at 3, 1.03x at 4, 1.01x at 8;
-# the draft, whose small weights stay in cache: 1.06x at 1 token, 0.95-0.97x at 2-3, 0.84x at 4. In
-# bf16 against F.linear: the target 1.34-1.54x at 1 token, 1.12-1.15x at 3; the draft 1.59x and 1.26x.
-MAX_STREAMED_ROWS = 3
+# The most input rows the streaming kernel takes, per dtype. fp32, whole target forwards on the Intel
+# host against oneDNN's packed kernel: 1.15-1.22x at 1 token, 1.09-1.12x at 2, 1.05x at 3, 1.03x at 4,
+# 1.01x at 8; the draft, whose small weights stay in cache: 1.06x at 1 token, 0.95-0.97x at 2-3, 0.84x
+# at 4. bf16 against F.linear: the target 1.34-1.54x at 1 token, 1.11-1.18x at 3 and 4, 0.93-0.97x at
+# 5 and 6; the draft 1.59x at 1, 1.14-1.20x at 3 and 4, 0.89-0.97x at 5 and 6.
+MAX_STREAMED_ROWS = {torch.float32: 3, torch.bfloat16: 4}
 
 PACKED_FOR_ROWS = 4  # the row count oneDNN's reorder is told to expect: measured best over 1-32 rows here (hint 1 doubled 2 rows' cost)
 
@@ -67,7 +68,7 @@ class RowsKernel:
         the CPU for ``weight`` [out, in], is the kernel's."""
         dtype, width = weight.dtype, weight.shape[1]
         shape = width % 8 == 0 if dtype == torch.float32 else (self.bf16 and dtype == torch.bfloat16 and width % 32 == 0)
-        return (shape and 0 < x.numel() <= MAX_STREAMED_ROWS * width and x.dtype == dtype and x.device.type == weight.device.type == "cpu"
+        return (shape and 0 < x.numel() <= MAX_STREAMED_ROWS.get(dtype, 0) * width and x.dtype == dtype and x.device.type == weight.device.type == "cpu"
                 and weight.is_contiguous() and (bias is None or (bias.dtype == dtype and bias.is_contiguous())))
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -15,6 +15,7 @@ import torch
 from specstack.native import find_compiler
 from specstack.packed_linear import MAX_STREAMED_ROWS, PackedLinear, RowsKernel, load_rows_kernel, onednn_available, pack_linears
 
+FP32_ROWS, BF16_ROWS = MAX_STREAMED_ROWS[torch.float32], MAX_STREAMED_ROWS[torch.bfloat16]  # the most rows the streaming kernel takes
 pytestmark = pytest.mark.skipif(not onednn_available(), reason="this torch build has no oneDNN linear ops")
 
 
@@ -33,7 +34,7 @@ def test_a_packed_linear_is_the_linear_layer_up_to_rounding(rows, bias) -> None:
     with torch.inference_mode():
         got = layer(hidden)  # [1, rows, V]
     want = torch.nn.functional.linear(hidden, layer.weight, layer.bias)  # [1, rows, V]
-    assert (layer._packed is None) == (rows <= MAX_STREAMED_ROWS and layer._rows is not None)  # a few rows streamed; more: oneDNN
+    assert (layer._packed is None) == (rows <= FP32_ROWS and layer._rows is not None)  # a few rows streamed; more: oneDNN
     assert got.shape == want.shape == (1, rows, 1000)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert torch.equal(got.argmax(-1), want.argmax(-1))
@@ -48,7 +49,7 @@ needs_compiler = pytest.mark.skipif(find_compiler() is None, reason="no C++ comp
     (1536, 576, True, (1, 2)),  # its down projection with a bias, two tokens: a pair of rows
     (64, 1003, True, (2,)),  # output rows not a multiple of the four streamed together
     (8, 5, False, ()),  # the narrowest input it takes, a bare [H]
-    (576, 40, True, (MAX_STREAMED_ROWS,)),  # the most rows it takes
+    (576, 40, True, (FP32_ROWS,)),  # the most rows it takes
 ])
 def test_a_few_rows_take_the_streaming_kernel_and_are_the_linear_layer_up_to_rounding(monkeypatch, in_features, out_features, bias, shape) -> None:
     calls = []
@@ -59,7 +60,7 @@ def test_a_few_rows_take_the_streaming_kernel_and_are_the_linear_layer_up_to_rou
     hidden = 3 * torch.randn(*shape, in_features)  # [..., in]
     with torch.inference_mode():
         got = layer(hidden)  # [..., out]
-        assert layer(torch.randn(MAX_STREAMED_ROWS + 1, in_features)).shape == (MAX_STREAMED_ROWS + 1, out_features)
+        assert layer(torch.randn(FP32_ROWS + 1, in_features)).shape == (FP32_ROWS + 1, out_features)
     assert len(calls) == 1  # the wider forward went to oneDNN
     want = torch.nn.functional.linear(hidden.double(), layer.weight.double(), None if layer.bias is None else layer.bias.double())
     assert got.shape == want.shape == (*shape, out_features) and got.dtype == torch.float32
@@ -69,10 +70,10 @@ def test_a_few_rows_take_the_streaming_kernel_and_are_the_linear_layer_up_to_rou
 @needs_compiler
 def test_a_rows_outputs_are_the_same_bits_alone_or_among_others() -> None:
     layer = packed(576, 1003, bias=True)
-    hidden = torch.randn(MAX_STREAMED_ROWS, 576)  # [T, H]
+    hidden = torch.randn(FP32_ROWS, 576)  # [T, H]
     with torch.inference_mode():
         together = layer(hidden)  # [T, V]
-        for count in range(1, MAX_STREAMED_ROWS + 1):
+        for count in range(1, FP32_ROWS + 1):
             assert torch.equal(layer(hidden[:count]), together[:count])
             assert torch.equal(layer(hidden[count - 1 : count]), together[count - 1 : count])
 
@@ -85,12 +86,13 @@ needs_bf16_dots = pytest.mark.skipif(ROWS_KERNEL is None or not ROWS_KERNEL.bf16
 @pytest.mark.parametrize(("in_features", "out_features", "bias", "shape"), [
     (576, 1536, False, (1, 1)),  # the default target's MLP
     (1536, 576, True, (1, 2)),  # its down projection with a bias, two tokens
-    (64, 1003, True, (MAX_STREAMED_ROWS,)),  # output rows not a multiple of four, the most rows it takes
+    (64, 1003, True, (BF16_ROWS,)),  # output rows not a multiple of four, the most rows it takes
     (32, 5, False, ()),  # the narrowest input it takes, a bare [H]
 ])
 def test_bf16_rows_take_the_kernel_and_are_the_linear_layer_rounded_once(monkeypatch, in_features, out_features, bias, shape) -> None:
     """bf16: each output is the exact product of the bf16 numbers, summed in float32 and rounded once
-    to bf16 (half a bf16 ulp, at most 2^-8 relative, plus the float32 sum's error)."""
+    to bf16 (half a bf16 ulp, at most 2^-8 relative, plus the float32 sum's error); one more row than
+    BF16_ROWS goes to F.linear."""
     calls = []
     call = RowsKernel.__call__
     monkeypatch.setattr(RowsKernel, "__call__", lambda self, *args: calls.append(1) or call(self, *args))
@@ -98,7 +100,7 @@ def test_bf16_rows_take_the_kernel_and_are_the_linear_layer_rounded_once(monkeyp
     hidden = (3 * torch.randn(*shape, in_features)).bfloat16()  # [..., in]
     with torch.inference_mode():
         got = layer(hidden)  # [..., out]
-        wide = torch.randn(MAX_STREAMED_ROWS + 1, in_features).bfloat16()
+        wide = torch.randn(BF16_ROWS + 1, in_features).bfloat16()
         assert torch.equal(layer(wide), torch.nn.functional.linear(wide, layer.weight, layer.bias))  # wider: F.linear
     assert len(calls) == 1 and layer._packed is None
     want = torch.nn.functional.linear(hidden.double(), layer.weight.double(), None if layer.bias is None else layer.bias.double())
@@ -109,10 +111,10 @@ def test_bf16_rows_take_the_kernel_and_are_the_linear_layer_rounded_once(monkeyp
 @needs_bf16_dots
 def test_a_bf16_rows_outputs_are_the_same_bits_alone_or_among_others() -> None:
     layer = packed(576, 1003, bias=True).to(torch.bfloat16)
-    hidden = torch.randn(MAX_STREAMED_ROWS, 576).bfloat16()  # [T, H]
+    hidden = torch.randn(BF16_ROWS, 576).bfloat16()  # [T, H]
     with torch.inference_mode():
         together = layer(hidden)  # [T, V]
-        for count in range(1, MAX_STREAMED_ROWS + 1):
+        for count in range(1, BF16_ROWS + 1):
             assert torch.equal(layer(hidden[count - 1 : count]), together[count - 1 : count])
 
 
@@ -157,8 +159,8 @@ def test_without_a_compiler_one_row_goes_through_onednn(monkeypatch, tmp_path) -
 
 def test_wide_bf16_forwards_and_a_forward_recording_gradients_keep_f_linear() -> None:
     layer = packed(bias=True)
-    hidden = torch.randn(4, 64, requires_grad=True)
-    out = layer(hidden)  # [4, V], autograd on
+    hidden = torch.randn(BF16_ROWS + 1, 64, requires_grad=True)  # wider than the kernel takes in either dtype
+    out = layer(hidden)  # [T, V], autograd on
     out.sum().backward()
     assert layer._packed is None and layer.weight.grad is not None and hidden.grad is not None
     assert torch.equal(out, torch.nn.functional.linear(hidden, layer.weight, layer.bias))
@@ -170,7 +172,7 @@ def test_wide_bf16_forwards_and_a_forward_recording_gradients_keep_f_linear() ->
 
 def test_the_packed_weight_follows_an_in_place_update_of_the_weight() -> None:
     layer = packed()
-    hidden = torch.randn(MAX_STREAMED_ROWS + 1, 64)  # [T, H], wider than the streaming kernel takes
+    hidden = torch.randn(FP32_ROWS + 1, 64)  # [T, H], wider than the streaming kernel takes
     with torch.inference_mode():
         before = layer(hidden)  # [T, V], packs the weight
     optimizer = torch.optim.SGD(layer.parameters(), lr=1.0)
@@ -189,7 +191,7 @@ def test_a_packed_model_copies_pickles_and_saves_as_plain_linears() -> None:
     model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8, bias=False))
     keys = list(model.state_dict())
     assert pack_linears(model) == 2
-    hidden = torch.randn(MAX_STREAMED_ROWS + 1, 64)  # [T, H], wider than the streaming kernel takes
+    hidden = torch.randn(FP32_ROWS + 1, 64)  # [T, H], wider than the streaming kernel takes
     with torch.inference_mode():
         want = model(hidden)  # [T, 8], packs both weights
         buffer = io.BytesIO()

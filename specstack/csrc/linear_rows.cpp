@@ -87,14 +87,14 @@ inline __m512 dot32(__m512 acc, const uint16_t *a, const uint16_t *b) {  // acc 
     return _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(a), (__m512bh)_mm512_loadu_si512(b));
 }
 
-// acc[j * 4 + i] = w_{r+i} . x_j for j < n <= 3 (the lanes of each, summed below), 32 columns at a time.
+// sums[j * 4 + i] = w_{r+i} . x_j for j < n <= 4, 32 columns at a time.
 void bf16_four_outputs(const uint16_t *w, const uint16_t *x, int n, int64_t in, int64_t r, float *sums) {
     const uint16_t *w0 = w + r * in, *w1 = w0 + in, *w2 = w1 + in, *w3 = w2 + in;
-    __m512 a[3][4];
-    for (int j = 0; j < 3; ++j)
+    __m512 a[4][4];
+    for (int j = 0; j < 4; ++j)
         for (int i = 0; i < 4; ++i) a[j][i] = _mm512_setzero_ps();
     for (int64_t c = 0; c < in; c += 32)
-        for (int j = 0; j < n; ++j) {  // n is 1 to 3: the compiler keeps a[][] in registers
+        for (int j = 0; j < n; ++j) {  // n is 1 to 4: the compiler keeps a[][] in registers
             const uint16_t *xj = x + j * in + c;
             a[j][0] = dot32(a[j][0], xj, w0 + c), a[j][1] = dot32(a[j][1], xj, w1 + c);
             a[j][2] = dot32(a[j][2], xj, w2 + c), a[j][3] = dot32(a[j][3], xj, w3 + c);
@@ -142,17 +142,17 @@ int specstack_linear_rows_bf16_supported() {
 #endif
 }
 
-// The same in bfloat16 (uint16_t bit patterns): w [out, in], x [n, in] with n <= 3, bias [out] or null,
-// y [n, out]. Returns 0, or -1 for shapes it does not take (in not a multiple of 32, more than three
+// The same in bfloat16 (uint16_t bit patterns): w [out, in], x [n, in] with n <= 4, bias [out] or null,
+// y [n, out]. Returns 0, or -1 for shapes it does not take (in not a multiple of 32, more than four
 // rows, or a build without AVX-512 bf16 instructions).
 int specstack_linear_rows_bf16(const uint16_t *w, const uint16_t *x, const uint16_t *bias, uint16_t *y, int n, int64_t out, int64_t in, int threads) {
 #if defined(__AVX512BF16__)
-    if (in < 32 || in % 32 != 0 || out < 1 || n < 1 || n > 3 || threads < 1) return -1;
+    if (in < 32 || in % 32 != 0 || out < 1 || n < 1 || n > 4 || threads < 1) return -1;
     const int64_t blocks = (out + ROWS - 1) / ROWS;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t b = 0; b < blocks; ++b) {
         const int64_t first = b * ROWS, last = first + ROWS < out ? first + ROWS : out;
-        float sums[3 * ROWS];
+        float sums[4 * ROWS];
         if (last - first == ROWS)
             bf16_four_outputs(w, x, n, in, first, sums);
         else
