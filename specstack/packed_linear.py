@@ -120,13 +120,12 @@ class PackedLinear(torch.nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., in] -> [..., out]."""
-        if not self._takes(x):
-            return torch.nn.functional.linear(x, self.weight, self.bias)  # [..., out]
-        if self._rows is not None and self._rows.applies(x, self.weight, self.bias):
-            return self._rows(x, self.weight, self.bias)  # [..., out]
-        if x.dtype != torch.float32:
-            return torch.nn.functional.linear(x, self.weight, self.bias)  # [..., out]
-        return torch.ops.mkldnn._linear_pointwise(x, self._packed_weight(), self.bias, "none", [], "")  # [..., out]
+        if self._takes(x):
+            if self._rows is not None and self._rows.applies(x, self.weight, self.bias):
+                return self._rows(x, self.weight, self.bias)  # [..., out]
+            if x.dtype == torch.float32:
+                return torch.ops.mkldnn._linear_pointwise(x, self._packed_weight(), self.bias, "none", [], "")  # [..., out]
+        return torch.nn.functional.linear(x, self.weight, self.bias)  # [..., out]
 
     def _takes(self, x: torch.Tensor) -> bool:
         """Whether this forward is ours: on the CPU, recording no gradients."""

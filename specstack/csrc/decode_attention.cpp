@@ -218,10 +218,15 @@ void transpose_keys(const void *k, bool bf16, int d, int len, float *kt) {
         }
 }
 
-// out = the block's len rows of d as float32 (a bfloat16 block widened; float32 read in place).
+// out[0, count) = the count numbers at rows as float32 (count a multiple of 8; bfloat16 widened, exactly).
+void widen(const void *rows, bool bf16, int64_t count, float *out) {
+    for (int64_t i = 0; i < count; i += 8) store8(out + i, bf16 ? load8_bf16((const uint16_t *)rows + i) : load8((const float *)rows + i));
+}
+
+// The block's len rows of d as float32: a bfloat16 block widened into out, a float32 one read in place.
 const float *widened(const void *rows, bool bf16, int d, int len, float *out) {
     if (!bf16) return (const float *)rows;
-    for (int64_t i = 0; i < (int64_t)len * d; i += 8) store8(out + i, load8_bf16((const uint16_t *)rows + i));
+    widen(rows, true, (int64_t)len * d, out);
     return out;
 }
 
@@ -263,13 +268,14 @@ void accumulate_block(const float *p, const float *keep, int rows, int d, const 
     }
 }
 
+// Floats of scratch one work item needs: its scores, and a block of keys and one of values as float32.
+inline size_t scratch_floats(int d) { return (size_t)MAX_ROWS * BLOCK + 2 * (size_t)BLOCK * d; }
+
 // One work item: keys [begin, end) of one KV head into running maxima m, sums l and weighted values acc.
 // k and v point at the head's first key and value; bf16 says how they are stored.
-int attend_range(const float *q, int rows, int d, const void *k, const void *v, bool bf16, int64_t begin, int64_t end,
-                 float *m, float *l, float *acc) {
+void attend_range(const float *q, int rows, int d, const void *k, const void *v, bool bf16, int64_t begin, int64_t end,
+                  float *scratch, float *m, float *l, float *acc) {
     const size_t elem = bf16 ? 2 : 4;
-    float *scratch = (float *)malloc(sizeof(float) * ((size_t)MAX_ROWS * BLOCK + 2 * (size_t)BLOCK * d));
-    if (!scratch) return -1;
     float *s = scratch, *kt = s + MAX_ROWS * BLOCK, *vw = kt + BLOCK * d;
     float rescale[MAX_ROWS];
     for (int r = 0; r < rows; ++r) m[r] = -INFINITY, l[r] = 0.0f;
@@ -301,8 +307,6 @@ int attend_range(const float *q, int rows, int d, const void *k, const void *v, 
         }
         accumulate_block(s, rescale, rows, d, (const char *)v + b * d * elem, bf16, len, vw, acc);
     }
-    free(scratch);
-    return 0;
 }
 
 // Row r of one KV head: merge the ranges' partials and fold in the new tokens' own keys under the mask.
@@ -362,31 +366,25 @@ int specstack_decode_attention(const float *q, const void *k, const void *v, int
     int splits = threads / gcd(hkv, threads);
     while (splits > 1 && past / splits < BLOCK) --splits;
     const int items = hkv * splits;
-    const size_t own = (size_t)hkv * t * d;  // the new tokens' own keys (and values), widened to float32
-    float *scaled = (float *)malloc(sizeof(float) * ((size_t)hkv * rows * d + (size_t)items * rows * (d + 2) + 2 * own));
+    const size_t own = (size_t)hkv * t * d;  // the new tokens' own keys (and values), as float32
+    // one allocation per call: scaled queries, each item's partials and scratch, the own keys and values
+    float *scaled = (float *)malloc(sizeof(float) * ((size_t)hkv * rows * d + (size_t)items * (rows * (d + 2) + scratch_floats(d)) + 2 * own));
     if (!scaled) return -1;
     float *m = scaled + (size_t)hkv * rows * d, *l = m + (size_t)items * rows, *acc = l + (size_t)items * rows;
-    float *k_own = acc + (size_t)items * rows * d, *v_own = k_own + own;
+    float *scratch = acc + (size_t)items * rows * d, *k_own = scratch + (size_t)items * scratch_floats(d), *v_own = k_own + own;
     for (int64_t i = 0; i < (int64_t)hkv * rows * d; ++i) scaled[i] = q[i] * scale;
-    for (int h = 0; h < hkv; ++h)
-        for (int64_t i = 0; i < (int64_t)t * d; i += 8) {
-            const int64_t at = past * d + i;
-            store8(k_own + h * t * d + i, bf16 ? load8_bf16((const uint16_t *)k + h * k_head_stride + at) : load8((const float *)k + h * k_head_stride + at));
-            store8(v_own + h * t * d + i, bf16 ? load8_bf16((const uint16_t *)v + h * v_head_stride + at) : load8((const float *)v + h * v_head_stride + at));
-        }
+    for (int h = 0; h < hkv; ++h) {
+        widen((const char *)k + (h * k_head_stride + past * d) * elem, bf16, (int64_t)t * d, k_own + (size_t)h * t * d);
+        widen((const char *)v + (h * v_head_stride + past * d) * elem, bf16, (int64_t)t * d, v_own + (size_t)h * t * d);
+    }
 
-    int failed = 0;
-#pragma omp parallel for num_threads(threads) schedule(static) reduction(| : failed)
+#pragma omp parallel for num_threads(threads) schedule(static)
     for (int item = 0; item < items; ++item) {
         const int h = item / splits, s = item % splits;
         const int64_t begin = past * s / splits, end = past * (s + 1) / splits;
-        failed |= attend_range(scaled + (int64_t)h * rows * d, rows, d, (const char *)k + h * k_head_stride * elem,
-                               (const char *)v + h * v_head_stride * elem, bf16, begin, end,
-                               m + (int64_t)item * rows, l + (int64_t)item * rows, acc + (int64_t)item * rows * d);
-    }
-    if (failed) {
-        free(scaled);
-        return -1;
+        attend_range(scaled + (int64_t)h * rows * d, rows, d, (const char *)k + h * k_head_stride * elem,
+                     (const char *)v + h * v_head_stride * elem, bf16, begin, end, scratch + (size_t)item * scratch_floats(d),
+                     m + (int64_t)item * rows, l + (int64_t)item * rows, acc + (int64_t)item * rows * d);
     }
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int hr = 0; hr < hkv * rows; ++hr) {

@@ -87,12 +87,12 @@ inline __m512 dot32(__m512 acc, const uint16_t *a, const uint16_t *b) {  // acc 
     return _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(a), (__m512bh)_mm512_loadu_si512(b));
 }
 
-// sums[j * 4 + i] = w_{r+i} . x_j for j < n <= 4, 32 columns at a time.
+// sums[j * ROWS + i] = w_{r+i} . x_j for j < n <= 4, 32 columns at a time.
 void bf16_four_outputs(const uint16_t *w, const uint16_t *x, int n, int64_t in, int64_t r, float *sums) {
     const uint16_t *w0 = w + r * in, *w1 = w0 + in, *w2 = w1 + in, *w3 = w2 + in;
-    __m512 a[4][4];
+    __m512 a[4][ROWS];
     for (int j = 0; j < 4; ++j)
-        for (int i = 0; i < 4; ++i) a[j][i] = _mm512_setzero_ps();
+        for (int i = 0; i < ROWS; ++i) a[j][i] = _mm512_setzero_ps();
     for (int64_t c = 0; c < in; c += 32)
         for (int j = 0; j < n; ++j) {  // n is 1 to 4: the compiler keeps a[][] in registers
             const uint16_t *xj = x + j * in + c;
@@ -100,7 +100,7 @@ void bf16_four_outputs(const uint16_t *w, const uint16_t *x, int n, int64_t in, 
             a[j][2] = dot32(a[j][2], xj, w2 + c), a[j][3] = dot32(a[j][3], xj, w3 + c);
         }
     for (int j = 0; j < n; ++j)
-        for (int i = 0; i < 4; ++i) sums[j * 4 + i] = _mm512_reduce_add_ps(a[j][i]);
+        for (int i = 0; i < ROWS; ++i) sums[j * ROWS + i] = _mm512_reduce_add_ps(a[j][i]);
 }
 
 // The same for one output row (the last, short block), summed in the same order.
