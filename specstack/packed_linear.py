@@ -17,10 +17,12 @@ from ``F.linear``'s by rounding only.
 
 This module is the one place that choice is made. :func:`pack_linears` turns a model's ``nn.Linear``
 layers into :class:`PackedLinear` (the same module, parameters and state dict, another forward); each
-takes up to :data:`MAX_STREAMED_ROWS` fp32 (3) or bf16 (4) rows through the streaming kernel where it was built
-(bf16: where the CPU has the instructions), packs its weight on its first wider fp32 CPU forward without
-autograd, and keeps ``F.linear`` for every other case (another dtype or device, a wider bf16 forward, a
-forward that records gradients, a build without oneDNN)."""
+takes up to :data:`MAX_STREAMED_ROWS` rows (six) through the streaming kernel where it was built
+(bf16: where the CPU has the instructions), packs its weight on its first wider CPU forward without
+autograd (fp32, and bf16 where oneDNN has bf16 kernels: there ``F.linear`` reordered the weight on every
+call and cost 25-33 ms for 1-16 rows through the target's matrices, the packed kernel 17), and keeps
+``F.linear`` for every other case (another dtype or device, a forward that records gradients, a build
+without oneDNN)."""
 
 from __future__ import annotations
 
@@ -33,12 +35,12 @@ import torch
 from .native import SOURCES, load
 
 ROWS_SOURCE = SOURCES / "linear_rows.cpp"
-# The most input rows the streaming kernel takes, per dtype. fp32, whole target forwards on the Intel
-# host against oneDNN's packed kernel: 1.15-1.22x at 1 token, 1.09-1.12x at 2, 1.05x at 3, 1.03x at 4,
-# 1.01x at 8; the draft, whose small weights stay in cache: 1.06x at 1 token, 0.95-0.97x at 2-3, 0.84x
-# at 4. bf16 against F.linear: the target 1.34-1.54x at 1 token, 1.11-1.18x at 3 and 4, 0.93-0.97x at
-# 5 and 6; the draft 1.59x at 1, 1.14-1.20x at 3 and 4, 0.89-0.97x at 5 and 6.
-MAX_STREAMED_ROWS = {torch.float32: 3, torch.bfloat16: 4}
+# The most input rows the streaming kernel takes, per dtype; wider forwards take oneDNN's packed kernel
+# (bf16 too, where oneDNN has bf16 kernels). Whole forwards on the 2-core Intel host, the kernel (with
+# its prefetch) against oneDNN's packed kernel: fp32 target 1.05-1.11x at 5 and 6 tokens, bf16 target
+# 1.04-1.06x at 5 and 6, 0.98-1.02x at 8 (docs/benchmarks.md, "Prefetching the weights"). The draft,
+# whose weights stay in cache, gains nothing from 5 rows on in either dtype.
+MAX_STREAMED_ROWS = {torch.float32: 6, torch.bfloat16: 6}
 
 PACKED_FOR_ROWS = 4  # the row count oneDNN's reorder is told to expect: measured best over 1-32 rows here (hint 1 doubled 2 rows' cost)
 
@@ -47,6 +49,12 @@ def onednn_available() -> bool:
     """Whether this torch build has the oneDNN linear ops (private to torch, so checked, not assumed)."""
     mkldnn = torch.ops.mkldnn
     return torch.backends.mkldnn.is_available() and hasattr(mkldnn, "_reorder_linear_weight") and hasattr(mkldnn, "_linear_pointwise")
+
+
+def onednn_bf16_available() -> bool:
+    """Whether oneDNN has bf16 kernels on this CPU (AVX-512 with bf16, or AMX); where it has none, a
+    packed bf16 product would be emulated and slow, and bf16 keeps ``F.linear``."""
+    return onednn_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
 @attrs.frozen(kw_only=True)
@@ -98,7 +106,8 @@ def load_rows_kernel(cache: Path | None = None) -> RowsKernel | None:
 
 class PackedLinear(torch.nn.Linear):
     """``nn.Linear`` whose CPU forward without autograd takes a few rows through the streaming kernel
-    (fp32; bf16 where it has the instructions) and more fp32 rows through oneDNN over a packed weight copy.
+    (fp32; bf16 where it has the instructions) and more rows through oneDNN over a packed weight copy
+    (fp32; bf16 where oneDNN has bf16 kernels).
 
     The copy is remade whenever the weight changes (its storage, which ``.to()`` and ``.data =``
     replace, or its version counter, which an optimizer's in-place step advances), so it is never stale. It is a plain attribute, not a buffer:
@@ -107,12 +116,14 @@ class PackedLinear(torch.nn.Linear):
     _packed: torch.Tensor | None
     _packed_from: tuple | None
     _rows: RowsKernel | None  # a few rows; None: where it could not be built
+    _bf16_packs: bool  # whether wider bf16 forwards take oneDNN's packed kernel (it has bf16 kernels here)
 
     @classmethod
     def adopt(cls, linear: torch.nn.Linear, rows: RowsKernel | None = None) -> None:
         """Give ``linear`` (exactly an ``nn.Linear``) this forward, in place."""
         linear.__class__ = cls
         linear._packed, linear._packed_from, linear._rows = None, None, rows
+        linear._bf16_packs = onednn_bf16_available()
 
     def __getstate__(self) -> dict:
         """Copies and pickles leave the packed weight out (oneDNN's layout has no storage to copy)."""
@@ -123,7 +134,7 @@ class PackedLinear(torch.nn.Linear):
         if self._takes(x):
             if self._rows is not None and self._rows.applies(x, self.weight, self.bias):
                 return self._rows(x, self.weight, self.bias)  # [..., out]
-            if x.dtype == torch.float32:
+            if x.dtype == torch.float32 or (x.dtype == torch.bfloat16 and self._bf16_packs):
                 return torch.ops.mkldnn._linear_pointwise(x, self._packed_weight(), self.bias, "none", [], "")  # [..., out]
         return torch.nn.functional.linear(x, self.weight, self.bias)  # [..., out]
 

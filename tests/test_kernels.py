@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from specstack.native import find_compiler
-from specstack.packed_linear import MAX_STREAMED_ROWS, PackedLinear, RowsKernel, load_rows_kernel, onednn_available, pack_linears
+from specstack.packed_linear import MAX_STREAMED_ROWS, PackedLinear, RowsKernel, load_rows_kernel, onednn_available, onednn_bf16_available, pack_linears
 
 FP32_ROWS, BF16_ROWS = MAX_STREAMED_ROWS[torch.float32], MAX_STREAMED_ROWS[torch.bfloat16]  # the most rows the streaming kernel takes
 pytestmark = pytest.mark.skipif(not onednn_available(), reason="this torch build has no oneDNN linear ops")
@@ -92,7 +92,7 @@ needs_bf16_dots = pytest.mark.skipif(ROWS_KERNEL is None or not ROWS_KERNEL.bf16
 def test_bf16_rows_take_the_kernel_and_are_the_linear_layer_rounded_once(monkeypatch, in_features, out_features, bias, shape) -> None:
     """bf16: each output is the exact product of the bf16 numbers, summed in float32 and rounded once
     to bf16 (half a bf16 ulp, at most 2^-8 relative, plus the float32 sum's error); one more row than
-    BF16_ROWS goes to F.linear."""
+    BF16_ROWS goes to oneDNN (packed, where it has bf16 kernels; else F.linear)."""
     calls = []
     call = RowsKernel.__call__
     monkeypatch.setattr(RowsKernel, "__call__", lambda self, *args: calls.append(1) or call(self, *args))
@@ -100,9 +100,10 @@ def test_bf16_rows_take_the_kernel_and_are_the_linear_layer_rounded_once(monkeyp
     hidden = (3 * torch.randn(*shape, in_features)).bfloat16()  # [..., in]
     with torch.inference_mode():
         got = layer(hidden)  # [..., out]
+        assert layer._packed is None
         wide = torch.randn(BF16_ROWS + 1, in_features).bfloat16()
-        assert torch.equal(layer(wide), torch.nn.functional.linear(wide, layer.weight, layer.bias))  # wider: F.linear
-    assert len(calls) == 1 and layer._packed is None
+        torch.testing.assert_close(layer(wide), torch.nn.functional.linear(wide, layer.weight, layer.bias), rtol=2**-7, atol=1e-2)  # wider: oneDNN
+    assert len(calls) == 1 and (layer._packed is not None) == onednn_bf16_available()
     want = torch.nn.functional.linear(hidden.double(), layer.weight.double(), None if layer.bias is None else layer.bias.double())
     assert got.shape == want.shape == (*shape, out_features) and got.dtype == torch.bfloat16
     torch.testing.assert_close(got.double(), want, rtol=2**-8, atol=1e-5)
@@ -157,17 +158,26 @@ def test_without_a_compiler_one_row_goes_through_onednn(monkeypatch, tmp_path) -
     torch.testing.assert_close(got, torch.nn.functional.linear(hidden, layer.weight), rtol=1e-5, atol=1e-5)
 
 
-def test_wide_bf16_forwards_and_a_forward_recording_gradients_keep_f_linear() -> None:
+def test_a_forward_recording_gradients_keeps_f_linear() -> None:
     layer = packed(bias=True)
-    hidden = torch.randn(BF16_ROWS + 1, 64, requires_grad=True)  # wider than the kernel takes in either dtype
+    hidden = torch.randn(FP32_ROWS + 1, 64, requires_grad=True)  # wider than the kernel takes
     out = layer(hidden)  # [T, V], autograd on
     out.sum().backward()
     assert layer._packed is None and layer.weight.grad is not None and hidden.grad is not None
     assert torch.equal(out, torch.nn.functional.linear(hidden, layer.weight, layer.bias))
-    layer = layer.to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("rows", [BF16_ROWS + 1, 16, 512])
+def test_wide_bf16_forwards_take_onednn_packed_where_it_has_bf16_kernels(rows) -> None:
+    """A verify wider than the streaming kernel takes, or a prefill chunk: oneDNN's packed bf16 product,
+    the layer's own outputs up to bf16 rounding (F.linear itself where oneDNN has no bf16 kernels)."""
+    layer = packed(576, 1003, bias=True).to(torch.bfloat16)
+    hidden = torch.randn(1, rows, 576).bfloat16()  # [1, T, H]
     with torch.inference_mode():
-        assert torch.equal(layer(hidden.detach().bfloat16()), torch.nn.functional.linear(hidden.detach().bfloat16(), layer.weight, layer.bias))
-    assert layer._packed is None
+        got = layer(hidden)  # [1, T, V]
+    want = torch.nn.functional.linear(hidden.double(), layer.weight.double(), layer.bias.double())  # [1, T, V]
+    assert got.dtype == torch.bfloat16 and (layer._packed is not None) == onednn_bf16_available()
+    torch.testing.assert_close(got.double(), want, rtol=2**-7, atol=1e-2)
 
 
 def test_the_packed_weight_follows_an_in_place_update_of_the_weight() -> None:

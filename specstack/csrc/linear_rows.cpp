@@ -5,7 +5,10 @@
 // to a handful of tokens it is bound by how fast the weights stream from memory. Each thread takes its
 // own blocks of ROWS output rows, streams those weight rows from memory once, eight columns at a
 // time, and reuses them from L1 for every input row (two input rows at a time, then an odd last
-// one). Every output is one dot product summed in one fixed order, whatever the number of input rows
+// one). While it computes one block it asks for the next block's weights (software prefetch), so the
+// stream from memory overlaps the arithmetic: measured on the 2-core Intel host, the target's 211
+// matrices took 1.08x (one row) to 1.2x (four rows) less time in fp32, and 1.3x (one row) to 1.8x
+// (four rows) less in bf16. Every output is one dot product summed in one fixed order, whatever the number of input rows
 // or threads: a token's outputs are the same bits alone or in a verify of several. Built by
 // specstack/native.py; plain C++ with GCC vector types, no torch headers.
 //
@@ -18,6 +21,7 @@
 #include <string.h>
 
 #include <omp.h>
+#include <xmmintrin.h>  // _mm_prefetch
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
 #endif
@@ -27,8 +31,17 @@ namespace {
 typedef float v8 __attribute__((vector_size(32), aligned(4)));  // 8 floats, loads need no alignment
 
 constexpr int ROWS = 4;  // weight rows streamed side by side
+constexpr int MAX_BF16_ROWS = 16;  // bf16 input rows taken (four at a time over each block); packed_linear.py sends up to six
 
 inline v8 load8(const float *p) { return *(const v8 *)p; }
+// Ask for the cache line at column c of the ROWS weight rows after w0's block (each row `in` elements
+// long). Past the last block this names addresses beyond the weights, which a prefetch never faults on.
+template <typename T>
+inline void prefetch_next_block(const T *w0, int64_t in, int64_t c) {
+    const T *next = w0 + ROWS * in + c;
+    for (int i = 0; i < ROWS; ++i) _mm_prefetch((const char *)(next + i * in), _MM_HINT_T0);
+}
+
 inline float hsum(v8 x) { return ((x[0] + x[4]) + (x[1] + x[5])) + ((x[2] + x[6]) + (x[3] + x[7])); }
 
 // y[j, r .. r+3] = w_{r .. r+3} . x_j for the n input rows: pairs of input rows, then an odd last one.
@@ -39,6 +52,7 @@ void four_outputs(const float *w, const float *x, int n, int64_t in, int64_t out
         const float *x0 = x + j * in, *x1 = x0 + in;
         v8 a0{}, a1{}, a2{}, a3{}, b0{}, b1{}, b2{}, b3{};
         for (int64_t c = 0; c < in; c += 8) {
+            if (j == 0 && c % 16 == 0) prefetch_next_block(w0, in, c);  // once per 64-byte line, on the first pass
             const v8 k0 = load8(w0 + c), k1 = load8(w1 + c), k2 = load8(w2 + c), k3 = load8(w3 + c);
             const v8 p = load8(x0 + c), q = load8(x1 + c);
             a0 += k0 * p, a1 += k1 * p, a2 += k2 * p, a3 += k3 * p;
@@ -52,6 +66,7 @@ void four_outputs(const float *w, const float *x, int n, int64_t in, int64_t out
         const float *x0 = x + j * in;
         v8 a0{}, a1{}, a2{}, a3{};
         for (int64_t c = 0; c < in; c += 8) {
+            if (j == 0 && c % 16 == 0) prefetch_next_block(w0, in, c);  // a single row: its only pass
             const v8 p = load8(x0 + c);
             a0 += load8(w0 + c) * p, a1 += load8(w1 + c) * p, a2 += load8(w2 + c) * p, a3 += load8(w3 + c) * p;
         }
@@ -87,18 +102,21 @@ inline __m512 dot32(__m512 acc, const uint16_t *a, const uint16_t *b) {  // acc 
     return _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(a), (__m512bh)_mm512_loadu_si512(b));
 }
 
-// sums[j * ROWS + i] = w_{r+i} . x_j for j < n <= 4, 32 columns at a time.
-void bf16_four_outputs(const uint16_t *w, const uint16_t *x, int n, int64_t in, int64_t r, float *sums) {
+// sums[j * ROWS + i] = w_{r+i} . x_j for j < n <= 4, 32 columns at a time; the first group of rows over
+// a block asks for the next block (`prefetch`), the others find this one in L1.
+void bf16_four_outputs(const uint16_t *w, const uint16_t *x, int n, int64_t in, int64_t r, float *sums, bool prefetch) {
     const uint16_t *w0 = w + r * in, *w1 = w0 + in, *w2 = w1 + in, *w3 = w2 + in;
     __m512 a[4][ROWS];
     for (int j = 0; j < 4; ++j)
         for (int i = 0; i < ROWS; ++i) a[j][i] = _mm512_setzero_ps();
-    for (int64_t c = 0; c < in; c += 32)
+    for (int64_t c = 0; c < in; c += 32) {  // 32 bf16 columns: one 64-byte line of each weight row
+        if (prefetch) prefetch_next_block(w0, in, c);
         for (int j = 0; j < n; ++j) {  // n is 1 to 4: the compiler keeps a[][] in registers
             const uint16_t *xj = x + j * in + c;
             a[j][0] = dot32(a[j][0], xj, w0 + c), a[j][1] = dot32(a[j][1], xj, w1 + c);
             a[j][2] = dot32(a[j][2], xj, w2 + c), a[j][3] = dot32(a[j][3], xj, w3 + c);
         }
+    }
     for (int j = 0; j < n; ++j)
         for (int i = 0; i < ROWS; ++i) sums[j * ROWS + i] = _mm512_reduce_add_ps(a[j][i]);
 }
@@ -142,19 +160,19 @@ int specstack_linear_rows_bf16_supported() {
 #endif
 }
 
-// The same in bfloat16 (uint16_t bit patterns): w [out, in], x [n, in] with n <= 4, bias [out] or null,
-// y [n, out]. Returns 0, or -1 for shapes it does not take (in not a multiple of 32, more than four
-// rows, or a build without AVX-512 bf16 instructions).
+// The same in bfloat16 (uint16_t bit patterns): w [out, in], x [n, in] with n <= MAX_BF16_ROWS, bias [out]
+// or null, y [n, out]. Returns 0, or -1 for shapes it does not take (in not a multiple of 32, more than
+// MAX_BF16_ROWS rows, or a build without AVX-512 bf16 instructions).
 int specstack_linear_rows_bf16(const uint16_t *w, const uint16_t *x, const uint16_t *bias, uint16_t *y, int n, int64_t out, int64_t in, int threads) {
 #if defined(__AVX512BF16__)
-    if (in < 32 || in % 32 != 0 || out < 1 || n < 1 || n > 4 || threads < 1) return -1;
+    if (in < 32 || in % 32 != 0 || out < 1 || n < 1 || n > MAX_BF16_ROWS || threads < 1) return -1;
     const int64_t blocks = (out + ROWS - 1) / ROWS;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t b = 0; b < blocks; ++b) {
         const int64_t first = b * ROWS, last = first + ROWS < out ? first + ROWS : out;
-        float sums[4 * ROWS];
+        float sums[MAX_BF16_ROWS * ROWS];
         if (last - first == ROWS)
-            bf16_four_outputs(w, x, n, in, first, sums);
+            for (int j = 0; j < n; j += 4) bf16_four_outputs(w, x + j * in, n - j < 4 ? n - j : 4, in, first, sums + j * ROWS, j == 0);
         else
             for (int64_t r = first; r < last; ++r)
                 for (int j = 0; j < n; ++j) sums[j * ROWS + (r - first)] = bf16_one_output(w + r * in, x + j * in, in);
