@@ -6,7 +6,9 @@ flash-decoding does (Dao et al., 2023): each thread streams its own range of the
 online softmax, and the ranges are merged by their maxima. A verify's many query rows are scored as a
 small GEMM over keys transposed block by block, in the machine's widest vectors. A bfloat16 cache is
 read as it is stored and widened to float32 block by block: queries, arithmetic and output are
-float32, rounded once to bfloat16 at the end. It is built and loaded by
+float32, rounded once to bfloat16 at the end. Where the CPU has AMX tiles (and Linux lends them), a
+bfloat16 cache takes them instead: bf16 tile products for the scores and for the weighted values, the
+softmax in float32, the weights rounded to bf16 (as SDPA's bf16 kernels round them). It is built and loaded by
 :mod:`specstack.native`; where it cannot be built, :func:`load_decode_kernel` returns None and
 attention stays with SDPA.
 
@@ -25,9 +27,14 @@ from .native import SOURCES, load
 
 SOURCE = SOURCES / "decode_attention.cpp"
 # The most new tokens that take the kernel, per cache dtype: up to here it beat SDPA on the CPUs it was
-# measured on (docs/benchmarks.md, "The decode-attention kernel"). In bfloat16 SDPA's own kernel (AMX
-# tiles on the Intel host) is faster from six tokens. Wider verifies and prefill chunks stay with SDPA.
+# measured on (docs/benchmarks.md, "The decode-attention kernel"). A bfloat16 cache widened to float32
+# loses to SDPA's own bf16 kernel from six tokens; on AMX tiles it beat SDPA 1.9-2.2x from 1 to 16
+# tokens ("bf16 attention on AMX tiles"). Wider verifies and prefill chunks stay with SDPA.
 MAX_TOKENS = {torch.float32: 16, torch.bfloat16: 4}
+MAX_TOKENS_AMX = 16  # a bfloat16 cache where the kernel runs on AMX tiles
+# Up to MAX_TOKENS[bfloat16] new tokens over fewer cached keys than this, widening stays faster than the
+# tiles' fixed costs: whole target forwards 0.93-0.96x with tiles over 512-1,024 keys, 1.01x over 2,048.
+AMX_MIN_KEYS = 2048
 
 
 @attrs.frozen(kw_only=True)
@@ -38,6 +45,7 @@ class DecodeKernel:
     path: Path
     max_rows: int
     max_dim: int
+    amx: bool = False  # a bfloat16 cache takes AMX tiles (the CPU has them and Linux lends them)
 
     def __reduce__(self):
         """Pickled (a model sent to a bench worker) as a request to load it again where it lands."""
@@ -50,8 +58,20 @@ class DecodeKernel:
         _, hq, t, d = query.shape
         hkv, n = key.shape[1], key.shape[2]
         in_rows = all(x.stride(-1) == 1 and x.stride(-2) == d for x in (key, value))
-        return (query.device.type == "cpu" and query.dtype == key.dtype == value.dtype and t <= MAX_TOKENS.get(key.dtype, 0) and n > t
+        return (query.device.type == "cpu" and query.dtype == key.dtype == value.dtype and t <= self.max_tokens(key.dtype, d) and n > t
                 and hq // hkv * t <= self.max_rows and d <= self.max_dim and d % 8 == 0 and in_rows)
+
+    def max_tokens(self, dtype: torch.dtype, d: int) -> int:
+        """The most new tokens a cache of ``dtype`` with heads of width ``d`` hands the kernel."""
+        return MAX_TOKENS_AMX if self._tiles_fit(dtype, d) else MAX_TOKENS.get(dtype, 0)
+
+    def tiles(self, dtype: torch.dtype, d: int, t: int, n: int) -> bool:
+        """Whether ``t`` new tokens over ``n`` keys of such a cache run on AMX tiles rather than widened."""
+        return self._tiles_fit(dtype, d) and (t > MAX_TOKENS[torch.bfloat16] or n >= AMX_MIN_KEYS)
+
+    def _tiles_fit(self, dtype: torch.dtype, d: int) -> bool:
+        """AMX tiles here, a bfloat16 cache, heads a multiple of 32 wide."""
+        return self.amx and dtype == torch.bfloat16 and d % 32 == 0
 
     def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float | None, sees: torch.Tensor | None) -> torch.Tensor:
         """query [1, Hq, T, D], key/value [1, Hkv, n, D] (the last T the new tokens'), ``sees`` [T, T] among
@@ -64,7 +84,8 @@ class DecodeKernel:
         scale = scaling if scaling is not None else d**-0.5
         status = self.library.specstack_decode_attention(
             q.data_ptr(), key.data_ptr(), value.data_ptr(), key.stride(1), value.stride(1), hkv, q.shape[1], t, d, n,
-            None if mask is None else mask.data_ptr(), scale, out.data_ptr(), torch.get_num_threads(), key.dtype == torch.bfloat16)
+            None if mask is None else mask.data_ptr(), scale, out.data_ptr(), torch.get_num_threads(), key.dtype == torch.bfloat16,
+            self.tiles(key.dtype, d, t, n))
         if status != 0:
             raise ValueError(f"decode kernel refused query {tuple(query.shape)} over keys {tuple(key.shape)}")
         return out.reshape(1, hq, t, d).transpose(1, 2).to(query.dtype)  # [1, T, Hq, D]
@@ -73,9 +94,10 @@ class DecodeKernel:
 def load_decode_kernel(cache: Path | None = None) -> DecodeKernel | None:
     """The kernel, compiled into ``cache`` (default: the specstack cache) on first use; None where it
     cannot be built here."""
-    argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_int] * 4 + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
+    argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_int] * 4 + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p] + [ctypes.c_int] * 3
     loaded = load(SOURCE, "specstack_decode_attention", argtypes, cache)
     if loaded is None:
         return None
     library, path = loaded
-    return DecodeKernel(library=library, path=path, max_rows=library.specstack_max_rows(), max_dim=library.specstack_max_dim())
+    return DecodeKernel(library=library, path=path, max_rows=library.specstack_max_rows(), max_dim=library.specstack_max_dim(),
+                        amx=library.specstack_amx_bf16() == 1)

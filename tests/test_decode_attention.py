@@ -1,24 +1,29 @@
 """The CPU decode-attention kernel (``specstack.decode_attention``): attention of a few new tokens
 over a float32 or bfloat16 cache, equal to a float64 reference up to rounding for chains and trees
-(a bfloat16 cache: bit for bit the float32 kernel on the same numbers widened), taken by a model's
-forwards exactly where it applies, and absent (SDPA instead) where it cannot be built."""
+(a bfloat16 cache widened: bit for bit the float32 kernel on the same numbers; on AMX tiles: up to the
+weights' rounding to bf16), taken by a model's forwards exactly where it applies, and absent (SDPA
+instead) where it cannot be built."""
 
 from __future__ import annotations
 
 import pickle
+
+import attrs
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from specstack.batch import TokenBatch
-from specstack.decode_attention import MAX_TOKENS, DecodeKernel, load_decode_kernel
+from specstack.decode_attention import AMX_MIN_KEYS, MAX_TOKENS, MAX_TOKENS_AMX, DecodeKernel, load_decode_kernel
 from specstack.native import find_compiler
 from specstack.hf import HFCausalLM
 from specstack.testing.llama import random_llama
 from specstack.types import Draft, DraftKind
 
 KERNEL = load_decode_kernel()
+WIDENING = None if KERNEL is None else attrs.evolve(KERNEL, amx=False)  # a bfloat16 cache widened to float32, AMX or not
+needs_amx = pytest.mark.skipif(KERNEL is None or not KERNEL.amx, reason="no AMX tiles here: a bfloat16 cache is widened")
 pytestmark = pytest.mark.skipif(find_compiler() is None, reason="no C++ compiler here: the kernel cannot be built")
 
 
@@ -74,13 +79,41 @@ def test_the_kernel_is_attention_up_to_rounding(t, n, d, kv_heads, group, tree) 
     (2, 300, 64, 2, 8),  # 16 rows: the GEMM path
 ])
 def test_a_bfloat16_cache_is_read_as_its_float32_values(t, n, d, kv_heads, group, tree) -> None:
-    """bf16 queries, keys and values: the output is the float32 kernel's on the same numbers widened
-    (exactly representable), rounded once to bf16; the kernel reads the bf16 cache in place."""
-    query, keys, values, sees = (x.bfloat16() if x is not None and x.is_floating_point() else x for x in attention_inputs(t, n, d, kv_heads, group, tree))
-    assert KERNEL.applies(query, keys, values) == (n > t)
-    got = KERNEL.attend(query, keys, values, None, sees)  # [1, T, Hq, D]
-    want = KERNEL.attend(query.float(), keys.float(), values.float(), None, sees)  # [1, T, Hq, D]
+    """bf16 queries, keys and values, widened (no AMX tiles): the output is the float32 kernel's on the
+    same numbers (exactly representable), rounded once to bf16; the kernel reads the bf16 cache in place."""
+    query, keys, values, sees = bf16_inputs(t, n, d, kv_heads, group, tree)
+    assert WIDENING.applies(query, keys, values) == (n > t)
+    got = WIDENING.attend(query, keys, values, None, sees)  # [1, T, Hq, D]
+    want = WIDENING.attend(query.float(), keys.float(), values.float(), None, sees)  # [1, T, Hq, D]
     assert got.dtype == torch.bfloat16 and torch.equal(got, want.bfloat16())
+
+
+@needs_amx
+@pytest.mark.parametrize("tree", [False, True])
+@pytest.mark.parametrize(("t", "n", "d", "kv_heads", "group"), [
+    (1, 7_000, 64, 3, 3), (4, 2_000, 64, 3, 3),  # the default target's step and a verify: one group of rows
+    (8, 1_000, 64, 3, 3), (16, 900, 64, 3, 3),  # two and three groups of sixteen rows
+    (8, 300, 64, 1, 8),  # 64 rows, four full groups
+    (1, 2, 64, 3, 3), (3, 70, 64, 3, 3),  # one cached key; a cache shorter than a block per thread
+    (2, 515, 128, 2, 4), (3, 133, 96, 1, 8),  # wider heads; keys that end mid-block
+])
+def test_a_bfloat16_cache_on_amx_tiles_is_attention_up_to_the_weights_rounding(monkeypatch, t, n, d, kv_heads, group, tree) -> None:
+    """On AMX tiles the softmax weights are rounded to bf16 before they weigh the values (as SDPA's bf16
+    kernels round them): each output moves by at most 2^-9 of the values' magnitude, then once more
+    by its own rounding to bf16. A wrong tile layout, mask or rescale moves it by the values' scale."""
+    monkeypatch.setattr("specstack.decode_attention.AMX_MIN_KEYS", 0)  # short caches take the tiles too
+    query, keys, values, sees = bf16_inputs(t, n, d, kv_heads, group, tree)
+    assert KERNEL.applies(query, keys, values) and KERNEL.tiles(keys.dtype, d, t, n)
+    got = KERNEL.attend(query, keys, values, None, sees)  # [1, T, Hq, D]
+    want = reference(query, keys, values, sees)  # [1, T, Hq, D], float64
+    assert got.dtype == torch.bfloat16
+    bound = 2**-8 * want.abs() + 2**-9 * values.abs().amax()  # its own rounding, the weights'
+    assert ((got.double() - want).abs() <= bound).all(), float((got.double() - want).abs().max())
+
+
+def bf16_inputs(t, n, d, kv_heads, group, tree):
+    """``attention_inputs`` in bfloat16."""
+    return (x.bfloat16() if x is not None and x.is_floating_point() else x for x in attention_inputs(t, n, d, kv_heads, group, tree))
 
 
 def attention_inputs(t, n, d, kv_heads, group, tree):
@@ -107,9 +140,17 @@ def test_it_applies_only_to_few_tokens_over_a_float32_or_bfloat16_cache() -> Non
     assert KERNEL.applies(query.bfloat16(), keys.bfloat16(), keys.bfloat16())
     assert not KERNEL.applies(query.half(), keys.half(), keys.half())  # fp16 stays with SDPA
     assert not KERNEL.applies(query, keys.bfloat16(), keys.bfloat16())  # mixed dtypes too
-    for dtype, most in MAX_TOKENS.items():  # a wide verify or a prefill chunk
-        assert KERNEL.applies(torch.randn(1, 9, most, 64, dtype=dtype), keys.to(dtype), keys.to(dtype))
-        assert not KERNEL.applies(torch.randn(1, 9, most + 1, 64, dtype=dtype), keys.to(dtype), keys.to(dtype))
+    for kernel in (KERNEL, WIDENING):
+        for dtype in MAX_TOKENS:  # a wide verify or a prefill chunk
+            most = MAX_TOKENS_AMX if kernel.amx and dtype == torch.bfloat16 else MAX_TOKENS[dtype]
+            assert kernel.max_tokens(dtype, 64) == most
+            assert kernel.applies(torch.randn(1, 9, most, 64, dtype=dtype), keys.to(dtype), keys.to(dtype))
+            assert not kernel.applies(torch.randn(1, 9, most + 1, 64, dtype=dtype), keys.to(dtype), keys.to(dtype))
+    tiled = attrs.evolve(KERNEL, amx=True)
+    assert tiled.tiles(torch.bfloat16, 64, 1, AMX_MIN_KEYS) and tiled.tiles(torch.bfloat16, 64, 5, 300)  # a long cache, or many tokens
+    assert not tiled.tiles(torch.bfloat16, 64, 4, AMX_MIN_KEYS - 1)  # a few tokens over a short cache: widened
+    assert not tiled.tiles(torch.bfloat16, 72, 8, 8000)  # tiles need heads a multiple of 32 wide
+    assert not tiled.tiles(torch.float32, 64, 8, 8000)  # and a bfloat16 cache
     assert not KERNEL.applies(torch.randn(1, 9, 500, 64), keys, keys)  # nothing cached: a prefill
     columns = keys.transpose(2, 3).contiguous().transpose(2, 3)  # [1, Hkv, n, D] stored by columns
     assert not KERNEL.applies(query, columns, keys)  # keys not in rows

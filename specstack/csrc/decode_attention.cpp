@@ -15,14 +15,29 @@
 // once and run both products as a small GEMM, four rows by two vectors of columns in registers, in
 // vectors as wide as the machine has (16 floats with AVX-512). A bfloat16 block is widened to float32
 // as it is read (exact: a bf16 is the top half of a float), so the cache is read at half the bytes.
-// Compiled at first use by specstack/decode_attention.py; plain C++ with GCC vector types, no torch
-// headers. Not built with -ffast-math: the -infinities of the merge must stay.
+//
+// On a CPU with AMX (Intel's tile registers and their bf16 products), a bfloat16 cache takes the tiles
+// instead, for any number of rows: sixteen keys by sixteen query rows are scored per tile product
+// straight from the keys as stored (S^T = K Q^T, the queries laid out once per call), the online softmax
+// runs down the keys with sixteen rows to a vector, and the weights, transposed and rounded to bf16,
+// multiply the values laid out by key pairs (O = P V). Scores, sums and output stay float32; the
+// weights' rounding is the only one the widening path does not make (as in SDPA's bf16 kernels).
+// Compiled at first use by specstack/decode_attention.py; plain C++ with GCC vector types (and Intel
+// intrinsics for the AMX path), no torch headers. Not built with -ffast-math: the -infinities of the
+// merge must stay.
 
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include <omp.h>
+#if defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#define SPECSTACK_AMX 1  // compiled for a CPU with AMX tiles and AVX-512's bf16 conversions
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 namespace {
 
@@ -50,22 +65,27 @@ inline vw loadw(const float *p) { return *(const vw *)p; }
 inline void storew(float *p, vw x) { *(vw *)p = x; }
 inline float hsum(v8 x) { return ((x[0] + x[4]) + (x[1] + x[5])) + ((x[2] + x[6]) + (x[3] + x[7])); }
 
-// e^x for x <= 0 (Cephes' expf: x = n ln2 + r, a degree-7 polynomial in r, 2^n by the exponent bits).
-inline v8 exp8(v8 x) {
-    x = x < splat(LOWEST) ? splat(LOWEST) : x;
-    const v8 shifted = x * splat(1.44269504088896341f) + splat(12582912.0f);  // 1.5 * 2^23 + round(x / ln2)
-    const v8 n = shifted - splat(12582912.0f);
-    const v8 r = (x - n * splat(0.693359375f)) + n * splat(2.12194440e-4f);
-    v8 y = splat(1.9875691500e-4f);
-    y = y * r + splat(1.3981999507e-3f);
-    y = y * r + splat(8.3334519073e-3f);
-    y = y * r + splat(4.1665795894e-2f);
-    y = y * r + splat(1.6666665459e-1f);
-    y = y * r + splat(5.0000001201e-1f);
-    y = y * r * r + r + splat(1.0f);
-    const v8i exponent = ((v8i)shifted - 0x4B400000 + 127) << 23;  // the integer n sits in the low bits
-    return y * (v8)exponent;
+// e^x for x <= 0, lane by lane, in any GCC vector of floats V with VI its int32 twin (Cephes' expf:
+// x = n ln2 + r, a degree-7 polynomial in r, 2^n by the exponent bits).
+template <typename V, typename VI>
+inline V expv(V x) {
+    const V zero{};
+    x = x < zero + LOWEST ? zero + LOWEST : x;
+    const V shifted = x * 1.44269504088896341f + 12582912.0f;  // 1.5 * 2^23 + round(x / ln2)
+    const V n = shifted - 12582912.0f;
+    const V r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
+    V y = zero + 1.9875691500e-4f;
+    y = y * r + 1.3981999507e-3f;
+    y = y * r + 8.3334519073e-3f;
+    y = y * r + 4.1665795894e-2f;
+    y = y * r + 1.6666665459e-1f;
+    y = y * r + 5.0000001201e-1f;
+    y = y * r * r + r + 1.0f;
+    const VI exponent = ((VI)shifted - 0x4B400000 + 127) << 23;  // the integer n sits in the low bits
+    return y * (V)exponent;
 }
+
+inline v8 exp8(v8 x) { return expv<v8, v8i>(x); }
 
 // Lane i of the result: the sum of the lanes of x_i (a transposing tree of in-lane shuffles).
 inline v8 sums8(v8 x0, v8 x1, v8 x2, v8 x3, v8 x4, v8 x5, v8 x6, v8 x7) {
@@ -344,6 +364,205 @@ void merge_row(const float *qr, int r, int t, int d, int splits, const float *k_
 
 int gcd(int a, int b) { return b == 0 ? a : gcd(b, a % b); }
 
+#ifdef SPECSTACK_AMX
+// ---- The AMX path for a bfloat16 cache -------------------------------------------------------------
+
+typedef float v16 __attribute__((vector_size(64), aligned(4)));  // one 512-bit register of floats
+typedef int32_t v16i __attribute__((vector_size(64), aligned(4)));
+
+constexpr int TILE = 16;        // keys of a score tile, query rows of a group, columns of an output tile
+constexpr int PAIRS = 32;       // bf16 numbers in a 64-byte tile row
+constexpr int AMX_BLOCK = 64;   // keys per block: four score tiles
+
+inline v16 load16(const float *p) { return *(const v16 *)p; }
+inline void store16(float *p, v16 x) { *(v16 *)p = x; }
+
+inline uint16_t float_to_bf16(float f) {  // round to nearest even
+    uint32_t bits;
+    memcpy(&bits, &f, 4);
+    return (uint16_t)((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
+}
+
+// Linux lends the tile registers to a process that asks (arch_prctl ARCH_REQ_XCOMP_PERM = 0x1023 for
+// XFEATURE_XTILEDATA = 18); asked once, false where refused (an old kernel, a hypervisor without AMX).
+bool amx_permitted() {
+    static const bool permitted = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+    return permitted;
+}
+
+struct TileConfig {  // what ldtilecfg reads: palette 1, then each tile's bytes per row and rows
+    uint8_t palette = 1, start_row = 0, reserved[14] = {};
+    uint16_t colsb[16] = {};
+    uint8_t rows[16] = {};
+};
+
+// Tiles 0-5 (per thread), each 16 rows of 64 bytes: 0 scores, 1 keys, 2 queries; 3 output, 4 weights, 5 values.
+void configure_tiles() {
+    TileConfig config;
+    for (int i = 0; i < 6; ++i) config.colsb[i] = 64, config.rows[i] = TILE;
+    _tile_loadconfig(&config);
+}
+
+// 16 x 16 floats transposed in registers: r[i] becomes column i.
+void transpose16(__m512 r[16]) {
+    __m512 t[16];
+    for (int i = 0; i < 16; i += 2) t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]), t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+    for (int i = 0; i < 16; i += 4) {  // r[i + c] lane L: column 4L + c of rows i .. i+3
+        const __m512d a = _mm512_castps_pd(t[i]), b = _mm512_castps_pd(t[i + 1]), c = _mm512_castps_pd(t[i + 2]), e = _mm512_castps_pd(t[i + 3]);
+        r[i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c)), r[i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, c));
+        r[i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, e)), r[i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, e));
+    }
+    for (int i = 0; i < 4; ++i) {  // gather lane L of rows i, i+4, i+8, i+12 into column 4L + i
+        t[i] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0x88), t[i + 4] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0xDD);
+        t[i + 8] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0x88), t[i + 12] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0xDD);
+    }
+    for (int i = 0; i < 4; ++i) {
+        r[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88), r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xDD);
+        r[i + 4] = _mm512_shuffle_f32x4(t[i + 4], t[i + 12], 0x88), r[i + 12] = _mm512_shuffle_f32x4(t[i + 4], t[i + 12], 0xDD);
+    }
+}
+
+// qv[g][s][pair][2 * row + i] = q[16 g + row][32 s + 2 pair + i], zero past the rows: each group of
+// sixteen query rows as the B operand of K x Q^T (its dimension pairs interleaved).
+void interleave_queries(const float *q, int rows, int d, uint16_t *qv) {
+    const int groups = (rows + TILE - 1) / TILE, steps = d / PAIRS;
+    for (int g = 0; g < groups; ++g)
+        for (int s = 0; s < steps; ++s)
+            for (int pair = 0; pair < TILE; ++pair)
+                for (int row = 0; row < TILE; ++row)
+                    for (int i = 0; i < 2; ++i) {
+                        const int r = g * TILE + row;
+                        const float x = r < rows ? q[(int64_t)r * d + s * PAIRS + 2 * pair + i] : 0.0f;
+                        qv[(((int64_t)g * steps + s) * TILE + pair) * PAIRS + 2 * row + i] = float_to_bf16(x);  // exact: q holds bf16 numbers
+                    }
+}
+
+// vv[s][tile][pair][2 * col + i] = v[32 s + 2 pair + i][16 tile + col]: a block's 64 values (rows of d)
+// as the B operand of P x V (key pairs interleaved), two output tiles per 32 columns.
+void interleave_values(const uint16_t *v, int d, uint16_t *vv) {
+    const __m512i low = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
+                                         39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);  // a0 b0 a1 b1 ... a15 b15
+    const __m512i high = _mm512_add_epi16(low, _mm512_set1_epi16(16));                            // a16 b16 ... a31 b31
+    const int tiles = d / TILE;
+    for (int j = 0; j < AMX_BLOCK; j += 2) {
+        const int s = j / PAIRS, pair = j % PAIRS / 2;
+        for (int c = 0; c < d; c += PAIRS) {
+            const __m512i a = _mm512_loadu_si512(v + (int64_t)j * d + c), b = _mm512_loadu_si512(v + (int64_t)(j + 1) * d + c);
+            uint16_t *out = vv + ((int64_t)(s * tiles + c / TILE) * TILE + pair) * PAIRS;
+            _mm512_storeu_si512(out, _mm512_permutex2var_epi16(a, low, b));
+            _mm512_storeu_si512(out + TILE * PAIRS, _mm512_permutex2var_epi16(a, high, b));
+        }
+    }
+}
+
+// st[j][row] = k_j . q_row for the block's 64 keys (rows of d bf16) and one group's interleaved queries.
+void group_scores(const uint16_t *k, const uint16_t *qv, int d, float *st) {
+    for (int t = 0; t < AMX_BLOCK / TILE; ++t) {
+        _tile_zero(0);
+        for (int s = 0; s < d / PAIRS; ++s) {
+            _tile_loadd(1, k + (int64_t)t * TILE * d + s * PAIRS, d * 2);  // sixteen keys, 32 of their columns
+            _tile_loadd(2, qv + (int64_t)s * TILE * PAIRS, 64);
+            _tile_dpbf16ps(0, 1, 2);
+        }
+        _tile_stored(0, st + t * TILE * TILE, 64);
+    }
+}
+
+// The online softmax of one group down the block's len keys: st [64][16] scores in, weights out (zero
+// past len); the group's running maxima m and sums l (count rows) move on; returns each row's rescale.
+v16 group_softmax(float *st, int len, float scale, int count, float *m, float *l) {
+    v16 top = v16{} - INFINITY;
+    for (int r = 0; r < count; ++r) top[r] = m[r];
+    const v16 before = top;
+    for (int j = 0; j < len; ++j) {
+        const v16 x = load16(st + j * TILE) * scale;
+        store16(st + j * TILE, x);
+        top = x > top ? x : top;
+    }
+    const v16 rescale = expv<v16, v16i>(before - top);  // 0 on the first block (m = -inf)
+    v16 sum{};
+    for (int j = 0; j < AMX_BLOCK; ++j) {
+        const v16 w = j < len ? expv<v16, v16i>(load16(st + j * TILE) - top) : v16{};
+        store16(st + j * TILE, w);
+        sum += w;
+    }
+    for (int r = 0; r < count; ++r) l[r] = l[r] * rescale[r] + sum[r], m[r] = top[r];
+    return rescale;
+}
+
+// p[s][row][key] = st[32 s + key][row] rounded to bf16: the weights as the A operand of P x V.
+void weights_by_rows(const float *st, uint16_t *p) {
+    for (int c = 0; c < AMX_BLOCK; c += PAIRS) {
+        __m512 low[16], high[16];
+        for (int i = 0; i < TILE; ++i) low[i] = _mm512_loadu_ps(st + (c + i) * TILE), high[i] = _mm512_loadu_ps(st + (c + TILE + i) * TILE);
+        transpose16(low), transpose16(high);
+        for (int r = 0; r < TILE; ++r)  // keys c .. c+15 in the low half, c+16 .. c+31 in the high
+            _mm512_storeu_si512(p + ((int64_t)(c / PAIRS) * TILE + r) * PAIRS, (__m512i)_mm512_cvtne2ps_pbh(high[r], low[r]));
+    }
+}
+
+// o[row][0, d) = sum over the block's keys of p[row][key] v_key, float32.
+void group_values(const uint16_t *p, const uint16_t *vv, int d, float *o) {
+    const int tiles = d / TILE;
+    for (int t = 0; t < tiles; ++t) {
+        _tile_zero(3);
+        for (int s = 0; s < AMX_BLOCK / PAIRS; ++s) {
+            _tile_loadd(4, p + (int64_t)s * TILE * PAIRS, 64);
+            _tile_loadd(5, vv + (int64_t)(s * tiles + t) * TILE * PAIRS, 64);
+            _tile_dpbf16ps(3, 4, 5);
+        }
+        _tile_stored(3, o + t * TILE, d * 4);
+    }
+}
+
+// Floats of scratch one AMX work item needs: a group's scores and weights, the block's interleaved
+// values, a group's weighted values, a short last block zero-padded, every group's interleaved queries.
+inline size_t amx_scratch_floats(int d) {
+    return (size_t)AMX_BLOCK * TILE + (size_t)TILE * AMX_BLOCK / 2 + (size_t)AMX_BLOCK * d / 2 + (size_t)TILE * d
+           + (size_t)AMX_BLOCK * d + (size_t)MAX_ROWS * d / 2;
+}
+
+// One work item on AMX tiles: keys [begin, end) of one KV head (bfloat16, rows of d, d a multiple of 32)
+// into running maxima m, sums l and weighted values acc, as attend_range does. q [rows, d] holds the
+// unscaled queries (bf16 numbers); scores are scaled in float32.
+void attend_range_amx(const float *q, int rows, int d, float scale, const uint16_t *k, const uint16_t *v, int64_t begin, int64_t end,
+                      float *scratch, float *m, float *l, float *acc) {
+    float *st = scratch;                                    // [64 keys][16 rows]
+    uint16_t *p = (uint16_t *)(st + AMX_BLOCK * TILE);      // [2][16 rows][32 keys]
+    uint16_t *vv = p + TILE * AMX_BLOCK;                    // [2][d / 16][16 pairs][32]
+    float *o = (float *)(vv + AMX_BLOCK * d);               // [16 rows][d]
+    uint16_t *padded = (uint16_t *)(o + TILE * d);          // [64][d] keys, then [64][d] values
+    uint16_t *qv = padded + 2 * AMX_BLOCK * d;              // [groups][d / 32][16 pairs][32]
+    const int groups = (rows + TILE - 1) / TILE;
+    interleave_queries(q, rows, d, qv);
+    configure_tiles();
+    for (int r = 0; r < rows; ++r) m[r] = -INFINITY, l[r] = 0.0f;
+    for (int i = 0; i < rows * d; ++i) acc[i] = 0.0f;
+    for (int64_t b = begin; b < end; b += AMX_BLOCK) {
+        const int len = (int)(end - b < AMX_BLOCK ? end - b : AMX_BLOCK);
+        const uint16_t *kb = k + b * d, *vb = v + b * d;
+        if (len < AMX_BLOCK) {  // a short last block, zero-padded: zero values weigh nothing, padded scores are dropped
+            memset(padded, 0, sizeof(uint16_t) * 2 * AMX_BLOCK * d);
+            memcpy(padded, kb, sizeof(uint16_t) * len * d), memcpy(padded + AMX_BLOCK * d, vb, sizeof(uint16_t) * len * d);
+            kb = padded, vb = padded + AMX_BLOCK * d;
+        }  // no software prefetch: asking for the next block as the float32 path does measured 1.03-1.1x slower here
+        interleave_values(vb, d, vv);
+        for (int g = 0; g < groups; ++g) {
+            const int first = g * TILE, count = rows - first < TILE ? rows - first : TILE;
+            group_scores(kb, qv + (int64_t)g * d * TILE, d, st);
+            const v16 rescale = group_softmax(st, len, scale, count, m + first, l + first);
+            weights_by_rows(st, p);
+            group_values(p, vv, d, o);
+            for (int r = 0; r < count; ++r) {
+                float *ar = acc + (int64_t)(first + r) * d;
+                for (int c = 0; c < d; c += TILE) store16(ar + c, load16(ar + c) * rescale[r] + load16(o + r * d + c));
+            }
+        }
+    }
+    _tile_release();
+}
+#endif  // SPECSTACK_AMX
+
 }  // namespace
 
 extern "C" {
@@ -351,13 +570,23 @@ extern "C" {
 int specstack_max_rows() { return MAX_ROWS; }
 int specstack_max_dim() { return MAX_DIM; }
 
+// 1 where a bfloat16 cache can take the AMX path: compiled for a CPU with AMX and the tiles lent by Linux.
+int specstack_amx_bf16() {
+#ifdef SPECSTACK_AMX
+    return amx_permitted() ? 1 : 0;
+#else
+    return 0;
+#endif
+}
+
 // q [hkv, rows, d] contiguous (rows = G * t); keys and values of head h at k + h * k_head_stride elements,
 // rows of d, n of them, the last t the new tokens' own; float32, or bfloat16 where kv_bf16 is nonzero.
-// sees [t, t] (token i sees own key j) or null for a chain. out [hkv, rows, d] float32. Returns 0, or -1
-// for shapes it does not take (the caller falls back).
+// sees [t, t] (token i sees own key j) or null for a chain. out [hkv, rows, d] float32. A bfloat16 cache
+// takes the AMX path where amx is nonzero, specstack_amx_bf16() says 1 and d is a multiple of 32 (q then
+// holds bf16 numbers). Returns 0, or -1 for shapes it does not take (the caller falls back).
 int specstack_decode_attention(const float *q, const void *k, const void *v, int64_t k_head_stride, int64_t v_head_stride,
                                int hkv, int rows, int t, int d, int64_t n, const uint8_t *sees, float scale,
-                               float *out, int threads, int kv_bf16) {
+                               float *out, int threads, int kv_bf16, int amx) {
     if (rows < 1 || rows > MAX_ROWS || t < 1 || rows % t != 0 || d % 8 != 0 || d > MAX_DIM || n < t || hkv < 1 || threads < 1) return -1;
     const bool bf16 = kv_bf16 != 0;
     const size_t elem = bf16 ? 2 : 4;
@@ -366,12 +595,20 @@ int specstack_decode_attention(const float *q, const void *k, const void *v, int
     int splits = threads / gcd(hkv, threads);
     while (splits > 1 && past / splits < BLOCK) --splits;
     const int items = hkv * splits;
+#ifdef SPECSTACK_AMX
+    const bool tiles = bf16 && amx != 0 && d % PAIRS == 0 && amx_permitted();
+    const size_t item_floats = tiles ? amx_scratch_floats(d) : scratch_floats(d);
+#else
+    const bool tiles = false;
+    const size_t item_floats = scratch_floats(d);
+    (void)amx;
+#endif
     const size_t own = (size_t)hkv * t * d;  // the new tokens' own keys (and values), as float32
     // one allocation per call: scaled queries, each item's partials and scratch, the own keys and values
-    float *scaled = (float *)malloc(sizeof(float) * ((size_t)hkv * rows * d + (size_t)items * (rows * (d + 2) + scratch_floats(d)) + 2 * own));
+    float *scaled = (float *)malloc(sizeof(float) * ((size_t)hkv * rows * d + (size_t)items * (rows * (d + 2) + item_floats) + 2 * own));
     if (!scaled) return -1;
     float *m = scaled + (size_t)hkv * rows * d, *l = m + (size_t)items * rows, *acc = l + (size_t)items * rows;
-    float *scratch = acc + (size_t)items * rows * d, *k_own = scratch + (size_t)items * scratch_floats(d), *v_own = k_own + own;
+    float *scratch = acc + (size_t)items * rows * d, *k_own = scratch + (size_t)items * item_floats, *v_own = k_own + own;
     for (int64_t i = 0; i < (int64_t)hkv * rows * d; ++i) scaled[i] = q[i] * scale;
     for (int h = 0; h < hkv; ++h) {
         widen((const char *)k + (h * k_head_stride + past * d) * elem, bf16, (int64_t)t * d, k_own + (size_t)h * t * d);
@@ -382,9 +619,16 @@ int specstack_decode_attention(const float *q, const void *k, const void *v, int
     for (int item = 0; item < items; ++item) {
         const int h = item / splits, s = item % splits;
         const int64_t begin = past * s / splits, end = past * (s + 1) / splits;
+        float *item_m = m + (int64_t)item * rows, *item_l = l + (int64_t)item * rows, *item_acc = acc + (int64_t)item * rows * d;
+#ifdef SPECSTACK_AMX
+        if (tiles) {
+            attend_range_amx(q + (int64_t)h * rows * d, rows, d, scale, (const uint16_t *)k + h * k_head_stride, (const uint16_t *)v + h * v_head_stride,
+                             begin, end, scratch + (size_t)item * item_floats, item_m, item_l, item_acc);
+            continue;
+        }
+#endif
         attend_range(scaled + (int64_t)h * rows * d, rows, d, (const char *)k + h * k_head_stride * elem,
-                     (const char *)v + h * v_head_stride * elem, bf16, begin, end, scratch + (size_t)item * scratch_floats(d),
-                     m + (int64_t)item * rows, l + (int64_t)item * rows, acc + (int64_t)item * rows * d);
+                     (const char *)v + h * v_head_stride * elem, bf16, begin, end, scratch + (size_t)item * item_floats, item_m, item_l, item_acc);
     }
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int hr = 0; hr < hkv * rows; ++hr) {
