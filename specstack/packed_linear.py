@@ -83,7 +83,7 @@ class RowsKernel:
         """x [..., in] -> [..., out]."""
         out, inp = weight.shape
         x = x.contiguous()
-        y = torch.empty(*x.shape[:-1], out, dtype=x.dtype, device=x.device)  # [..., out]
+        y = x.new_empty((*x.shape[:-1], out))  # [..., out]
         entry = self.library.specstack_linear_rows_f32 if x.dtype == torch.float32 else self.library.specstack_linear_rows_bf16
         status = entry(weight.data_ptr(), x.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(), x.numel() // inp, out, inp,
                        torch.get_num_threads())
@@ -131,16 +131,18 @@ class PackedLinear(torch.nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., in] -> [..., out]."""
-        if self._takes(x):
-            if self._rows is not None and self._rows.applies(x, self.weight, self.bias):
-                return self._rows(x, self.weight, self.bias)  # [..., out]
+        weight, bias = self.weight, self.bias  # read once: a module's parameters are slow attributes, and a step makes 211 of these calls
+        if self._takes(x, weight):
+            if self._rows is not None and self._rows.applies(x, weight, bias):
+                return self._rows(x, weight, bias)  # [..., out]
             if x.dtype == torch.float32 or (x.dtype == torch.bfloat16 and self._bf16_packs):
-                return torch.ops.mkldnn._linear_pointwise(x, self._packed_weight(), self.bias, "none", [], "")  # [..., out]
-        return torch.nn.functional.linear(x, self.weight, self.bias)  # [..., out]
+                return torch.ops.mkldnn._linear_pointwise(x, self._packed_weight(), bias, "none", [], "")  # [..., out]
+        return torch.nn.functional.linear(x, weight, bias)  # [..., out]
 
-    def _takes(self, x: torch.Tensor) -> bool:
+    @staticmethod
+    def _takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
         """Whether this forward is ours: on the CPU, recording no gradients."""
-        return x.device.type == "cpu" and not (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad))
+        return x.device.type == "cpu" and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
 
     def _packed_weight(self) -> torch.Tensor:
         weight = self.weight
