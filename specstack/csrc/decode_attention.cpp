@@ -19,7 +19,8 @@
 // On a CPU with AMX (Intel's tile registers and their bf16 products), a bfloat16 cache takes the tiles
 // instead, for any number of rows: sixteen keys by sixteen query rows are scored per tile product
 // straight from the keys as stored (S^T = K Q^T, the queries laid out once per call), the online softmax
-// runs down the keys with sixteen rows to a vector, and the weights, transposed and rounded to bf16,
+// runs down the keys with sixteen rows to a vector (a group of a few rows: row by row), and the weights,
+// transposed and rounded to bf16,
 // multiply the values laid out by key pairs (O = P V). Scores, sums and output stay float32; the
 // weights' rounding is the only one the widening path does not make (as in SDPA's bf16 kernels).
 // Compiled at first use by specstack/decode_attention.py; plain C++ with GCC vector types (and Intel
@@ -373,6 +374,8 @@ typedef int32_t v16i __attribute__((vector_size(64), aligned(4)));
 constexpr int TILE = 16;        // keys of a score tile, query rows of a group, columns of an output tile
 constexpr int PAIRS = 32;       // bf16 numbers in a 64-byte tile row
 constexpr int AMX_BLOCK = 64;   // keys per block: four score tiles
+constexpr int FEW_ROWS = 6;     // groups of up to this many rows take the softmax row by row: attention over
+                                // 7,500 and 32,000 keys 1.15x faster at 3 rows, 1.05x at 6, 0.89x at 12
 
 inline v16 load16(const float *p) { return *(const v16 *)p; }
 inline void store16(float *p, v16 x) { *(v16 *)p = x; }
@@ -501,6 +504,35 @@ void weights_by_rows(const float *st, uint16_t *p) {
     }
 }
 
+// The same softmax for a group of at most FEW_ROWS rows, row by row: each row's 64 scores gathered from
+// its column of st, exponentiated as four vectors (not sixteen rows' worth down the keys), and written
+// straight into the weights as the A operand of P x V (p[s][row][key], bf16; rows past count are not
+// written: their outputs are not read). Returns each row's rescale.
+v16 few_rows_softmax(const float *st, int len, float scale, int count, float *m, float *l, uint16_t *p) {
+    const __m512i column = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), _mm512_set1_epi32(TILE));
+    v16 rescale{};
+    for (int r = 0; r < count; ++r) {
+        __m512 s[4];  // keys 16c .. 16c+15 of row r; -inf past len
+        for (int c = 0; c < 4; ++c) {
+            const int valid = len - TILE * c;
+            const __mmask16 mask = (__mmask16)(valid >= TILE ? 0xFFFF : valid <= 0 ? 0 : (1u << valid) - 1);
+            s[c] = _mm512_mask_i32gather_ps(_mm512_set1_ps(-INFINITY), mask, column, st + TILE * c * TILE + r, 4) * scale;
+        }
+        const float top = fmaxf(m[r], _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(s[0], s[1]), _mm512_max_ps(s[2], s[3]))));
+        v16 sum{};
+        for (int c = 0; c < 4; ++c) {
+            const v16 x = (v16)s[c], w = expv<v16, v16i>(x - top);
+            s[c] = (__m512)(x == -INFINITY ? v16{} : w);  // padded keys weigh nothing
+            sum += (v16)s[c];
+        }
+        rescale[r] = expf(m[r] - top);  // 0 on the first block (m = -inf)
+        l[r] = l[r] * rescale[r] + _mm512_reduce_add_ps((__m512)sum), m[r] = top;
+        _mm512_storeu_si512(p + r * PAIRS, (__m512i)_mm512_cvtne2ps_pbh(s[1], s[0]));            // keys 0-31
+        _mm512_storeu_si512(p + (TILE + r) * PAIRS, (__m512i)_mm512_cvtne2ps_pbh(s[3], s[2]));   // keys 32-63
+    }
+    return rescale;
+}
+
 // o[row][0, d) = sum over the block's keys of p[row][key] v_key, float32.
 void group_values(const uint16_t *p, const uint16_t *vv, int d, float *o) {
     const int tiles = d / TILE;
@@ -550,8 +582,13 @@ void attend_range_amx(const float *q, int rows, int d, float scale, const uint16
         for (int g = 0; g < groups; ++g) {
             const int first = g * TILE, count = rows - first < TILE ? rows - first : TILE;
             group_scores(kb, qv + (int64_t)g * d * TILE, d, st);
-            const v16 rescale = group_softmax(st, len, scale, count, m + first, l + first);
-            weights_by_rows(st, p);
+            v16 rescale;
+            if (count <= FEW_ROWS) {
+                rescale = few_rows_softmax(st, len, scale, count, m + first, l + first, p);
+            } else {
+                rescale = group_softmax(st, len, scale, count, m + first, l + first);
+                weights_by_rows(st, p);
+            }
             group_values(p, vv, d, o);
             for (int r = 0; r < count; ++r) {
                 float *ar = acc + (int64_t)(first + r) * d;
