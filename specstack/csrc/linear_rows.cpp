@@ -21,7 +21,6 @@
 #include <string.h>
 
 #include <omp.h>
-#include <xmmintrin.h>  // _mm_prefetch
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
 #endif
@@ -39,7 +38,7 @@ inline v8 load8(const float *p) { return *(const v8 *)p; }
 template <typename T>
 inline void prefetch_next_block(const T *w0, int64_t in, int64_t c) {
     const T *next = w0 + ROWS * in + c;
-    for (int i = 0; i < ROWS; ++i) _mm_prefetch((const char *)(next + i * in), _MM_HINT_T0);
+    for (int i = 0; i < ROWS; ++i) __builtin_prefetch(next + i * in, 0, 3);  // read, keep in every level (prefetcht0 on x86)
 }
 
 inline float hsum(v8 x) { return ((x[0] + x[4]) + (x[1] + x[5])) + ((x[2] + x[6]) + (x[3] + x[7])); }
