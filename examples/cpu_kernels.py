@@ -5,9 +5,12 @@ Three settings of the same loaded models, alternated ``--rounds`` times (the bes
   * ``torch``: SDPA for attention, oneDNN's packed kernel for every linear (what ran before the kernels);
   * ``attention``: the decode-attention kernel (``specstack.decode_attention``);
   * ``both``: that and the few-row linear kernel (``specstack.packed_linear``), the shipped default.
+In bf16 on a CPU with AMX tiles a fourth, ``widened``, is ``both`` with the attention kernel told not to
+use the tiles (``attrs.evolve(kernel, amx=False)``: up to four tokens widened, wider ones to SDPA).
 
 Each row is one ``HFCausalLM.forward`` of T tokens (a chain, or with ``tree`` one committed token and a
-binary tree) over a random cache, timed as ``specstack floor`` times it; ratios are ``torch`` ÷ setting.
+binary tree) over a random cache, timed as ``specstack floor`` times it; ratios are ``torch`` ÷ setting,
+and with ``widened`` also ``widened`` ÷ ``both`` (what the tiles buy).
 In bf16 the linear kernel takes one to six rows where the CPU has AVX-512's bf16 dot products
 (elsewhere ``both`` equals ``attention``), and the attention kernel one to four tokens (one to sixteen
 where the CPU has AMX tiles).
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 
+import attrs
 import torch
 
 from specstack.bench.floor import WINDOW, fill, time_forward
@@ -32,10 +36,10 @@ FORWARDS = [(1, False), (2, False), (3, False), (4, False), (8, False), (16, Fal
 
 def use(model, setting: str, attention, rows) -> None:
     """Put ``model`` (an HFCausalLM) in one setting: which compiled kernels its forwards take."""
-    model.attention_kernel = attention if setting in ("attention", "both") else None
+    model.attention_kernel = {"attention": attention, "both": attention, "widened": attrs.evolve(attention, amx=False)}.get(setting)
     for module in model.module.modules():
         if isinstance(module, PackedLinear):
-            PackedLinear.adopt(module, rows if setting == "both" else None)
+            PackedLinear.adopt(module, rows if setting in ("both", "widened") else None)
 
 
 def main() -> None:
@@ -54,8 +58,10 @@ def main() -> None:
     if attention is None or rows is None:
         raise SystemExit("the kernels cannot be built here (no C++ compiler?)")
     generator = torch.Generator(device="cpu").manual_seed(0)
-    settings = ("torch", "attention", "both")
-    print(f"{'model':<7} {'cache':>6} {'T':>3} {'shape':<5} " + " ".join(f"{s + ' ms':>13}" for s in settings) + "   torch ÷ attention, ÷ both")
+    tiles = attention.amx and args.dtype == "bfloat16"
+    settings = ("torch", "attention", "both", "widened") if tiles else ("torch", "attention", "both")
+    print(f"{'model':<7} {'cache':>6} {'T':>3} {'shape':<5} " + " ".join(f"{s + ' ms':>13}" for s in settings)
+          + "   torch ÷ attention, ÷ both" + (", widened ÷ both" if tiles else ""))
     for model, caches, relative in ((target, args.caches, False), (draft, [WINDOW], True)):
         for cached in caches:
             store = model.new_cache(cached + 16, relative_positions=relative)
@@ -71,7 +77,8 @@ def main() -> None:
                 name = "target" if model is target else "draft"
                 print(f"{name:<7} {cached:>6} {tokens:>3} {'tree' if tree else 'chain':<5} "
                       + " ".join(f"{1e3 * best[s]:>13.2f}" for s in settings)
-                      + f"   {best['torch'] / best['attention']:.2f}x, {best['torch'] / best['both']:.2f}x", flush=True)
+                      + f"   {best['torch'] / best['attention']:.2f}x, {best['torch'] / best['both']:.2f}x"
+                      + (f", {best['widened'] / best['both']:.2f}x" if tiles else ""), flush=True)
             del store
 
 

@@ -190,7 +190,7 @@ class HFCausalLM:
         {Capability.KEYS, Capability.QUERIES, Capability.ATTENTION_WEIGHTS, Capability.SPARSE_ATTENTION, Capability.TREE_ATTENTION,
          Capability.HIDDEN_STATES})
     cuda_graphs: bool = True  # replay short chain forwards over bounded stores as CUDA graphs (specstack.graphs)
-    packed_linears: bool = True  # the module's linear layers on the CPU: a few rows streamed (fp32, and bf16 with AVX-512 bf16), more fp32 rows through oneDNN (specstack.packed_linear)
+    packed_linears: bool = True  # the module's linear layers on the CPU: a few rows streamed (fp32, and bf16 with AVX-512 bf16), more through oneDNN over packed weights (fp32, and bf16 where oneDNN has bf16 kernels) (specstack.packed_linear)
     decode_kernel: bool = True  # attention of a few new tokens over a float32 or bfloat16 cache on the CPU (specstack.decode_attention)
     vocab_size: int = attrs.field(init=False)
     max_length: int = attrs.field(init=False)

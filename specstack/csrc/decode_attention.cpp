@@ -479,13 +479,12 @@ v16 group_softmax(float *st, int len, float scale, int count, float *m, float *l
     const v16 before = top;
     for (int j = 0; j < len; ++j) {
         const v16 x = load16(st + j * TILE) * scale;
-        store16(st + j * TILE, x);
         top = x > top ? x : top;
     }
     const v16 rescale = expv<v16, v16i>(before - top);  // 0 on the first block (m = -inf)
     v16 sum{};
-    for (int j = 0; j < AMX_BLOCK; ++j) {
-        const v16 w = j < len ? expv<v16, v16i>(load16(st + j * TILE) - top) : v16{};
+    for (int j = 0; j < AMX_BLOCK; ++j) {  // the scaled score recomputed, the same bits: no pass storing it
+        const v16 w = j < len ? expv<v16, v16i>(load16(st + j * TILE) * scale - top) : v16{};
         store16(st + j * TILE, w);
         sum += w;
     }
