@@ -3,7 +3,9 @@
 The model's own modeling code runs unchanged. specstack plugs in through transformers' two
 extension points: the cache object (a :class:`~specstack.kvstore.KVStore` receives each layer's new
 keys and values and returns the level's view) and the attention function (registered under the name
-``"specstack"``), which attends over the view without expanding grouped-query keys.
+``"specstack"``), which attends over the view without expanding grouped-query keys. On the CPU, a
+Llama-family model's forwards take :mod:`specstack.decoder` instead, which computes the same layers
+with the same modules, cache object and attention function in fewer calls.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from .attention import attention_weights
 from .errors import SpecstackError
 from .batch import TokenBatch
 from .decode_attention import DecodeKernel, load_decode_kernel
+from .decoder import LeanDecoder
 from .graphs import ForwardGraphs, StaticView
 from .kvstore import KVStore
 from .packed_linear import pack_linears
@@ -192,10 +195,12 @@ class HFCausalLM:
     cuda_graphs: bool = True  # replay short chain forwards over bounded stores as CUDA graphs (specstack.graphs)
     packed_linears: bool = True  # the module's linear layers on the CPU: a few rows streamed (fp32, and bf16 with AVX-512 bf16), more through oneDNN over packed weights (fp32, and bf16 where oneDNN has bf16 kernels) (specstack.packed_linear)
     decode_kernel: bool = True  # attention of a few new tokens over a float32 or bfloat16 cache on the CPU (specstack.decode_attention)
+    lean_decoder: bool = True  # CPU forwards without transformers' per-layer Python, q/k/v and gate/up fused (specstack.decoder)
     vocab_size: int = attrs.field(init=False)
     max_length: int = attrs.field(init=False)
     graphs: ForwardGraphs = attrs.field(init=False)
     attention_kernel: DecodeKernel | None = attrs.field(init=False)  # None: not asked for, or no compiler here
+    decoder: LeanDecoder | None = attrs.field(init=False)  # None: not asked for, or a decoder it does not fit
 
     def __attrs_post_init__(self) -> None:
         config = self.module.config
@@ -209,6 +214,7 @@ class HFCausalLM:
         self.vocab_size = config.vocab_size
         self.max_length = config.max_position_embeddings
         self.attention_kernel = load_decode_kernel() if self.decode_kernel else None
+        self.decoder = LeanDecoder.build(self.module) if self.lean_decoder else None
         self.graphs = ForwardGraphs(self._static_forward, config.num_attention_heads // config.num_key_value_heads)
 
     @property
@@ -258,7 +264,10 @@ class HFCausalLM:
     def _run(self, tokens: torch.Tensor, rope: torch.Tensor, cache: StoreCache, num_logits: int, **attention) -> tuple[torch.Tensor, torch.Tensor]:
         """The module over tokens and rotary positions [1, T] -> the logits [num_logits, V] and last hidden
         states [num_logits, H] of the last ``num_logits`` tokens, as the model's own forward computes them
-        (its decoder, then its LM head over those rows only)."""
+        (its decoder, then its LM head over those rows only): on the CPU through the lean decoder where
+        there is one, else through the module."""
+        if self.decoder is not None and self.decoder.applies(tokens):
+            return self.decoder.run(tokens, rope, cache, num_logits, grouped_attention, **attention)
         out = self.module.model(input_ids=tokens, position_ids=rope, past_key_values=cache, use_cache=True, **attention)
         hidden = out.last_hidden_state[0, out.last_hidden_state.shape[1] - num_logits :]  # [num_logits, H]
         return self.module.lm_head(hidden).float(), hidden  # [num_logits, V], [num_logits, H]

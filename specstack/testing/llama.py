@@ -20,8 +20,9 @@ TOKENIZER_ID = "random-llama"  # levels of one stack must share a tokenizer id
 
 def random_llama(*, seed: int = 0, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, vocab_size: int = 256,
                  hidden_size: int = 64, intermediate_size: int = 128, layers: int = 2, heads: int = 4, kv_heads: int = 2,
-                 max_positions: int = 2048, logit_scale: float = 8.0, name: str = "random-llama") -> HFCausalLM:
-    """A ``LlamaForCausalLM`` with seeded random weights, wrapped as a stack level's model."""
+                 max_positions: int = 2048, logit_scale: float = 8.0, name: str = "random-llama", **options) -> HFCausalLM:
+    """A ``LlamaForCausalLM`` with seeded random weights, wrapped as a stack level's model (``options``:
+    :class:`HFCausalLM`'s switches, e.g. ``lean_decoder=False``)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
@@ -32,7 +33,7 @@ def random_llama(*, seed: int = 0, device: torch.device | str = "cpu", dtype: to
         module = LlamaForCausalLM(config)
     with torch.no_grad():
         module.lm_head.weight.mul_(logit_scale)
-    return HFCausalLM(module=module.to(device=device, dtype=dtype), tokenizer_id=TOKENIZER_ID, name=name)
+    return HFCausalLM(module=module.to(device=device, dtype=dtype), tokenizer_id=TOKENIZER_ID, name=name, **options)
 
 
 def perturbed(model: HFCausalLM, *, noise: float, seed: int, device: torch.device | str | None = None, name: str = "perturbed") -> HFCausalLM:

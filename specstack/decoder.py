@@ -1,0 +1,188 @@
+"""The CPU forward of a Llama-family decoder (Llama, Mistral, Qwen2) without transformers' per-layer Python.
+
+transformers' decoder runs about 400 module calls and 40 small tensor operations per layer and forward;
+for SmolLM2-135M on 2 cores that was a quarter of a one-token step over a 512-slot cache (7.5 of 23 ms,
+docs/benchmarks.md, "The decoder's own Python"). :class:`LeanDecoder` computes the same layers with
+the same modules' weights and fewer calls:
+
+* each layer's q, k and v products are one matrix product, and so are its MLP's gate and up products:
+  the layer's ``q_proj``, ``k_proj`` and ``v_proj`` weights become row blocks of one contiguous matrix
+  (views: no copy, the state dict unchanged), and likewise ``gate_proj`` and ``up_proj``;
+* rotary embedding rotates the queries and keys of a layer in one pass;
+* attention is specstack's own (:func:`specstack.hf.grouped_attention`, which the transformers path
+  also uses), the norms and activation the modules' own forwards, the products :class:`PackedLinear`'s.
+
+It computes what the transformers forward computes, operation for operation, so results agree with
+it to rounding: each output of the few-row kernel is summed in one fixed order whatever matrix holds
+its weight row, so up to its row count the two paths give the same bits (tests/test_decoder.py);
+wider products go through oneDNN, whose blocking may round a fused matrix differently.
+
+It takes forwards of up to :data:`MAX_TOKENS` tokens. Against the transformers forward, bf16, 2 threads,
+one process: 1.20x faster at one token over 512 cached slots, 1.13-1.17x over 7,500, 1.09-1.15x for 16
+to 256 tokens over 1,024; but 0.80x for a prefill of two 2,048-token chunks (0.85x in fp32), which
+therefore keeps the transformers forward.
+
+A layer whose weights moved (``.to()``, ``.data =``, a load) is fused again before its next forward.
+"""
+
+from __future__ import annotations
+
+import attrs
+import torch
+
+from .packed_linear import PackedLinear
+
+MAX_TOKENS = 256  # the widest forward taken here; prefill chunks (2,048 tokens) run faster through transformers
+
+# What a decoder layer must hold for this forward: transformers' Llama, Mistral and Qwen2 layers do.
+LAYER_PARTS = ("input_layernorm", "post_attention_layernorm", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+               "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj", "mlp.act_fn")
+
+
+@attrs.define(eq=False)
+class FusedProducts:
+    """Row blocks of one weight matrix, one product: the ``parts``' weights (and biases) are views of
+    ``linear``'s, in order, so ``linear(x)`` is their outputs side by side."""
+
+    linear: torch.nn.Linear  # a PackedLinear where the parts are
+    views: tuple[tuple[torch.nn.Module, str, torch.nn.Parameter, int], ...]  # (part, "weight" or "bias", its parameter, the address it views)
+
+    @classmethod
+    def fuse(cls, parts: tuple[torch.nn.Linear, ...]) -> "FusedProducts":
+        """Copy the parts' weights into one matrix and make each part's weight a view of its rows."""
+        weight = torch.cat([p.weight.detach() for p in parts])  # [sum of outs, in]
+        has_bias = parts[0].bias is not None
+        bias = torch.cat([p.bias.detach() for p in parts]) if has_bias else None  # [sum of outs]
+        linear = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=has_bias, device=weight.device, dtype=weight.dtype)
+        linear.weight.data = weight
+        if has_bias:
+            linear.bias.data = bias
+        views, row = [], 0
+        for part in parts:
+            rows = part.weight.shape[0]
+            part.weight.data = weight[row : row + rows]  # [rows, in], a view
+            views.append((part, "weight", part.weight, part.weight.data_ptr()))
+            if has_bias:
+                part.bias.data = bias[row : row + rows]  # [rows], a view
+                views.append((part, "bias", part.bias, part.bias.data_ptr()))
+            row += rows
+        if isinstance(parts[0], PackedLinear):
+            PackedLinear.adopt(linear, parts[0]._rows)
+        linear.requires_grad_(False)
+        return cls(linear=linear, views=tuple(views))
+
+    def current(self) -> bool:
+        """Whether every part's weight (and bias) is still the same parameter viewing the fused matrix
+        (``module._parameters`` read directly: a module's attribute lookup costs more than the check)."""
+        return all(part._parameters[name] is param and param.data_ptr() == address for part, name, param, address in self.views)
+
+
+@attrs.define(eq=False, kw_only=True)
+class LeanLayer:
+    """One decoder layer: its modules and shapes read once, its q/k/v and gate/up products fused."""
+
+    layer: torch.nn.Module
+    qkv: FusedProducts
+    gate_up: FusedProducts
+    attention: torch.nn.Module  # the layer's self_attn, handed to the attention function
+    input_norm: torch.nn.Module
+    post_norm: torch.nn.Module
+    o_proj: torch.nn.Module
+    down_proj: torch.nn.Module
+    act: torch.nn.Module
+    heads: int
+    kv_heads: int
+    head_dim: int
+    inner: int  # the MLP's width: gate's outputs, then up's, in the fused product
+
+    @classmethod
+    def of(cls, layer: torch.nn.Module) -> "LeanLayer":
+        attn, mlp = layer.self_attn, layer.mlp
+        d = attn.head_dim
+        return cls(layer=layer, qkv=FusedProducts.fuse((attn.q_proj, attn.k_proj, attn.v_proj)), gate_up=FusedProducts.fuse((mlp.gate_proj, mlp.up_proj)),
+                   attention=attn, input_norm=layer.input_layernorm, post_norm=layer.post_attention_layernorm, o_proj=attn.o_proj,
+                   down_proj=mlp.down_proj, act=mlp.act_fn, heads=attn.q_proj.weight.shape[0] // d, kv_heads=attn.k_proj.weight.shape[0] // d,
+                   head_dim=d, inner=mlp.gate_proj.weight.shape[0])
+
+    def current(self) -> bool:
+        return self.qkv.current() and self.gate_up.current()
+
+    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache, attend, attention: dict) -> torch.Tensor:
+        """hidden [1, T, H], cos/sin [1, T, 1, D] -> [1, T, H]: the decoder layer (pre-norm attention and
+        MLP, each added to the residual stream)."""
+        t, d, heads, kv_heads = hidden.shape[1], self.head_dim, self.heads, self.kv_heads
+        x = self.input_norm.forward(hidden)  # [1, T, H]
+        qkv = self.qkv.linear.forward(x).view(1, t, heads + 2 * kv_heads, d)  # [1, T, Hq + 2 Hkv, D]
+        qk = qkv[:, :, : heads + kv_heads]  # [1, T, Hq + Hkv, D]
+        half = d // 2
+        rotated = torch.cat((-qk[..., half:], qk[..., :half]), dim=-1)  # [1, T, Hq + Hkv, D], transformers' rotate_half
+        qk = qk * cos + rotated * sin  # [1, T, Hq + Hkv, D]
+        query = qk[:, :, :heads].transpose(1, 2)  # [1, Hq, T, D]
+        key, value = qk[:, :, heads:].transpose(1, 2), qkv[:, :, heads + kv_heads :].transpose(1, 2)  # [1, Hkv, T, D] each
+        keys, values = cache.update(key, value, self.attention.layer_idx)  # [1, Hkv, n, D] each
+        out, _ = attend(self.attention, query, keys, values, None, scaling=self.attention.scaling, **attention)  # [1, T, Hq, D]
+        hidden = hidden + self.o_proj.forward(out.reshape(1, t, heads * d))  # [1, T, H]
+        gate_up = self.gate_up.linear.forward(self.post_norm.forward(hidden))  # [1, T, 2 I]
+        return hidden + self.down_proj.forward(self.act.forward(gate_up[..., : self.inner]) * gate_up[..., self.inner :])  # [1, T, H]
+
+
+def fits(module: torch.nn.Module) -> bool:
+    """Whether ``module`` (a transformers ``...ForCausalLM``) has the decoder this forward computes."""
+    model = getattr(module, "model", None)
+    layers = getattr(model, "layers", None)
+    if layers is None or not all(hasattr(model, name) for name in ("embed_tokens", "rotary_emb", "norm")):
+        return False
+    for layer in layers:
+        for path in LAYER_PARTS:
+            owner = layer
+            for name in path.split("."):
+                owner = getattr(owner, name, None)
+            if owner is None:
+                return False
+        attn = layer.self_attn
+        if type(attn.q_proj) not in (torch.nn.Linear, PackedLinear) or not hasattr(attn, "head_dim") or not hasattr(attn, "scaling"):
+            return False
+    return True
+
+
+@attrs.define(eq=False)
+class LeanDecoder:
+    """A transformers Llama-family model's decoder and LM head on the CPU, fewer calls per layer (module
+    docstring). ``run`` takes what ``HFCausalLM._run`` takes."""
+
+    module: torch.nn.Module
+    layers: list[LeanLayer]
+
+    @classmethod
+    def build(cls, module: torch.nn.Module) -> "LeanDecoder | None":
+        """The lean forward of ``module``, fusing its layers' products; None where it does not fit (:func:`fits`)
+        or lives off the CPU."""
+        if not fits(module) or next(module.parameters()).device.type != "cpu":
+            return None
+        with torch.no_grad():
+            return cls(module=module, layers=[LeanLayer.of(layer) for layer in module.model.layers])
+
+    def applies(self, tokens: torch.Tensor) -> bool:
+        """Whether a forward over ``tokens`` [1, T] runs here: on the CPU, at most MAX_TOKENS of them."""
+        return tokens.device.type == "cpu" and tokens.shape[1] <= MAX_TOKENS
+
+    def run(self, tokens: torch.Tensor, rope: torch.Tensor, cache, num_logits: int, attend, **attention) -> tuple[torch.Tensor, torch.Tensor]:
+        """tokens and rotary positions [1, T] -> the logits [num_logits, V] (float32) and last hidden states
+        [num_logits, H] of the last ``num_logits`` tokens; ``attend`` is the attention function."""
+        self._fuse_moved()
+        model = self.module.model
+        hidden = model.embed_tokens(tokens)  # [1, T, H]
+        cos, sin = model.rotary_emb(hidden, position_ids=rope)  # [1, T, D] each
+        cos, sin = cos[:, :, None], sin[:, :, None]  # [1, T, 1, D]: one angle per token, every head
+        for layer in self.layers:
+            hidden = layer.forward(hidden, cos, sin, cache, attend, attention)  # [1, T, H]
+        hidden = model.norm.forward(hidden)[0, tokens.shape[1] - num_logits :]  # [num_logits, H]
+        return self.module.lm_head(hidden).float(), hidden  # [num_logits, V], [num_logits, H]
+
+    def _fuse_moved(self) -> None:
+        """Fuse again any layer whose weights were replaced since they were fused."""
+        stale = [i for i, layer in enumerate(self.layers) if not layer.current()]
+        if stale:
+            with torch.inference_mode(False), torch.no_grad():
+                for i in stale:
+                    self.layers[i] = LeanLayer.of(self.layers[i].layer)
