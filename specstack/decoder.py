@@ -1,7 +1,7 @@
 """The CPU forward of a Llama-family decoder (Llama, Mistral, Qwen2) without transformers' per-layer Python.
 
-transformers' decoder runs about 400 module calls and 40 small tensor operations per layer and forward;
-for SmolLM2-135M on 2 cores that was a quarter of a one-token step over a 512-slot cache (7.5 of 23 ms,
+transformers' decoder makes about 395 module calls per forward (13 per layer), each around a few small
+tensor operations (its RMSNorm alone is eight); for SmolLM2-135M on 2 cores that was a quarter of a one-token step over a 512-slot cache (7.5 of 23 ms,
 docs/benchmarks.md, "The decoder's own Python"). :class:`LeanDecoder` computes the same layers with
 the same modules' weights and fewer calls:
 
@@ -23,6 +23,7 @@ to 256 tokens over 1,024; but 0.80x for a prefill of two 2,048-token chunks (0.8
 therefore keeps the transformers forward.
 
 A layer whose weights moved (``.to()``, ``.data =``, a load) is fused again before its next forward.
+The LM head stays with the caller (``HFCausalLM._run``), as it does after transformers' decoder.
 """
 
 from __future__ import annotations
@@ -33,6 +34,13 @@ import torch
 from .packed_linear import PackedLinear
 
 MAX_TOKENS = 256  # the widest forward taken here; prefill chunks (2,048 tokens) run faster through transformers
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """[..., D] -> [..., D]: the second half negated, then the first (transformers' ``rotate_half``, RoPE's
+    rotation by 90 degrees of each pair of dimensions i and i + D/2)."""
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
 
 # What a decoder layer must hold for this forward: transformers' Llama, Mistral and Qwen2 layers do.
 LAYER_PARTS = ("input_layernorm", "post_attention_layernorm", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
@@ -53,7 +61,7 @@ class FusedProducts:
         weight = torch.cat([p.weight.detach() for p in parts])  # [sum of outs, in]
         has_bias = parts[0].bias is not None
         bias = torch.cat([p.bias.detach() for p in parts]) if has_bias else None  # [sum of outs]
-        linear = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=has_bias, device=weight.device, dtype=weight.dtype)
+        linear = torch.nn.utils.skip_init(torch.nn.Linear, weight.shape[1], weight.shape[0], bias=has_bias, device=weight.device, dtype=weight.dtype)
         linear.weight.data = weight
         if has_bias:
             linear.bias.data = bias
@@ -114,9 +122,7 @@ class LeanLayer:
         x = self.input_norm.forward(hidden)  # [1, T, H]
         qkv = self.qkv.linear.forward(x).view(1, t, heads + 2 * kv_heads, d)  # [1, T, Hq + 2 Hkv, D]
         qk = qkv[:, :, : heads + kv_heads]  # [1, T, Hq + Hkv, D]
-        half = d // 2
-        rotated = torch.cat((-qk[..., half:], qk[..., :half]), dim=-1)  # [1, T, Hq + Hkv, D], transformers' rotate_half
-        qk = qk * cos + rotated * sin  # [1, T, Hq + Hkv, D]
+        qk = qk * cos + rotate_half(qk) * sin  # [1, T, Hq + Hkv, D]
         query = qk[:, :, :heads].transpose(1, 2)  # [1, Hq, T, D]
         key, value = qk[:, :, heads:].transpose(1, 2), qkv[:, :, heads + kv_heads :].transpose(1, 2)  # [1, Hkv, T, D] each
         keys, values = cache.update(key, value, self.attention.layer_idx)  # [1, Hkv, n, D] each
@@ -147,10 +153,10 @@ def fits(module: torch.nn.Module) -> bool:
 
 @attrs.define(eq=False)
 class LeanDecoder:
-    """A transformers Llama-family model's decoder and LM head on the CPU, fewer calls per layer (module
-    docstring). ``run`` takes what ``HFCausalLM._run`` takes."""
+    """A transformers Llama-family model's decoder (``module.model``) on the CPU, fewer calls per layer
+    (module docstring)."""
 
-    module: torch.nn.Module
+    model: torch.nn.Module  # the module's decoder: embedding, layers, final norm, rotary embedding
     layers: list[LeanLayer]
 
     @classmethod
@@ -160,24 +166,24 @@ class LeanDecoder:
         if not fits(module) or next(module.parameters()).device.type != "cpu":
             return None
         with torch.no_grad():
-            return cls(module=module, layers=[LeanLayer.of(layer) for layer in module.model.layers])
+            return cls(model=module.model, layers=[LeanLayer.of(layer) for layer in module.model.layers])
 
     def applies(self, tokens: torch.Tensor) -> bool:
         """Whether a forward over ``tokens`` [1, T] runs here: on the CPU, at most MAX_TOKENS of them."""
         return tokens.device.type == "cpu" and tokens.shape[1] <= MAX_TOKENS
 
-    def run(self, tokens: torch.Tensor, rope: torch.Tensor, cache, num_logits: int, attend, **attention) -> tuple[torch.Tensor, torch.Tensor]:
-        """tokens and rotary positions [1, T] -> the logits [num_logits, V] (float32) and last hidden states
-        [num_logits, H] of the last ``num_logits`` tokens; ``attend`` is the attention function."""
+    def run(self, tokens: torch.Tensor, rope: torch.Tensor, cache, attend, **attention) -> torch.Tensor:
+        """tokens and rotary positions [1, T] -> the last hidden states [1, T, H] (after the final norm, as
+        transformers' decoder returns them); ``cache`` takes each layer's keys and values, ``attend`` is
+        the attention function, ``attention`` its keyword arguments."""
         self._fuse_moved()
-        model = self.module.model
+        model = self.model
         hidden = model.embed_tokens(tokens)  # [1, T, H]
         cos, sin = model.rotary_emb(hidden, position_ids=rope)  # [1, T, D] each
         cos, sin = cos[:, :, None], sin[:, :, None]  # [1, T, 1, D]: one angle per token, every head
         for layer in self.layers:
             hidden = layer.forward(hidden, cos, sin, cache, attend, attention)  # [1, T, H]
-        hidden = model.norm.forward(hidden)[0, tokens.shape[1] - num_logits :]  # [num_logits, H]
-        return self.module.lm_head(hidden).float(), hidden  # [num_logits, V], [num_logits, H]
+        return model.norm.forward(hidden)  # [1, T, H]
 
     def _fuse_moved(self) -> None:
         """Fuse again any layer whose weights were replaced since they were fused."""

@@ -25,7 +25,7 @@ from .attention import attention_weights
 from .errors import SpecstackError
 from .batch import TokenBatch
 from .decode_attention import DecodeKernel, load_decode_kernel
-from .decoder import LeanDecoder
+from .decoder import LeanDecoder, rotate_half
 from .graphs import ForwardGraphs, StaticView
 from .kvstore import KVStore
 from .packed_linear import pack_linears
@@ -267,9 +267,10 @@ class HFCausalLM:
         (its decoder, then its LM head over those rows only): on the CPU through the lean decoder where
         there is one, else through the module."""
         if self.decoder is not None and self.decoder.applies(tokens):
-            return self.decoder.run(tokens, rope, cache, num_logits, grouped_attention, **attention)
-        out = self.module.model(input_ids=tokens, position_ids=rope, past_key_values=cache, use_cache=True, **attention)
-        hidden = out.last_hidden_state[0, out.last_hidden_state.shape[1] - num_logits :]  # [num_logits, H]
+            states = self.decoder.run(tokens, rope, cache, grouped_attention, **attention)  # [1, T, H]
+        else:
+            states = self.module.model(input_ids=tokens, position_ids=rope, past_key_values=cache, use_cache=True, **attention).last_hidden_state  # [1, T, H]
+        hidden = states[0, states.shape[1] - num_logits :]  # [num_logits, H]
         return self.module.lm_head(hidden).float(), hidden  # [num_logits, V], [num_logits, H]
 
     @torch.inference_mode()
@@ -282,9 +283,7 @@ class HFCausalLM:
         exact = keys.float()  # [L, H, n, D]
         cos, sin = rotary(exact, position_ids=delta[None].to(keys.device))  # [1, n, D] each, float32
         scale = getattr(rotary, "attention_scaling", 1.0)
-        half = keys.shape[-1] // 2
-        rotated = torch.cat([-exact[..., half:], exact[..., :half]], dim=-1)  # rotate_half
-        return ((exact * cos[0] + rotated * sin[0]) / scale).to(keys.dtype)  # [L, H, n, D]
+        return ((exact * cos[0] + rotate_half(exact) * sin[0]) / scale).to(keys.dtype)  # [L, H, n, D]
 
 
 def tokenizer_fingerprint(tokenizer) -> str:
