@@ -201,7 +201,8 @@ class HiddenLog:
 @attrs.define(eq=False)
 class HiddenStateChannel:
     """What a drafter reads of the level it drafts for: the hidden state of the last positions that
-    level committed, and that level's output head (Medusa's heads end in the target's own LM head)."""
+    level committed, and that level's output head and input embedding (Medusa's heads end in the
+    target's own LM head; heads with token input read its embedding of a token)."""
 
     _source: "CachedModel"
     log: HiddenLog
@@ -229,3 +230,7 @@ class HiddenStateChannel:
     def output_logits(self, states: torch.Tensor) -> torch.Tensor:
         """[n, H] hidden states -> [n, V] float32 logits through the level's own output head."""
         return self._source.model.output_logits(states)
+
+    def input_embeddings(self, tokens: torch.Tensor) -> torch.Tensor:
+        """[n] token ids -> [n, H] the level's own input embeddings of them."""
+        return self._source.model.input_embeddings(tokens)

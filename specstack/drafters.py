@@ -199,3 +199,81 @@ class PromptLookupDrafter(Drafter):
 
     def level_stats(self) -> list[LevelStats]:
         return [self.stats]
+
+
+@attrs.define(eq=False, kw_only=True)
+class MergedDrafter(Drafter):
+    """The drafts of several model-free drafters (prompt lookup, lookup trees, Medusa heads) as one
+    deterministic token tree: their union as a trie, a token each part proposes under the same path
+    being proposed once, in the order of ``parts``. Each part keeps what it is good at: prompt lookup
+    copies a repetitive text, Medusa heads guess where nothing repeats.
+
+    Lossless as any ``TREE_DETERMINISTIC`` draft: at T = 0 the greedy verifier follows the level's
+    argmax down the tree, and above it the token-tree verifier draws every token from the level's own
+    distribution and only descends into a child holding that token, which keeps that distribution
+    whatever the candidates are, as long as they do not depend on its draws (docs/trees.md). A node's
+    ``probs`` row is the part's that proposed it first; the verifiers do not read it.
+
+    Parts with a model of their own (:class:`ModelLevel`) are refused: their caches learn from the
+    verdicts on their own drafts (``observe``), which a merged draft does not give them.
+    """
+
+    name: ClassVar[str] = "merged"
+    draft_kind: ClassVar[DraftKind] = DraftKind.TREE_DETERMINISTIC
+
+    parts: tuple[Drafter, ...] = attrs.field(converter=tuple)
+    stats: LevelStats = attrs.field(init=False)
+
+    def __attrs_post_init__(self) -> None:
+        if not self.parts or any(isinstance(part, ModelLevel) for part in self.parts):
+            raise SpecstackError(f"merged drafts take one or more model-free drafters; got {[type(p).__name__ for p in self.parts]}")
+        if len({part.vocab_size for part in self.parts}) != 1:
+            raise SpecstackError(f"merged drafters must share a vocabulary; got sizes {[part.vocab_size for part in self.parts]}")
+        self.stats = LevelStats(name="+".join(part.name for part in self.parts))
+
+    @property
+    def requires(self) -> frozenset[Capability]:
+        return frozenset().union(*(part.requires for part in self.parts))
+
+    @property
+    def vocab_size(self) -> int:
+        return self.parts[0].vocab_size
+
+    @property
+    def step(self) -> int:
+        return max(part.step for part in self.parts)
+
+    def attach_hidden_states(self, channel: HiddenStateChannel) -> None:
+        for part in self.parts:
+            if Capability.HIDDEN_STATES in part.requires:
+                part.attach_hidden_states(channel)
+
+    def reset(self) -> None:
+        for part in self.parts:
+            part.reset()
+
+    def prefill(self, prompt: Sequence[int]) -> None:
+        for part in self.parts:
+            part.prefill(prompt)
+
+    def propose(self, prefix: Sequence[int], n: int) -> Draft:
+        tokens, parents, rows, nodes = [], [], [], {}  # nodes: (parent, token) -> index in the trie
+        for draft in (part.propose(prefix, n) for part in self.parts):
+            draft = draft.to("cpu")
+            index = []  # the part's node i -> its node in the trie
+            for token, parent, row in zip(draft.tokens.tolist(), draft.parent_index().tolist(), draft.probs):
+                key = (index[parent] if parent >= 0 else -1, token)
+                if key not in nodes:
+                    nodes[key] = len(tokens)
+                    tokens.append(token)
+                    parents.append(key[0])
+                    rows.append(row)
+                index.append(nodes[key])
+        self.stats.drafted += len(tokens)
+        if not tokens:
+            return Draft.empty(self.vocab_size)
+        return Draft(tokens=torch.tensor(tokens, dtype=torch.long), probs=torch.stack(rows),  # [k], [k, V]
+                     parents=torch.tensor(parents, dtype=torch.long), kind=self.draft_kind)
+
+    def level_stats(self) -> list[LevelStats]:
+        return [self.stats]

@@ -234,6 +234,11 @@ class HFCausalLM:
         """[n, H] last hidden states -> [n, V] float32 logits: the model's own LM head."""
         return self.module.lm_head(states.to(self.dtype)).float()  # [n, V]
 
+    @torch.inference_mode()
+    def input_embeddings(self, tokens: torch.Tensor) -> torch.Tensor:
+        """[n] token ids -> [n, H]: the model's own input embedding, in its dtype."""
+        return self.module.get_input_embeddings()(tokens.to(self.device))  # [n, H]
+
     def new_cache(self, capacity: int, *, relative_positions: bool = False) -> KVStore:
         config = self.module.config
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads

@@ -68,8 +68,9 @@ class CausalLM(Protocol):
         tokens ([num_logits, V]); each token attends to the cache and to the new tokens ``batch.sees``
         allows (a chain, or a token tree with ``Capability.TREE_ATTENTION``). A model with
         ``Capability.HIDDEN_STATES`` leaves the last hidden states of those tokens in ``batch.hidden``
-        ([num_logits, H]) when ``batch.keep_hidden`` is set, and has ``hidden_size`` and
-        ``output_logits(states [n, H]) -> [n, V]``, its output head."""
+        ([num_logits, H]) when ``batch.keep_hidden`` is set, and has ``hidden_size``,
+        ``output_logits(states [n, H]) -> [n, V]``, its output head, and
+        ``input_embeddings(tokens [n]) -> [n, H]``, its input embedding."""
 
 
 @attrs.define(eq=False)

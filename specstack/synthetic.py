@@ -72,6 +72,10 @@ class SyntheticLM:
         """[n, H] -> [n, V]: the fixed output head."""
         return states.float().cpu() @ self._head.T
 
+    def input_embeddings(self, tokens: torch.Tensor) -> torch.Tensor:
+        """[n] -> [n, H]: the output head's rows (tied embeddings, as SmolLM2's)."""
+        return self._head[tokens.cpu()]  # [n, H]
+
     def logits_for(self, context: Sequence[int]) -> torch.Tensor:
         generator = torch.Generator(device="cpu").manual_seed(hash((self.seed, *context)) & 0x7FFF_FFFF_FFFF_FFFF)
         logits = self.sharpness * torch.randn(self.vocab_size, generator=generator, device="cpu")  # [V]; computed on the host

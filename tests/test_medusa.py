@@ -30,8 +30,8 @@ def registry() -> Registry:
     return Registry.create(entry_points=False, plugins=[plugin])
 
 
-def _medusa(vocab: int, *, tree_size: int = 8) -> MedusaDrafter:
-    return MedusaDrafter(vocab=vocab, heads=synthetic_heads(vocab), tree_size=tree_size)
+def _medusa(vocab: int, *, tree_size: int = 8, token_input: bool = False) -> MedusaDrafter:
+    return MedusaDrafter(vocab=vocab, heads=synthetic_heads(vocab, token_input), tree_size=tree_size)
 
 
 # -- the tree of candidates ------------------------------------------------------------------------
@@ -46,13 +46,15 @@ def test_the_tree_takes_the_likeliest_rank_paths_parents_first() -> None:
 
 
 def test_heads_round_trip_through_a_file_and_bad_files_are_one_line(tmp_path) -> None:
-    heads = synthetic_heads(12)
-    heads.info = HeadsInfo(hidden_size=8, heads=3, vocab_size=12, accuracy=[[0.5, 0.1], [0.3, 0.1], [0.2, 0.1]])
+    heads = synthetic_heads(12, token_input=True)
+    heads.info = HeadsInfo(hidden_size=8, heads=3, vocab_size=12, token_input=True, accuracy=[[0.5, 0.1], [0.3, 0.1], [0.2, 0.1]])
     save_heads(tmp_path / "h.safetensors", heads)
     loaded = load_heads(tmp_path / "h.safetensors")
     assert loaded.info == heads.info
-    states = torch.randn(5, 8)
-    assert torch.equal(loaded(states), heads(states))
+    states, after = torch.randn(5, 8), torch.randn(5, 8)
+    assert torch.equal(loaded(states, after), heads(states, after))
+    with pytest.raises(SpecstackError, match="read the embedding of the token after each state"):
+        loaded(states)
     (tmp_path / "bad.safetensors").write_bytes(b"not a heads file")
     for path, message in [(tmp_path / "none.safetensors", "does not exist"), (tmp_path / "bad.safetensors", "is not a medusa heads file")]:
         with pytest.raises(SpecstackError, match=message) as error:
@@ -138,13 +140,48 @@ def test_after_the_prefill_the_lm_head_drafts_the_next_token() -> None:
     assert q == len(prefix) - 1
 
 
+class RecordingTokens(MedusaDrafter):
+    """Records, at every draft, the prefix, the position q of the state read and the token the heads read."""
+
+    seen: list
+
+    def propose(self, prefix, n: int) -> Draft:
+        self._prefix = list(prefix)
+        return super().propose(prefix, n)
+
+    def _head_states(self, state, after):
+        found = self._channel.latest(self._prefix)
+        self.seen.append((self._prefix, found[0], after, super()._head_states(state, after)))
+        return self.seen[-1][-1]
+
+
+def test_heads_with_token_input_read_the_token_after_the_state() -> None:
+    """Heads with token input read x_{q+1}: the prefix's last token when the state is of the one before
+    (a drafter handing them another token fails), else, right after the prefill, the level's own greedy
+    choice; and they read its embedding, so another token gives other head states."""
+    target = SyntheticLM(vocab_size=10, seed=1, sharpness=2.0)
+    drafter = RecordingTokens(vocab=10, heads=synthetic_heads(10, token_input=True), tree_size=6)
+    drafter.seen = []
+    SpeculationStack.build([Level(drafter=drafter), Level(model=target, gamma=drafter.step)]).generate(list(range(10)) * 3, 30)
+    assert len(drafter.seen) > 5
+    for prefix, q, after, _ in drafter.seen:
+        assert (after == prefix[q + 1]) if q == len(prefix) - 2 else (after is None and q == len(prefix) - 1)
+    assert drafter.seen[0][2] is None  # right after the prefill
+    prefix, q, after, states = drafter.seen[-1]
+    state = target.hidden_for(prefix[: q + 1])
+    assert torch.equal(drafter._head_states(state, after), states)
+    assert not torch.equal(drafter._head_states(state, (after + 1) % 10), states)
+    assert torch.equal(drafter._head_states(state, None), drafter._head_states(state, int(target.output_logits(state[None]).argmax())))
+
+
 # -- greedy losslessness ---------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("token_input", [False, True], ids=["state", "state+token"])
 @pytest.mark.parametrize("tree_size", [1, 4, 12])
-def test_medusa_greedy_equals_the_target_greedy(tree_size: int) -> None:
+def test_medusa_greedy_equals_the_target_greedy(tree_size: int, token_input: bool) -> None:
     target = SyntheticLM(vocab_size=16, seed=1, sharpness=2.0)
-    drafter = _medusa(16, tree_size=tree_size)
+    drafter = _medusa(16, tree_size=tree_size, token_input=token_input)
     stack = SpeculationStack.build([Level(drafter=drafter), Level(model=target, gamma=drafter.step)])
     prompt = list(range(8)) * 3
     assert list(stack.generate(prompt, 30).tokens) == greedy_decode(target, prompt, 30)
@@ -153,24 +190,34 @@ def test_medusa_greedy_equals_the_target_greedy(tree_size: int) -> None:
 def test_the_recipes_are_greedy_lossless(registry) -> None:
     target = SyntheticLM(vocab_size=16, seed=2, sharpness=2.0)
     prompt = list(range(8)) * 5
-    for name, options in [("medusa", {}), ("triforce-medusa", SMALL)]:
+    for name, options, level0 in [("medusa", {}, "medusa"), ("triforce-medusa", SMALL, "medusa"), ("medusa-lookup", {}, "prompt-lookup+medusa")]:
         stack = registry.stack(name, target=target, heads=synthetic_heads(16), tree_size=10, **options)
         result = stack.generate(prompt, 30)
         assert list(result.tokens) == greedy_decode(target, prompt, 30), name
-        assert result.levels[0].name == "medusa" and result.levels[1].drafted > result.levels[1].rounds  # trees, not single tokens
+        assert result.levels[0].name == level0 and result.levels[1].drafted > result.levels[1].rounds  # trees, not single tokens
     assert registry.stack("triforce-medusa", target=target, heads=synthetic_heads(16), **SMALL).top.drafter.lm.policy.name == "retrieval"
 
 
 # -- sampled losslessness --------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("token_input", [False, True], ids=["state", "state+token"])
 @pytest.mark.parametrize("sampling", [SamplingConfig(temperature=0.8), SamplingConfig(temperature=0.9, top_p=0.8)], ids=["t0.8", "top_p"])
-def test_sampled_medusa_keeps_the_target_distribution(sampling: SamplingConfig) -> None:
+def test_sampled_medusa_keeps_the_target_distribution(sampling: SamplingConfig, token_input: bool) -> None:
     target = SyntheticLM(vocab_size=4, seed=11, sharpness=1.5)
-    drafter = _medusa(4, tree_size=6)
+    drafter = _medusa(4, tree_size=6, token_input=token_input)
     stack = SpeculationStack.build([Level(drafter=drafter), Level(model=target, gamma=drafter.step)], sampling=sampling, seed=3)
     assert stack.top.verifier.name == "token-tree"
     assert stack_pvalue(stack, target, sampling, PROMPT) > ALPHA
+
+
+def test_sampled_medusa_merged_with_prompt_lookup_keeps_the_target_distribution(registry) -> None:
+    """``medusa-lookup``: the heads' tree and prompt lookup's chain merged into one deterministic tree."""
+    sampling = SamplingConfig(temperature=0.8)
+    target = SyntheticLM(vocab_size=4, seed=11, sharpness=1.5)
+    stack = registry.stack("medusa-lookup", target=target, heads=synthetic_heads(4, token_input=True), tree_size=6, sampling=sampling, seed=3)
+    assert stack.top.verifier.name == "token-tree" and stack.top.drafter.name == "merged"
+    assert stack_pvalue(stack, target, sampling, [1, 2, 3, 1, 2]) > ALPHA
 
 
 def test_sampled_medusa_under_a_middle_level_keeps_the_target_distribution() -> None:

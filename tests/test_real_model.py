@@ -59,6 +59,7 @@ def reference(models, prompt):
         ("triforce-lookup-tree", SMALL),
         ("medusa", {"tree_size": 8}),  # Medusa heads (the medusa plugin) on the target's hidden state
         ("triforce-medusa", {**SMALL, "tree_size": 4}),  # ... on the middle level's, over retrieval
+        ("medusa-lookup", {"tree_size": 4}),  # ... merged with prompt lookup into one tree
     ],
 )
 def test_greedy_output_equals_the_targets_own_greedy_decoding(models, prompt, reference, name, options) -> None:

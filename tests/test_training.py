@@ -28,6 +28,8 @@ def error_line(capsys) -> str:
      "specstack train: error: hyperparameters heads and layers must be at least 1"),
     (["train", "medusa", "--text", "emma", "--out", "h.safetensors", "--set", "lr=fast"],
      "specstack train: error: hyperparameter lr='fast' is not allowed; use a non-negative number"),
+    (["train", "medusa", "--text", "emma", "--out", "h.safetensors", "--set", "token_input=2"],
+     "specstack train: error: hyperparameter token_input=2 is not allowed; use true or false"),
     (["train", "medusa", "--text", "/nonexistent-dir/", "--out", "h.safetensors"],
      "specstack train: error: text '/nonexistent-dir/' is neither a file, a directory nor a shipped book; books: "
      "prideprejudice, sensesensibility, mansfieldpark, emma, northangerabbey, persuasion, kjv"),
@@ -104,7 +106,7 @@ def test_a_grown_student_computes_the_smaller_draft_before_training() -> None:
 
 
 @pytest.mark.real_model
-def test_a_smoke_medusa_training_gives_heads_that_a_lossless_stack_runs(tmp_path) -> None:
+def test_a_smoke_medusa_training_gives_heads_that_a_lossless_stack_runs(tmp_path, capsys) -> None:
     from specstack import Registry
     from specstack.data import book_tokens
     from specstack.models import load_default
@@ -114,12 +116,15 @@ def test_a_smoke_medusa_training_gives_heads_that_a_lossless_stack_runs(tmp_path
     argv = ["train", "medusa", "--text", "emma", "--eval-text", "persuasion", "--out", str(out), "--minutes", "0.05",
             "--set", "seq_len=48", "--set", "prompt_len=16", "--set", "chunks=4", "--set", "generations=2", "--set", "gen_batch=2",
             "--set", "eval_chunks=2", "--set", "positions=32", "--set", "heads=2", "--set", "threads=2"]
-    assert main(argv) == 0
+    assert main(argv + ["--data", str(tmp_path / "data.pt")]) == 0
+    assert "labelled" in capsys.readouterr().out
+    assert main(argv + ["--data", str(tmp_path / "data.pt")]) == 0  # the same data, read back: the target writes nothing
+    assert "labelled data read from" in capsys.readouterr().out
     metrics = json.loads(out.with_suffix(".json").read_text())
     assert metrics["steps"] >= 1 and set(metrics["held_out"]) == {"persuasion:text", "persuasion:greedy"}
     assert all(0.0 <= a <= 1.0 for a in metrics["held_out"]["persuasion:greedy"]["top1"])
     heads = load_heads(out)
-    assert heads.info.heads == 2 and len(heads.info.accuracy) == 2 and len(heads.info.accuracy[0]) == 8
+    assert heads.info.heads == 2 and heads.info.token_input and len(heads.info.accuracy) == 2 and len(heads.info.accuracy[0]) == 8
     target, _, tokenizer = load_default(with_draft=False)
     prompt = book_tokens(tokenizer, 300, name="kjv")
     registry = Registry.create()

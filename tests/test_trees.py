@@ -239,3 +239,48 @@ def test_a_middle_level_that_is_the_target_hands_up_the_rows_of_the_accepted_pat
     middle, top = result.levels[1], result.levels[2]
     assert middle.accepted > 0
     assert top.drafted > 0 and top.acceptance_rate == 1.0
+
+
+# -- merged drafts --------------------------------------------------------------------------------
+
+
+class FixedChain(TreeOnly):
+    """A model-free drafter that always proposes the chain ``tokens`` (one-hot rows)."""
+
+    name = "fixed-chain"
+    draft_kind = DraftKind.CHAIN
+
+    def __init__(self, tokens: list[int], vocab: int = 9) -> None:
+        super().__init__(vocab)
+        self.tokens = tokens
+
+    def propose(self, prefix, n) -> Draft:
+        ids = torch.tensor(self.tokens[:n])
+        return Draft(tokens=ids, probs=torch.nn.functional.one_hot(ids, self.vocab).float())
+
+
+def test_merged_drafts_are_the_union_of_the_parts_as_a_trie() -> None:
+    """A chain 3, 6, 1 shares its first two nodes with the tree above (3, then its child 6) and adds
+    one child below 6; a chain 4, 8 shares none (8 is a grandchild of 4 in the tree, not a child)."""
+    from specstack import MergedDrafter
+
+    merged = MergedDrafter(parts=(TreeOnly(), FixedChain([3, 6, 1]), FixedChain([4, 8])))
+    draft = merged.propose([0], 3)
+    assert draft.kind is DraftKind.TREE_DETERMINISTIC
+    assert draft.tokens.tolist() == [3, 4, 5, 6, 7, 8, 1, 8]
+    assert draft.parents.tolist() == [-1, -1, 0, 0, 1, 2, 3, 1]
+    assert merged.level_stats()[0].name == "fixed-tree+fixed-chain+fixed-chain" and merged.level_stats()[0].drafted == 8
+    assert MergedDrafter(parts=(FixedChain([3, 6, 1]), TreeOnly())).propose([0], 1).tokens.tolist() == [3, 4]  # depth 1 only
+
+
+def test_merged_drafts_take_model_free_parts_and_ask_what_their_parts_ask() -> None:
+    from specstack import MergedDrafter, ModelDrafter
+
+    draft_model = CachedModel(model=SyntheticLM(vocab_size=9, seed=2), policy=FullCache(), stats=LevelStats(name="draft"))
+    with pytest.raises(SpecstackError, match="merged drafts take one or more model-free drafters; got \\['TreeOnly', 'ModelDrafter'\\]"):
+        MergedDrafter(parts=(TreeOnly(), ModelDrafter(lm=draft_model, sampling=SamplingConfig(), generator=torch.Generator())))
+    assert MergedDrafter(parts=(TreeOnly(), NeedsHiddenStates())).requires == {Capability.HIDDEN_STATES}
+    target = SyntheticLM(vocab_size=9, seed=1, sharpness=2.0)
+    prompt = [1, 2, 3, 4] * 6
+    stack = SpeculationStack.build([Level(drafter=MergedDrafter(parts=(FixedChain([3, 6, 1]), TreeOnly()))), Level(model=target, gamma=3)])
+    assert list(stack.generate(prompt, 20).tokens) == greedy_decode(target, prompt, 20)

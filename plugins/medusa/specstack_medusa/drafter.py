@@ -67,8 +67,8 @@ class MedusaDrafter(Drafter):
 
     @classmethod
     def conformance_instance(cls, vocab: int) -> "MedusaDrafter":
-        """Random heads for the conformance suite's synthetic models (hidden size 8)."""
-        return cls(vocab=vocab, heads=synthetic_heads(vocab), tree_size=8)
+        """Random heads with token input (as the shipped heads) for the conformance suite's synthetic models (hidden size 8)."""
+        return cls(vocab=vocab, heads=synthetic_heads(vocab, token_input=True), tree_size=8)
 
     @property
     def info(self) -> HeadsInfo:
@@ -97,13 +97,14 @@ class MedusaDrafter(Drafter):
             return Draft.empty(self.vocab, device=self._channel.device)
         position, state = found
         first = len(prefix) - 1 - position  # 0: the LM head drafts the next token; 1: head 1 does
-        draft = self._draft(state, first, n)
+        draft = self._draft(state, prefix[-1] if first == 1 else None, first, n)
         self.stats.drafted += len(draft)
         return draft
 
-    def _draft(self, state: torch.Tensor, first: int, n: int) -> Draft:
+    def _draft(self, state: torch.Tensor, after: int | None, first: int, n: int) -> Draft:
         """The tree of candidates at most ``n`` deep for head ``first`` on (depth 0), from the hidden state
-        ``state`` [H]: the output head runs once per depth drafted."""
+        ``state`` [H] and ``after``, the token after its position when the prefix holds it: the output
+        head runs once per depth drafted."""
         depth, rank, parents = self._tree(first)
         k = int((depth < n).sum())  # nodes are ordered by depth: the first k are the ones that fit
         if k == 0:  # no rank of the first head was ever right: nothing worth drafting
@@ -111,12 +112,24 @@ class MedusaDrafter(Drafter):
         depth, rank, parents = depth[:k], rank[:k], parents[:k]
         d = int(depth[-1]) + 1
         with torch.inference_mode():
-            states = torch.cat([state[None], self._model(state[None].to(next(self._model.parameters()).dtype))[:, 0].to(state.dtype)])  # [K+1, H]
+            states = torch.cat([state[None], self._head_states(state, after)])  # [K+1, H]
             logits = self._channel.output_logits(states[first : first + d])  # [d, V]
         ranks = logits.topk(min(self.top_k, self.vocab)).indices  # [d, top_k]
         rows = torch.softmax(logits, dim=-1)  # [d, V]: each depth's distribution, the q of its nodes
         at, rank = depth.to(logits.device), rank.to(logits.device)  # [k] each
         return Draft(tokens=ranks[at, rank], probs=rows[at], parents=parents.to(logits.device), kind=self.draft_kind)  # [k], [k, V]
+
+    def _head_states(self, state: torch.Tensor, after: int | None) -> torch.Tensor:
+        """[H] the level's state at q -> [K, H] the heads' states. Heads with token input also read the
+        embedding of x_{q+1}: ``after`` when the prefix holds it, else the level's own greedy choice
+        from ``state`` (the LM head's top-1, which the tree takes as certain)."""
+        dtype = next(self._model.parameters()).dtype
+        embedded = None
+        if self.info.token_input:
+            if after is None:
+                after = int(self._channel.output_logits(state[None]).argmax())
+            embedded = self._channel.input_embeddings(torch.tensor([after], device=self._channel.device)).to(dtype)  # [1, H]
+        return self._model(state[None].to(dtype), embedded)[:, 0].to(state.dtype)  # [K, H]
 
     def _tree(self, first: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """[k] depth, rank and parent of every node of the tree of rank paths when head ``first`` drafts

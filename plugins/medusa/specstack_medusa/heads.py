@@ -3,7 +3,12 @@ model they draft for; head k turns h_t into a state whose logits, through that m
 predict the token k + 1 positions ahead (x_{t+k+1}; the LM head itself predicts x_{t+1}).
 
 Each head is ``layers`` residual blocks ``x + SiLU(W x + b)`` with W and b zero at initialisation,
-so that an untrained head starts as the identity (it predicts what the LM head does). The LM head is
+so that an untrained head starts as the identity (it predicts what the LM head does). Heads with
+``token_input`` also read the embedding e of x_{t+1}, the token after the state's position, in their
+first block: ``x + SiLU(W [x; e] + b)``. When the heads draft, x_{t+1} is known: it is the token the
+level above has just emitted from h_t (or, right after a prefill, its greedy choice), so nothing is
+guessed; head k then no longer has to marginalise over x_{t+1} (the feature-plus-token input of EAGLE,
+Li et al., 2024, here on Medusa's parallel heads). The LM head is
 the target's, shared as in Medusa's later versions: the heads of a 576-wide model are 0.3M
 parameters each. A file holds the heads' weights and, as safetensors metadata, a
 :class:`HeadsInfo`: shapes, what they were trained for, and their measured top-k accuracy, from which
@@ -37,6 +42,7 @@ class HeadsInfo:
     heads: int = attrs.field(validator=_positive)
     layers: int = attrs.field(default=1, validator=_positive)
     vocab_size: int = attrs.field(validator=_positive)
+    token_input: bool = False  # each head's first block also reads the embedding of the token after the state
     target: str = ""
     accuracy: tuple[tuple[float, ...], ...] = attrs.field(default=(), converter=lambda rows: tuple(tuple(float(a) for a in r) for r in rows))
 
@@ -49,16 +55,18 @@ class HeadsInfo:
 
 
 class ResBlock(torch.nn.Module):
-    """x + SiLU(W x + b) ([n, H] -> [n, H]), W and b zero at first: the identity."""
+    """x + SiLU(W x + b) ([n, H] -> [n, H]), W and b zero at first: the identity. With ``reads_token``,
+    x + SiLU(W [x; e] + b), e [n, H] the embedding of the token after x's position."""
 
-    def __init__(self, hidden_size: int) -> None:
+    def __init__(self, hidden_size: int, reads_token: bool = False) -> None:
         super().__init__()
-        self.linear = torch.nn.Linear(hidden_size, hidden_size)
+        self.linear = torch.nn.Linear(hidden_size * (2 if reads_token else 1), hidden_size)
         torch.nn.init.zeros_(self.linear.weight)
         torch.nn.init.zeros_(self.linear.bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + torch.nn.functional.silu(self.linear(x))  # [n, H]
+    def forward(self, x: torch.Tensor, after: torch.Tensor | None = None) -> torch.Tensor:
+        inputs = x if after is None else torch.cat([x, after.to(x.dtype)], dim=-1)  # [n, H] or [n, 2H]
+        return x + torch.nn.functional.silu(self.linear(inputs))  # [n, H]
 
 
 class MedusaHeads(torch.nn.Module):
@@ -68,7 +76,8 @@ class MedusaHeads(torch.nn.Module):
     def __init__(self, info: HeadsInfo) -> None:
         super().__init__()
         self.info = info
-        self.blocks = torch.nn.ModuleList(torch.nn.Sequential(*(ResBlock(info.hidden_size) for _ in range(info.layers))) for _ in range(info.heads))
+        self.blocks = torch.nn.ModuleList(torch.nn.ModuleList(ResBlock(info.hidden_size, reads_token=info.token_input and i == 0) for i in range(info.layers))
+                                          for _ in range(info.heads))
 
     @classmethod
     def random(cls, info: HeadsInfo, scale: float = 0.3, seed: int = 0) -> "MedusaHeads":
@@ -80,8 +89,19 @@ class MedusaHeads(torch.nn.Module):
                 parameter.copy_(scale * torch.randn(parameter.shape, generator=generator, device="cpu"))
         return heads
 
-    def forward(self, states: torch.Tensor) -> torch.Tensor:
-        return torch.stack([block(states) for block in self.blocks])  # [K, n, H]
+    def forward(self, states: torch.Tensor, after: torch.Tensor | None = None) -> torch.Tensor:
+        """[n, H] states (and, for heads with token input, [n, H] the embeddings of the tokens after
+        them) -> [K, n, H] head states."""
+        if self.info.token_input and after is None:
+            raise SpecstackError("these medusa heads read the embedding of the token after each state; pass it")
+        return torch.stack([self._head(blocks, states, after) for blocks in self.blocks])  # [K, n, H]
+
+    @staticmethod
+    def _head(blocks: torch.nn.ModuleList, x: torch.Tensor, after: torch.Tensor | None) -> torch.Tensor:
+        x = blocks[0](x, after)  # [n, H]: only the first block reads the token
+        for block in blocks[1:]:
+            x = block(x)  # [n, H]
+        return x
 
 
 def save_heads(path: str | Path, heads: MedusaHeads) -> None:
@@ -115,10 +135,10 @@ def load_heads(path: str | Path, dtype: torch.dtype = torch.float32) -> MedusaHe
     return heads.to(dtype).eval()
 
 
-def synthetic_heads(vocab: int) -> MedusaHeads:
+def synthetic_heads(vocab: int, token_input: bool = False) -> MedusaHeads:
     """Random heads for the synthetic models of :mod:`specstack.synthetic` (hidden size 8): what the
     conformance suite runs the medusa drafter and stacks with."""
-    return MedusaHeads.random(HeadsInfo(hidden_size=8, heads=3, vocab_size=vocab))
+    return MedusaHeads.random(HeadsInfo(hidden_size=8, heads=3, vocab_size=vocab, token_input=token_input))
 
 
 def shipped_heads() -> Path:

@@ -3,7 +3,7 @@ verifying the heads' tree asks for as many tokens as the tree is deep (the heads
 
 from __future__ import annotations
 
-from specstack import Retrieval, StackRecipe
+from specstack import MergedDrafter, Retrieval, StackRecipe
 from specstack.builtins import _full, _view
 from specstack.retrieval import AUTO
 from specstack.stack import Level
@@ -12,7 +12,7 @@ from .heads import MedusaHeads, synthetic_heads
 
 
 def _synthetic(vocab: int) -> dict:
-    return {"heads": synthetic_heads(vocab)}
+    return {"heads": synthetic_heads(vocab, token_input=True)}
 
 
 def _heads(registry, target, heads: str | MedusaHeads | None, tree_size: int, top_k: int) -> Level:
@@ -31,9 +31,18 @@ def _triforce_medusa(registry, *, target, heads: str | MedusaHeads | None = None
     return [level0, _view(target, retrieval, level0.drafter.step), _full(target, gamma2)]
 
 
+def _medusa_lookup(registry, *, target, heads: str | MedusaHeads | None = None, tree_size: int = 4, top_k: int = 8, max_ngram: int = 3) -> list[Level]:
+    level0 = _heads(registry, target, heads, tree_size, top_k)
+    lookup = registry.drafter("prompt-lookup", vocab=target.vocab_size, max_ngram=max_ngram)
+    merged = MergedDrafter(parts=(lookup, level0.drafter))
+    return [Level(drafter=merged), _full(target, merged.step)]
+
+
 RECIPES = [
     StackRecipe(name="medusa", description="Medusa heads on the target's hidden state (a tree) -> target (-o tree_size=4)", build=_medusa,
                 conformance_options=_synthetic),
     StackRecipe(name="triforce-medusa", description="Medusa heads on the middle level's hidden state -> target+Retrieval -> target",
                 build=_triforce_medusa, conformance_options=_synthetic),
+    StackRecipe(name="medusa-lookup", description="prompt lookup's chain and Medusa heads' tree, merged into one tree -> target",
+                build=_medusa_lookup, conformance_options=_synthetic),
 ]

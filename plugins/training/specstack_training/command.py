@@ -88,6 +88,8 @@ def _add_medusa_arguments(parser: argparse.ArgumentParser) -> None:
     _add_common_arguments(parser, "output heads file (.safetensors); the metrics go beside it as .json", MEDUSA_DEFAULTS)
     parser.add_argument("--eval-text", action="append", default=[],
                         help="held-out text file or shipped book (repeatable): per-head top-k accuracy; the first picks the best heads and shapes the tree")
+    parser.add_argument("--data", default=None, metavar="PATH",
+                        help="keep the labelled training data in PATH: a later run with the same texts, seed and data settings reads it instead of running the target")
 
 
 def _train_medusa(args: argparse.Namespace) -> int:
@@ -98,7 +100,7 @@ def _train_medusa(args: argparse.Namespace) -> int:
     hyperparams, texts = _inputs(args, check_hyperparameters)
     eval_texts = {Path(path).stem: read_text(path) for path in args.eval_text}
     metrics = train_medusa(target_dir=_target_dir(args.target), texts=texts, out=args.out, minutes=args.minutes, seed=args.seed,
-                           eval_texts=eval_texts, log=_log, **hyperparams)
+                           eval_texts=eval_texts, log=_log, data=args.data, **hyperparams)
     return _print_metrics(metrics)
 
 
