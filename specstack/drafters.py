@@ -206,7 +206,8 @@ class MergedDrafter(Drafter):
     """The drafts of several model-free drafters (prompt lookup, lookup trees, Medusa heads) as one
     deterministic token tree: their union as a trie, a token each part proposes under the same path
     being proposed once, in the order of ``parts``. Each part keeps what it is good at: prompt lookup
-    copies a repetitive text, Medusa heads guess where nothing repeats.
+    copies a repetitive text, Medusa heads guess where nothing repeats. With ``first_only`` the draft
+    is instead that of the first part that proposes anything: a smaller tree, whose verify costs less.
 
     Lossless as any ``TREE_DETERMINISTIC`` draft: at T = 0 the greedy verifier follows the level's
     argmax down the tree, and above it the token-tree verifier draws every token from the level's own
@@ -222,6 +223,7 @@ class MergedDrafter(Drafter):
     draft_kind: ClassVar[DraftKind] = DraftKind.TREE_DETERMINISTIC
 
     parts: tuple[Drafter, ...] = attrs.field(converter=tuple)
+    first_only: bool = attrs.field(default=False, validator=lambda _, __, value: _check_flag("first_only", value))
     stats: LevelStats = attrs.field(init=False)
 
     def __attrs_post_init__(self) -> None:
@@ -258,8 +260,10 @@ class MergedDrafter(Drafter):
 
     def propose(self, prefix: Sequence[int], n: int) -> Draft:
         tokens, parents, rows, nodes = [], [], [], {}  # nodes: (parent, token) -> index in the trie
-        for draft in (part.propose(prefix, n) for part in self.parts):
-            draft = draft.to("cpu")
+        for part in self.parts:
+            if self.first_only and tokens:
+                break  # the later parts are not asked
+            draft = part.propose(prefix, n).to("cpu")
             index = []  # the part's node i -> its node in the trie
             for token, parent, row in zip(draft.tokens.tolist(), draft.parent_index().tolist(), draft.probs):
                 key = (index[parent] if parent >= 0 else -1, token)
@@ -277,3 +281,8 @@ class MergedDrafter(Drafter):
 
     def level_stats(self) -> list[LevelStats]:
         return [self.stats]
+
+
+def _check_flag(name: str, value) -> None:
+    if not isinstance(value, bool):
+        raise SpecstackError(f"{name} {value!r} is not allowed; use true or false")

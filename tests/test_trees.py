@@ -255,7 +255,7 @@ class FixedChain(TreeOnly):
         self.tokens = tokens
 
     def propose(self, prefix, n) -> Draft:
-        ids = torch.tensor(self.tokens[:n])
+        ids = torch.tensor(self.tokens[:n], dtype=torch.long)
         return Draft(tokens=ids, probs=torch.nn.functional.one_hot(ids, self.vocab).float())
 
 
@@ -271,6 +271,18 @@ def test_merged_drafts_are_the_union_of_the_parts_as_a_trie() -> None:
     assert draft.parents.tolist() == [-1, -1, 0, 0, 1, 2, 3, 1]
     assert merged.level_stats()[0].name == "fixed-tree+fixed-chain+fixed-chain" and merged.level_stats()[0].drafted == 8
     assert MergedDrafter(parts=(FixedChain([3, 6, 1]), TreeOnly())).propose([0], 1).tokens.tolist() == [3, 4]  # depth 1 only
+
+
+def test_with_first_only_the_first_part_that_drafts_is_the_draft() -> None:
+    from specstack import MergedDrafter
+
+    tree_part = TreeOnly()
+    tree_part.propose = lambda prefix, n: pytest.fail("a later part was asked although an earlier one drafted")
+    assert MergedDrafter(parts=(FixedChain([3, 6, 1]), tree_part), first_only=True).propose([0], 3).parents.tolist() == [-1, 0, 1]
+    fallback = MergedDrafter(parts=(FixedChain([]), TreeOnly()), first_only=True).propose([0], 3)
+    assert fallback.tokens.tolist() == TOKENS.tolist() and fallback.parents.tolist() == PARENTS.tolist()
+    with pytest.raises(SpecstackError, match="first_only 'yes' is not allowed; use true or false"):
+        MergedDrafter(parts=(TreeOnly(),), first_only="yes")
 
 
 def test_merged_drafts_take_model_free_parts_and_ask_what_their_parts_ask() -> None:

@@ -31,10 +31,11 @@ def _triforce_medusa(registry, *, target, heads: str | MedusaHeads | None = None
     return [level0, _view(target, retrieval, level0.drafter.step), _full(target, gamma2)]
 
 
-def _medusa_lookup(registry, *, target, heads: str | MedusaHeads | None = None, tree_size: int = 4, top_k: int = 8, max_ngram: int = 3) -> list[Level]:
+def _medusa_lookup(registry, *, target, heads: str | MedusaHeads | None = None, tree_size: int = 4, top_k: int = 8, max_ngram: int = 3,
+                   min_ngram: int = 1, first_only: bool = False) -> list[Level]:
     level0 = _heads(registry, target, heads, tree_size, top_k)
-    lookup = registry.drafter("prompt-lookup", vocab=target.vocab_size, max_ngram=max_ngram)
-    merged = MergedDrafter(parts=(lookup, level0.drafter))
+    lookup = registry.drafter("prompt-lookup", vocab=target.vocab_size, max_ngram=max_ngram, min_ngram=min_ngram)
+    merged = MergedDrafter(parts=(lookup, level0.drafter), first_only=first_only)
     return [Level(drafter=merged), _full(target, merged.step)]
 
 
