@@ -12,7 +12,8 @@ hierarchy; Sequoia (Chen et al., 2024) does the same for tree sizes against a ha
    predicted speedup is computed) and the best one is set on the stack's levels.
 
 Acceptance is assumed independent of γ (the i.i.d. model behind Leviathan et al.'s Eq. 1). Token
-trees keep their planned shape; only chain levels are tuned.
+trees keep their planned shape: a level verifying a tree keeps its γ (the tree's depth), and only the
+levels verifying chains are tuned.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from .drafters import ModelLevel
 from .errors import SpecstackError
 from .speedup import LevelCost, StackCost
 from .stack import SpeculationStack, SpeculativeLevel
+from .types import DraftKind
 
 MODEL_FREE_DRAFT_COST = 1e-6  # seconds per drafted token of a drafter without a model (n-gram lookup)
 
@@ -69,10 +71,13 @@ def verifying_levels(stack: SpeculationStack) -> list[SpeculativeLevel]:
 
 
 def best_gammas(draft_cost: float, verify_costs: Sequence[dict[int, float]], acceptances: Sequence[float],
-                autoregressive_cost: float, max_gamma: int) -> tuple[tuple[int, ...], float]:
-    """The γ per level (each 1 … ``max_gamma``) that maximises the predicted speedup, and that speedup."""
+                autoregressive_cost: float, max_gamma: int, fixed: Sequence[int | None] = ()) -> tuple[tuple[int, ...], float]:
+    """The γ per level (each 1 … ``max_gamma``, or ``fixed[i]`` where that is given) that maximises the
+    predicted speedup, and that speedup."""
+    fixed = tuple(fixed) or (None,) * len(verify_costs)
+    choices = [range(1, max_gamma + 1) if g is None else (g,) for g in fixed]
     best: tuple[tuple[int, ...], float] | None = None
-    for gammas in itertools.product(range(1, max_gamma + 1), repeat=len(verify_costs)):
+    for gammas in itertools.product(*choices):
         levels = [LevelCost(acceptance=a, gamma=g, verify_cost=costs[g + 1]) for a, g, costs in zip(acceptances, gammas, verify_costs)]
         speedup = StackCost(draft_cost=draft_cost, levels=levels, autoregressive_cost=autoregressive_cost).speedup
         if best is None or speedup > best[1] + 1e-12:
@@ -93,8 +98,10 @@ def tune(stack: SpeculationStack, prompt: Sequence[int], *, calibration_tokens: 
     stats = calibration.levels  # bottom first: level 0, then one per verifying level
     acceptances = tuple(s.token_acceptance_rate for s in stats[1:])
     draft_cost = _draft_cost(levels[0].drafter, stats[0])
-    costs = tuple(_verify_costs(level, len(prompt), max_gamma + 1, repeats, seed) for level in levels)
-    gammas, speedup = best_gammas(draft_cost, costs, acceptances, costs[-1][1], max_gamma)
+    fixed = tuple(level.gamma if level.drafter.draft_kind is not DraftKind.CHAIN else None for level in levels)  # a tree's depth stays
+    most = max([max_gamma, *(g for g in fixed if g is not None)]) + 1
+    costs = tuple(_verify_costs(level, len(prompt), most, repeats, seed) for level in levels)
+    gammas, speedup = best_gammas(draft_cost, costs, acceptances, costs[-1][1], max_gamma, fixed)
     for level, gamma in zip(levels, gammas):
         level.gamma = gamma
     return Tuning(gammas=gammas, before=before, acceptances=acceptances, draft_cost=draft_cost, verify_costs=costs,

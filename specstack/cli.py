@@ -58,7 +58,7 @@ def _parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
     demo.add_argument("--prompt-tokens", type=int, default=None,
                       help="tokens of Pride and Prejudice before the summary request (default: 7000, or what fills --context)")
     demo.add_argument("--prompt-file", help="use this file's text as the prompt instead ('-' for stdin)")
-    demo.add_argument("--stacks", nargs="+", default=["triforce", "triforce-lookup"], metavar="NAME", help="stacks to compare (default: triforce triforce-lookup)")
+    demo.add_argument("--stacks", nargs="+", default=["triforce", "medusa-lookup"], metavar="NAME", help="stacks to compare (default: triforce medusa-lookup)")
     demo.add_argument("--no-tune", dest="tune", action="store_false", help="keep each stack's default γ instead of tuning it (gamma=auto)")
     demo.add_argument("--json", action="store_true", help="print one JSON record instead of the table")
     demo.add_argument("--synthetic", action="store_true", help="use synthetic models (no weights needed)")

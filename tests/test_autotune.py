@@ -93,3 +93,17 @@ def test_autoregressive_stack_cannot_be_tuned() -> None:
     stack = SpeculationStack.build([Level(model=target)])
     with pytest.raises(SpecstackError, match="gamma=auto needs a stack with at least one verifying level"):
         autotune.tune(stack, [1, 2, 3])
+
+
+def test_a_level_verifying_a_tree_keeps_its_depth() -> None:
+    """A tree's nodes are not a chain's tokens: tuning its depth by a chain's per-token acceptance cut
+    Medusa's trees to depth 1 (the demo measured it). Its level keeps γ; the chain levels are tuned."""
+    from specstack import Registry
+    from specstack_medusa.heads import synthetic_heads
+
+    target = SyntheticLM(vocab_size=16, seed=2, sharpness=2.0)
+    stack = Registry.create().stack("medusa", target=target, heads=synthetic_heads(16, token_input=True))
+    depth = autotune.verifying_levels(stack)[0].gamma
+    tuning = autotune.tune(stack, list(range(1, 12)), calibration_tokens=8, max_gamma=2, repeats=1)
+    assert tuning.gammas == (depth,) == tuple(level.gamma for level in autotune.verifying_levels(stack)) and depth > 2
+    assert autotune.best_gammas(1e-6, [{t: 1.0 for t in range(1, 8)}] * 2, (0.9, 0.9), 1.0, 3, fixed=(None, 6))[0][1] == 6

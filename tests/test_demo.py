@@ -17,16 +17,19 @@ def _demo_json(capsys, *extra: str) -> dict:
     return json.loads(capsys.readouterr().out)
 
 
-def test_demo_compares_triforce_and_the_fast_stack_with_tuned_gammas(capsys) -> None:
+def test_demo_compares_triforce_and_the_fastest_stack_with_tuned_gammas(capsys) -> None:
     record = _demo_json(capsys)
     assert record["dtype"] == "float32" and record["prompt_tokens"] > 500
-    assert [row["stack"] for row in record["stacks"]] == ["triforce", "triforce-lookup"]
+    assert [row["stack"] for row in record["stacks"]] == ["triforce", "medusa-lookup"]
     for row in record["stacks"]:
         assert row["identical"] is True, row
         assert row["exactness"] == "identical to autoregressive decoding, token for token"
         assert row["speedup"] > 0 and row["tokens_per_target_forward"] >= 1
-        assert set(row["acceptance"]) == {"target+retrieval", "target"}
-        assert len(row["tuning"]["gammas"]) == 2 and all(1 <= g <= 8 for g in row["tuning"]["gammas"])
+    triforce, merged = record["stacks"]
+    assert set(triforce["acceptance"]) == {"target+retrieval", "target"}
+    assert len(triforce["tuning"]["gammas"]) == 2 and all(1 <= g <= 8 for g in triforce["tuning"]["gammas"])
+    assert set(merged["acceptance"]) == {"target"}
+    assert merged["tuning"]["gammas"] == [5]  # a tree's depth (the four heads and the LM head) is kept
     assert record["text"].strip()
 
 
