@@ -231,6 +231,11 @@ class HiddenStateChannel:
         """[n, H] hidden states -> [n, V] float32 logits through the level's own output head."""
         return self._source.model.output_logits(states)
 
+    def output_head(self, rows: torch.Tensor):
+        """The level's output head for the token ids ``rows`` [R] only: a function [n, H] -> [n, R] float32
+        logits (a drafter that drafts from a smaller vocabulary builds it once)."""
+        return self._source.model.output_head(rows)
+
     def input_embeddings(self, tokens: torch.Tensor) -> torch.Tensor:
         """[n] token ids -> [n, H] the level's own input embeddings of them."""
         return self._source.model.input_embeddings(tokens)

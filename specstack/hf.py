@@ -28,7 +28,7 @@ from .decode_attention import DecodeKernel, load_decode_kernel
 from .decoder import LeanDecoder, rotate_half
 from .graphs import ForwardGraphs, StaticView
 from .kvstore import KVStore
-from .packed_linear import pack_linears
+from .packed_linear import PackedLinear, pack_linears
 from .types import Capability
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
@@ -233,6 +233,20 @@ class HFCausalLM:
     def output_logits(self, states: torch.Tensor) -> torch.Tensor:
         """[n, H] last hidden states -> [n, V] float32 logits: the model's own LM head."""
         return self.module.lm_head(states.to(self.dtype)).float()  # [n, V]
+
+    @torch.inference_mode()
+    def output_head(self, rows: torch.Tensor):
+        """The LM head's rows ``rows`` [R] (token ids) as a function [n, H] -> [n, R] float32 logits: a copy of
+        those rows of its weight (R x H), computed as the LM head is (the few-row kernel where it has one)."""
+        head = self.module.lm_head
+        part = torch.nn.Linear(head.in_features, rows.numel(), bias=head.bias is not None, device=head.weight.device, dtype=head.weight.dtype)
+        part.weight.copy_(head.weight[rows.to(head.weight.device)])  # [R, H]
+        if head.bias is not None:
+            part.bias.copy_(head.bias[rows.to(head.weight.device)])  # [R]
+        part.requires_grad_(False)
+        if isinstance(head, PackedLinear):
+            PackedLinear.adopt(part, head._rows)
+        return lambda states: part(states.to(self.dtype)).float()  # [n, H] -> [n, R]
 
     @torch.inference_mode()
     def input_embeddings(self, tokens: torch.Tensor) -> torch.Tensor:

@@ -69,7 +69,8 @@ class CausalLM(Protocol):
         allows (a chain, or a token tree with ``Capability.TREE_ATTENTION``). A model with
         ``Capability.HIDDEN_STATES`` leaves the last hidden states of those tokens in ``batch.hidden``
         ([num_logits, H]) when ``batch.keep_hidden`` is set, and has ``hidden_size``,
-        ``output_logits(states [n, H]) -> [n, V]``, its output head, and
+        ``output_logits(states [n, H]) -> [n, V]``, its output head, ``output_head(rows [R])``, a function
+        ``[n, H] -> [n, R]`` computing only the logits of the token ids ``rows``, and
         ``input_embeddings(tokens [n]) -> [n, H]``, its input embedding."""
 
 

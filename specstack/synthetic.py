@@ -72,6 +72,11 @@ class SyntheticLM:
         """[n, H] -> [n, V]: the fixed output head."""
         return states.float().cpu() @ self._head.T
 
+    def output_head(self, rows: torch.Tensor):
+        """The output head's rows ``rows`` [R]: a function [n, H] -> [n, R]."""
+        part = self._head[rows.cpu()]  # [R, H]
+        return lambda states: states.float().cpu() @ part.T  # [n, H] -> [n, R]
+
     def input_embeddings(self, tokens: torch.Tensor) -> torch.Tensor:
         """[n] -> [n, H]: the output head's rows (tied embeddings, as SmolLM2's)."""
         return self._head[tokens.cpu()]  # [n, H]

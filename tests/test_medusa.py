@@ -30,8 +30,11 @@ def registry() -> Registry:
     return Registry.create(entry_points=False, plugins=[plugin])
 
 
-def _medusa(vocab: int, *, tree_size: int = 8, token_input: bool = False) -> MedusaDrafter:
-    return MedusaDrafter(vocab=vocab, heads=synthetic_heads(vocab, token_input), tree_size=tree_size)
+HEADS = {"state": {}, "state+token": {"token_input": True}, "chained": {"chained": True}}  # the kinds of heads
+
+
+def _medusa(vocab: int, *, tree_size: int = 8, kind: str = "state") -> MedusaDrafter:
+    return MedusaDrafter(vocab=vocab, heads=synthetic_heads(vocab, **HEADS[kind]), tree_size=tree_size)
 
 
 # -- the tree of candidates ------------------------------------------------------------------------
@@ -174,14 +177,105 @@ def test_heads_with_token_input_read_the_token_after_the_state() -> None:
     assert torch.equal(drafter._head_states(state, None), drafter._head_states(state, int(target.output_logits(state[None]).argmax())))
 
 
+def test_chained_heads_expand_each_node_from_the_state_its_parents_token_leads_to() -> None:
+    """Chained heads: depth 0 is drawn from s_1 = g(h_q, e(x_{q+1})), and a node's children from g(its
+    parent's state, e(its token)). Recomputed here node by node from the head's step and the level's
+    own output head and embedding (a drafter stepping on another token, or on the wrong parent, fails)."""
+    import attrs
+
+    target = SyntheticLM(vocab_size=10, seed=1, sharpness=2.0)
+    heads = synthetic_heads(10, chained=True)
+    heads.info = attrs.evolve(heads.info, accuracy=[[0.5, 0.4], [0.5, 0.4], [0.5, 0.4]])
+    drafter = MedusaDrafter(vocab=10, heads=heads, tree_size=9, top_k=2)
+    prompt = list(range(10)) * 3
+    stack = SpeculationStack.build([Level(drafter=drafter), Level(model=target, gamma=drafter.step)])
+    prefix = prompt + list(stack.generate(prompt, 12).tokens)
+    draft = drafter.propose(prefix, drafter.step)
+    q, h = drafter._channel.latest(prefix)
+    assert q == len(prefix) - 2 and len(draft) == 9 and int(draft.parents.max()) >= 2  # three depths, branching
+    step = lambda state, token: heads.step(state[None], target.input_embeddings(torch.tensor([token])))[0]  # noqa: E731
+    states = {-1: step(h, prefix[-1])}  # node -> the state its children are drawn from
+    for node in range(len(draft)):
+        parent = int(draft.parents[node])
+        logits = target.output_logits(states[parent][None])[0]  # [V]
+        assert torch.allclose(draft.probs[node], torch.softmax(logits, -1), atol=1e-6)
+        assert int(draft.tokens[node]) in logits.topk(2).indices.tolist()
+        states[node] = step(states[parent], int(draft.tokens[node]))
+    siblings = [n for n in range(len(draft)) if int(draft.parents[n]) == -1]
+    assert len(siblings) == 2 and not torch.equal(states[siblings[0]], states[siblings[1]])
+
+
+def test_chained_heads_need_token_input() -> None:
+    with pytest.raises(SpecstackError, match="chained medusa heads read the token after each state; set token_input too"):
+        HeadsInfo(hidden_size=8, heads=3, vocab_size=10, chained=True)
+
+
+def _ranked(heads: MedusaHeads, seed: int = 0) -> MedusaHeads:
+    heads.token_rank = torch.randperm(heads.info.vocab_size, generator=torch.Generator().manual_seed(seed))  # [V]
+    return heads
+
+
+@pytest.mark.parametrize("kind", ["state+token", "chained"])
+def test_a_draft_vocabulary_drafts_only_its_tokens_and_keeps_greedy_output(kind: str) -> None:
+    """draft_vocab = R (here the heads file's own default): every candidate is among the heads' first R
+    ranked tokens and its row is zero elsewhere (a softmax over those R logits); the output is still the
+    target's greedy decoding. draft_vocab=0 drafts from the whole vocabulary."""
+    import attrs
+
+    target = SyntheticLM(vocab_size=16, seed=1, sharpness=2.0)
+    heads = _ranked(synthetic_heads(16, **HEADS[kind]))
+    heads.info = attrs.evolve(heads.info, draft_vocab=6)
+    assert MedusaDrafter(vocab=16, heads=heads, draft_vocab=0).draft_vocab == 0
+    drafter = MedusaDrafter(vocab=16, heads=heads, tree_size=8)
+    assert drafter.draft_vocab == 6
+    prompt = list(range(8)) * 3
+    stack = SpeculationStack.build([Level(drafter=drafter), Level(model=target, gamma=drafter.step)])
+    assert list(stack.generate(prompt, 30).tokens) == greedy_decode(target, prompt, 30)
+    allowed = heads.token_rank[:6]
+    draft = drafter.propose(prompt + greedy_decode(target, prompt, 5), drafter.step)
+    assert len(draft) > 0 and all(int(t) in allowed.tolist() for t in draft.tokens)
+    outside = torch.ones(16, dtype=torch.bool)
+    outside[allowed] = False
+    assert torch.all(draft.probs[:, outside] == 0) and torch.allclose(draft.probs.sum(-1), torch.ones(len(draft)))
+
+
+def test_a_levels_output_head_rows_are_its_logits_columns() -> None:
+    """HFCausalLM.output_head(rows) (the draft vocabulary's logits) computes exactly the LM head's columns ``rows``."""
+    from specstack.testing.llama import random_llama
+
+    for dtype in (torch.float32, torch.bfloat16):
+        model = random_llama(dtype=dtype)
+        states = torch.randn(3, model.hidden_size)
+        rows = torch.tensor([5, 0, 77, 3, 255])
+        assert torch.equal(model.output_head(rows)(states), model.output_logits(states)[:, rows])
+
+
+def test_sampled_medusa_with_a_draft_vocabulary_keeps_the_target_distribution() -> None:
+    sampling = SamplingConfig(temperature=0.8)
+    target = SyntheticLM(vocab_size=4, seed=11, sharpness=1.5)
+    drafter = MedusaDrafter(vocab=4, heads=_ranked(synthetic_heads(4, chained=True)), tree_size=6, draft_vocab=2)
+    stack = SpeculationStack.build([Level(drafter=drafter), Level(model=target, gamma=drafter.step)], sampling=sampling, seed=3)
+    assert stack_pvalue(stack, target, sampling, PROMPT) > ALPHA
+
+
+def test_bad_draft_vocabularies_are_one_line_errors(tmp_path) -> None:
+    with pytest.raises(SpecstackError, match="medusa draft_vocab 17 is not allowed; use 0 \\(the whole vocabulary\\) or an integer from 1 to 16"):
+        MedusaDrafter(vocab=16, heads=_ranked(synthetic_heads(16)), draft_vocab=17)
+    with pytest.raises(SpecstackError, match="medusa draft_vocab=4 needs heads that carry the target's token ranking"):
+        MedusaDrafter(vocab=16, heads=synthetic_heads(16), draft_vocab=4)
+    heads = _ranked(synthetic_heads(16, chained=True), seed=5)
+    save_heads(tmp_path / "h.safetensors", heads)
+    assert torch.equal(load_heads(tmp_path / "h.safetensors").token_rank, heads.token_rank)  # the ranking travels with the file
+
+
 # -- greedy losslessness ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("token_input", [False, True], ids=["state", "state+token"])
+@pytest.mark.parametrize("kind", list(HEADS))
 @pytest.mark.parametrize("tree_size", [1, 4, 12])
-def test_medusa_greedy_equals_the_target_greedy(tree_size: int, token_input: bool) -> None:
+def test_medusa_greedy_equals_the_target_greedy(tree_size: int, kind: str) -> None:
     target = SyntheticLM(vocab_size=16, seed=1, sharpness=2.0)
-    drafter = _medusa(16, tree_size=tree_size, token_input=token_input)
+    drafter = _medusa(16, tree_size=tree_size, kind=kind)
     stack = SpeculationStack.build([Level(drafter=drafter), Level(model=target, gamma=drafter.step)])
     prompt = list(range(8)) * 3
     assert list(stack.generate(prompt, 30).tokens) == greedy_decode(target, prompt, 30)
@@ -190,8 +284,9 @@ def test_medusa_greedy_equals_the_target_greedy(tree_size: int, token_input: boo
 def test_the_recipes_are_greedy_lossless(registry) -> None:
     target = SyntheticLM(vocab_size=16, seed=2, sharpness=2.0)
     prompt = list(range(8)) * 5
-    for name, options, level0 in [("medusa", {}, "medusa"), ("triforce-medusa", SMALL, "medusa"), ("medusa-lookup", {}, "prompt-lookup+medusa")]:
-        stack = registry.stack(name, target=target, heads=synthetic_heads(16), tree_size=10, **options)
+    for name, options, level0 in [("medusa", {}, "medusa"), ("medusa-chain", {"heads": synthetic_heads(16, chained=True)}, "medusa"),
+                                  ("triforce-medusa", SMALL, "medusa"), ("medusa-lookup", {}, "prompt-lookup+medusa")]:
+        stack = registry.stack(name, target=target, tree_size=10, **{"heads": synthetic_heads(16), **options})
         result = stack.generate(prompt, 30)
         assert list(result.tokens) == greedy_decode(target, prompt, 30), name
         assert result.levels[0].name == level0 and result.levels[1].drafted > result.levels[1].rounds  # trees, not single tokens
@@ -201,11 +296,11 @@ def test_the_recipes_are_greedy_lossless(registry) -> None:
 # -- sampled losslessness --------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("token_input", [False, True], ids=["state", "state+token"])
+@pytest.mark.parametrize("kind", list(HEADS))
 @pytest.mark.parametrize("sampling", [SamplingConfig(temperature=0.8), SamplingConfig(temperature=0.9, top_p=0.8)], ids=["t0.8", "top_p"])
-def test_sampled_medusa_keeps_the_target_distribution(sampling: SamplingConfig, token_input: bool) -> None:
+def test_sampled_medusa_keeps_the_target_distribution(sampling: SamplingConfig, kind: str) -> None:
     target = SyntheticLM(vocab_size=4, seed=11, sharpness=1.5)
-    drafter = _medusa(4, tree_size=6, token_input=token_input)
+    drafter = _medusa(4, tree_size=6, kind=kind)
     stack = SpeculationStack.build([Level(drafter=drafter), Level(model=target, gamma=drafter.step)], sampling=sampling, seed=3)
     assert stack.top.verifier.name == "token-tree"
     assert stack_pvalue(stack, target, sampling, PROMPT) > ALPHA

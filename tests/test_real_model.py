@@ -58,6 +58,8 @@ def reference(models, prompt):
         ("lookup-tree", {}),
         ("triforce-lookup-tree", SMALL),
         ("medusa", {"tree_size": 8}),  # Medusa heads (the medusa plugin) on the target's hidden state
+        ("medusa-chain", {"tree_size": 8}),  # ... one head chained step after step (a tree expanded depth by depth)
+        ("triforce-medusa", {**SMALL, "heads": "chained", "tree_size": 4}),
         ("triforce-medusa", {**SMALL, "tree_size": 4}),  # ... on the middle level's, over retrieval
         ("medusa-lookup", {"tree_size": 4}),  # ... merged with prompt lookup into one tree
     ],

@@ -118,15 +118,22 @@ def test_a_smoke_medusa_training_gives_heads_that_a_lossless_stack_runs(tmp_path
             "--set", "eval_chunks=2", "--set", "positions=32", "--set", "heads=2", "--set", "threads=2"]
     assert main(argv + ["--data", str(tmp_path / "data.pt")]) == 0
     assert "labelled" in capsys.readouterr().out
-    assert main(argv + ["--data", str(tmp_path / "data.pt")]) == 0  # the same data, read back: the target writes nothing
-    assert "labelled data read from" in capsys.readouterr().out
+    chained = tmp_path / "chained.safetensors"
+    chain_argv = [str(chained) if arg == str(out) else arg for arg in argv]
+    assert main(chain_argv + ["--data", str(tmp_path / "data.pt"), "--set", "chained=true", "--set", "draft_vocab=64"]) == 0
+    assert "labelled data read from" in capsys.readouterr().out  # the same data, read back: the target writes nothing
     metrics = json.loads(out.with_suffix(".json").read_text())
     assert metrics["steps"] >= 1 and set(metrics["held_out"]) == {"persuasion:text", "persuasion:greedy"}
     assert all(0.0 <= a <= 1.0 for a in metrics["held_out"]["persuasion:greedy"]["top1"])
+    assert 0.0 < metrics["held_out"]["persuasion:greedy"]["draft_vocab_coverage"]["4096"] <= 1.0
     heads = load_heads(out)
     assert heads.info.heads == 2 and heads.info.token_input and len(heads.info.accuracy) == 2 and len(heads.info.accuracy[0]) == 8
+    assert heads.info.draft_vocab == 8192 and sorted(heads.token_rank.tolist()) == list(range(heads.info.vocab_size))
+    chain = load_heads(chained)
+    assert chain.info.chained and chain.info.draft_vocab == 64 and len(list(chain.blocks)) == 1
     target, _, tokenizer = load_default(with_draft=False)
     prompt = book_tokens(tokenizer, 300, name="kjv")
     registry = Registry.create()
     reference = registry.stack("autoregressive", target=target).generate(prompt, 12)
     assert registry.stack("medusa", target=target, heads=str(out)).generate(prompt, 12).tokens == reference.tokens
+    assert registry.stack("medusa-chain", target=target, heads=str(chained)).generate(prompt, 12).tokens == reference.tokens

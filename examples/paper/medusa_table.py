@@ -24,7 +24,10 @@ def _row(record: dict) -> list[str]:
     per_forward = record["new_tokens"] / max(top["forward_calls"], 1)
     ms = 1000 * verifying["forward_seconds"] / max(verifying["forward_calls"], 1)
     acceptance = " / ".join(f"{level['accepted'] / level['drafted']:.2f}" if level["drafted"] else "–" for level in levels[1:]) or "–"
-    text = record["task_options"].get("book", "prideprejudice") if isinstance(record.get("task_options"), dict) else record["task"]
+    options = record.get("task_options")
+    text = record["task"]
+    if isinstance(options, dict):  # the book, and where in it the prompt starts when not at its beginning
+        text = options.get("book", "prideprejudice") + (f" @{options['offset']:,}" if options.get("offset") else "")
     return [record["dtype"], text, f"{record['temperature']:g}", f"`{record['label']}`", f"{record['speedup']:.2f}×",
             "yes" if record["identical_to_baseline"] else "no", f"{per_forward:.2f}", acceptance, f"{ms:.1f}"]
 

@@ -8,6 +8,10 @@ head k's state predicts x_{q+k+1}. Usually the last token of the prefix is the o
 emitted and not yet fed, so q = len(prefix) - 2 and head 1 drafts the next token; right after a
 prefill q = len(prefix) - 1 and the LM head itself drafts it.
 
+Chained heads (one head applied step after step, :mod:`specstack_medusa.heads`) draft the same tree
+of rank paths, but a node's candidates are ranks of the state its parent's token leads to, so the
+tree is expanded depth by depth (one pass of the output head per depth).
+
 The draft is a token tree of rank paths (:mod:`specstack_medusa.tree`): deterministic candidates
 (``TREE_DETERMINISTIC``), verified losslessly by the greedy verifier at temperature 0 and by the
 token-tree verifier above it. (Medusa's "typical acceptance" is not offered: it changes the output
@@ -39,11 +43,20 @@ def _size(instance, attribute, value) -> None:
         raise SpecstackError(f"medusa {attribute.name} {value!r} is not allowed; use an integer >= 1")
 
 
+def _draft_vocab(instance, attribute, value) -> None:
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= instance.vocab):
+        raise SpecstackError(f"medusa draft_vocab {value!r} is not allowed; use 0 (the whole vocabulary) or an integer from 1 to {instance.vocab}")
+
+
 @attrs.define(eq=False, kw_only=True)
 class MedusaDrafter(Drafter):
-    """Level 0 of the ``medusa`` stacks: ``tree_size`` candidates from ``heads`` (a file or loaded
-    :class:`MedusaHeads`; default: the heads shipped for the embedded default), at most ``top_k`` ranks
-    per head."""
+    """Level 0 of the ``medusa`` stacks: ``tree_size`` candidates from ``heads`` (a file, the name of heads
+    shipped for the embedded default, ``parallel`` (the default) or ``chained``, or loaded
+    :class:`MedusaHeads`), at most ``top_k`` ranks per head. With ``draft_vocab`` = R > 0 the candidates
+    come from the R tokens the target emitted most often in the heads' training data (FR-Spec, Zhao et
+    al., 2025): the output head then computes R logits instead of V, and the draft's distributions are
+    zero elsewhere. Deterministic trees are verified without them, so the output is unchanged. 0 drafts
+    from the whole vocabulary; None (the default) takes the heads file's own ``draft_vocab``."""
 
     name: ClassVar[str] = "medusa"
     requires: ClassVar[frozenset[Capability]] = frozenset({Capability.HIDDEN_STATES})
@@ -53,17 +66,25 @@ class MedusaDrafter(Drafter):
     heads: str | MedusaHeads | None = None
     tree_size: int = attrs.field(default=4, validator=_size)  # measured best of 2, 4, 8 on this CPU (docs/results.md)
     top_k: int = attrs.field(default=8, validator=_size)
+    draft_vocab: int | None = attrs.field(default=None, validator=_draft_vocab)
     stats: LevelStats = attrs.field(factory=lambda: LevelStats(name="medusa"))
     _channel: HiddenStateChannel | None = attrs.field(init=False, default=None)
     _trees: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = attrs.field(init=False, factory=dict)  # first head -> (depth, rank, parent) per node
 
     _model: MedusaHeads = attrs.field(init=False)
+    _output: object = attrs.field(init=False, default=None)  # [n, H] -> [n, R] logits: the level's output head, or its draft_vocab rows
+    _rows: torch.Tensor | None = attrs.field(init=False, default=None)  # [R] the token id of each logit column; None: all V
 
     def __attrs_post_init__(self) -> None:
         self._model = self.heads if isinstance(self.heads, MedusaHeads) else load_heads(self.heads or shipped_heads())
         if self.info.vocab_size != self.vocab:
             raise SpecstackError(f"medusa heads were trained for a vocabulary of {self.info.vocab_size} tokens but the target has {self.vocab}; "
                                  f"train heads for this target with `specstack train medusa`")
+        if self.draft_vocab is None:
+            self.draft_vocab = min(self.info.draft_vocab, self.vocab)
+        if self.draft_vocab and self._model.token_rank is None:
+            raise SpecstackError(f"medusa draft_vocab={self.draft_vocab} needs heads that carry the target's token ranking; "
+                                 f"these do not: retrain them with `specstack train medusa`, or use draft_vocab=0")
 
     @classmethod
     def conformance_instance(cls, vocab: int) -> "MedusaDrafter":
@@ -88,6 +109,10 @@ class MedusaDrafter(Drafter):
                                  f"train heads for this target with `specstack train medusa`")
         self._channel = channel
         self._model.to(channel.device)
+        self._output, self._rows = channel.output_logits, None
+        if self.draft_vocab:
+            self._rows = self._model.token_rank[: self.draft_vocab].to(channel.device)  # [R]
+            self._output = channel.output_head(self._rows)
 
     def propose(self, prefix: Sequence[int], n: int) -> Draft:
         if self._channel is None:
@@ -103,21 +128,60 @@ class MedusaDrafter(Drafter):
 
     def _draft(self, state: torch.Tensor, after: int | None, first: int, n: int) -> Draft:
         """The tree of candidates at most ``n`` deep for head ``first`` on (depth 0), from the hidden state
-        ``state`` [H] and ``after``, the token after its position when the prefix holds it: the output
-        head runs once per depth drafted."""
+        ``state`` [H] and ``after``, the token after its position when the prefix holds it."""
         depth, rank, parents = self._tree(first)
         k = int((depth < n).sum())  # nodes are ordered by depth: the first k are the ones that fit
         if k == 0:  # no rank of the first head was ever right: nothing worth drafting
             return Draft.empty(self.vocab, device=self._channel.device)
         depth, rank, parents = depth[:k], rank[:k], parents[:k]
-        d = int(depth[-1]) + 1
         with torch.inference_mode():
-            states = torch.cat([state[None], self._head_states(state, after)])  # [K+1, H]
-            logits = self._channel.output_logits(states[first : first + d])  # [d, V]
-        ranks = logits.topk(min(self.top_k, self.vocab)).indices  # [d, top_k]
-        rows = torch.softmax(logits, dim=-1)  # [d, V]: each depth's distribution, the q of its nodes
-        at, rank = depth.to(logits.device), rank.to(logits.device)  # [k] each
-        return Draft(tokens=ranks[at, rank], probs=rows[at], parents=parents.to(logits.device), kind=self.draft_kind)  # [k], [k, V]
+            nodes = self._chained_nodes if self.info.chained else self._parallel_nodes
+            tokens, probs = nodes(state, after, first, depth.to(state.device), rank.to(state.device), parents.to(state.device))  # [k], [k, V]
+        return Draft(tokens=tokens, probs=probs, parents=parents.to(state.device), kind=self.draft_kind)
+
+    def _parallel_nodes(self, state, after, first, depth, rank, parents) -> tuple[torch.Tensor, torch.Tensor]:
+        """Parallel heads: every node's token is a rank of its depth's head, whatever its parent; the
+        output head runs once for all depths. -> tokens [k], and the distribution each was drawn from [k, V]."""
+        d = int(depth[-1]) + 1
+        states = torch.cat([state[None], self._head_states(state, after)])  # [K+1, H]
+        ranks, rows = self._candidates(states[first : first + d])  # [d, top_k], [d, V]
+        return ranks[depth, rank], rows[depth]  # [k], [k, V]
+
+    def _chained_nodes(self, state, after, first, depth, rank, parents) -> tuple[torch.Tensor, torch.Tensor]:
+        """Chained heads: a node's children are ranks of the state that its parent's token leads to
+        (one step of the head per depth, one pass of the output head per depth, over that depth's
+        parents). -> tokens [k], and the distribution each was drawn from [k, V]."""
+        frontier = state[None] if first == 0 else self._step(state[None], torch.tensor([after], device=state.device))  # [1, H]: depth 0's parent
+        tokens = torch.empty(depth.shape[0], dtype=torch.long, device=state.device)  # [k]
+        probs = torch.empty(depth.shape[0], self.vocab, dtype=torch.float32, device=state.device)  # [k, V]
+        low = 0  # the first node of the depth before
+        for d in range(int(depth[-1]) + 1):
+            at = (depth == d).nonzero()[:, 0]  # [m] this depth's nodes (contiguous)
+            slot = parents[at] - low if d > 0 else torch.zeros_like(at)  # [m] each node's parent's row of frontier
+            ranks, rows = self._candidates(frontier)  # [f, top_k], [f, V]
+            tokens[at] = ranks[slot, rank[at]]
+            probs[at] = rows[slot]
+            if d < int(depth[-1]):
+                frontier = self._step(frontier[slot], tokens[at])  # [m, H]: the states this depth's tokens lead to
+            low = int(at[0])
+        return tokens, probs
+
+    def _candidates(self, states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """[f, H] states -> their ``top_k`` candidate tokens [f, top_k] (best first) and their distributions
+        [f, V] over the draft vocabulary (zero outside it)."""
+        logits = self._output(states)  # [f, R]
+        top = logits.topk(min(self.top_k, logits.shape[-1])).indices  # [f, top_k]
+        rows = torch.softmax(logits, dim=-1)  # [f, R]
+        if self._rows is None:
+            return top, rows
+        spread = rows.new_zeros(rows.shape[0], self.vocab).index_copy_(1, self._rows, rows)  # [f, V]
+        return self._rows[top], spread
+
+    def _step(self, states: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """Chained heads' one step: [m, H] states and [m] the tokens after them -> [m, H] the next states."""
+        dtype = next(self._model.parameters()).dtype
+        embedded = self._channel.input_embeddings(tokens).to(dtype)  # [m, H]
+        return self._model.step(states.to(dtype), embedded).to(states.dtype)  # [m, H]
 
     def _head_states(self, state: torch.Tensor, after: int | None) -> torch.Tensor:
         """[H] the level's state at q -> [K, H] the heads' states. Heads with token input also read the

@@ -8,7 +8,14 @@ so that an untrained head starts as the identity (it predicts what the LM head d
 first block: ``x + SiLU(W [x; e] + b)``. When the heads draft, x_{t+1} is known: it is the token the
 level above has just emitted from h_t (or, right after a prefill, its greedy choice), so nothing is
 guessed; head k then no longer has to marginalise over x_{t+1} (the feature-plus-token input of EAGLE,
-Li et al., 2024, here on Medusa's parallel heads). The LM head is
+Li et al., 2024, here on Medusa's parallel heads).
+
+``chained`` heads are one such head applied recurrently, as EAGLE's draft and ReDrafter (Cheng et al.,
+2024) autoregress: s_1 = g(h_t, e(x_{t+1})) stands for h_{t+1} and predicts x_{t+2}; s_k = g(s_{k-1},
+e(x_{t+k})) predicts x_{t+k+1}, where x_{t+k} is the token drafted from s_{k-1}. Step k then knows
+every token before the one it predicts, where parallel head k must guess k - 1 of them; the price is
+one pass of the LM head per depth, not one for all depths. ``heads`` is then the number of steps
+trained and measured, and the file holds one head's weights. The LM head is
 the target's, shared as in Medusa's later versions: the heads of a 576-wide model are 0.3M
 parameters each. A file holds the heads' weights and, as safetensors metadata, a
 :class:`HeadsInfo`: shapes, what they were trained for, and their measured top-k accuracy, from which
@@ -25,7 +32,10 @@ import torch
 
 from specstack import SpecstackError
 
-SHIPPED = Path(__file__).parent / "assets" / "smollm2-medusa" / "heads.safetensors"
+ASSETS = Path(__file__).parent / "assets"
+TOKEN_RANK = "token_rank"  # the file's tensor of token ids by how often the target emitted them in the training data
+SHIPPED = {"parallel": ASSETS / "smollm2-medusa" / "heads.safetensors",  # the heads shipped for the embedded default, by name
+           "chained": ASSETS / "smollm2-medusa-chain" / "heads.safetensors"}
 
 
 def _positive(instance, attribute, value) -> None:
@@ -36,15 +46,23 @@ def _positive(instance, attribute, value) -> None:
 @attrs.frozen(kw_only=True)
 class HeadsInfo:
     """What a heads file says of itself. ``accuracy[k][r]``: how often head k + 1's rank-r candidate was
-    the target's greedy token on held-out text (top-1 is r = 0)."""
+    the target's greedy token on held-out text (top-1 is r = 0; chained heads: step k + 1, given the true
+    tokens before it)."""
 
     hidden_size: int = attrs.field(validator=_positive)
     heads: int = attrs.field(validator=_positive)
     layers: int = attrs.field(default=1, validator=_positive)
     vocab_size: int = attrs.field(validator=_positive)
     token_input: bool = False  # each head's first block also reads the embedding of the token after the state
+    chained: bool = attrs.field(default=False)  # one head, applied once per step on its own output (needs token_input)
+    draft_vocab: int = attrs.field(default=0, validator=attrs.validators.ge(0))  # the drafter's default: draft from this many of the ranked tokens (0: all)
     target: str = ""
     accuracy: tuple[tuple[float, ...], ...] = attrs.field(default=(), converter=lambda rows: tuple(tuple(float(a) for a in r) for r in rows))
+
+    @chained.validator
+    def _chain_reads_tokens(self, attribute, value) -> None:
+        if value and not self.token_input:
+            raise SpecstackError("chained medusa heads read the token after each state; set token_input too")
 
     def to_json(self) -> str:
         return json.dumps(attrs.asdict(self))
@@ -70,14 +88,15 @@ class ResBlock(torch.nn.Module):
 
 
 class MedusaHeads(torch.nn.Module):
-    """K heads of ``layers`` residual blocks each: [n, H] last hidden states -> [K, n, H] head states.
-    ``info`` says what they are and what they were measured to do."""
+    """K heads of ``layers`` residual blocks each: [n, H] last hidden states -> [K, n, H] head states
+    (chained: one head, K steps). ``info`` says what they are and what they were measured to do."""
 
     def __init__(self, info: HeadsInfo) -> None:
         super().__init__()
         self.info = info
+        self.token_rank: torch.Tensor | None = None  # [V] token ids, most often emitted by the target first (draft_vocab reads it)
         self.blocks = torch.nn.ModuleList(torch.nn.ModuleList(ResBlock(info.hidden_size, reads_token=info.token_input and i == 0) for i in range(info.layers))
-                                          for _ in range(info.heads))
+                                          for _ in range(1 if info.chained else info.heads))
 
     @classmethod
     def random(cls, info: HeadsInfo, scale: float = 0.3, seed: int = 0) -> "MedusaHeads":
@@ -91,10 +110,20 @@ class MedusaHeads(torch.nn.Module):
 
     def forward(self, states: torch.Tensor, after: torch.Tensor | None = None) -> torch.Tensor:
         """[n, H] states (and, for heads with token input, [n, H] the embeddings of the tokens after
-        them) -> [K, n, H] head states."""
+        them; chained heads: [K, n, H], the embeddings of x_{t+1} … x_{t+K}) -> [K, n, H] head states."""
         if self.info.token_input and after is None:
             raise SpecstackError("these medusa heads read the embedding of the token after each state; pass it")
+        if self.info.chained:
+            steps = []
+            for k in range(self.info.heads):
+                states = self.step(states, after[k])  # [n, H]: s_{k+1} from s_k (s_0 = h_t) and e(x_{t+k+1})
+                steps.append(states)
+            return torch.stack(steps)  # [K, n, H]
         return torch.stack([self._head(blocks, states, after) for blocks in self.blocks])  # [K, n, H]
+
+    def step(self, states: torch.Tensor, after: torch.Tensor) -> torch.Tensor:
+        """Chained heads' one step: [n, H] states s_k and [n, H] embeddings of the tokens after them -> [n, H] s_{k+1}."""
+        return self._head(self.blocks[0], states, after)  # [n, H]
 
     @staticmethod
     def _head(blocks: torch.nn.ModuleList, x: torch.Tensor, after: torch.Tensor | None) -> torch.Tensor:
@@ -109,16 +138,20 @@ def save_heads(path: str | Path, heads: MedusaHeads) -> None:
 
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     tensors = {name: t.detach().contiguous().cpu() for name, t in heads.state_dict().items()}
+    if heads.token_rank is not None:
+        tensors[TOKEN_RANK] = heads.token_rank.to(torch.int32).cpu()
     save_file(tensors, str(path), metadata={"specstack_medusa": heads.info.to_json()})
 
 
 def load_heads(path: str | Path, dtype: torch.dtype = torch.float32) -> MedusaHeads:
-    """The heads in ``path``; one error line if it is not a heads file."""
+    """The heads in ``path``, a file or the name of shipped heads (``SHIPPED``); one error line if it is
+    not a heads file."""
     from safetensors import safe_open
 
-    path = Path(path)
+    path = SHIPPED.get(str(path), Path(path))
     if not path.is_file():
-        raise SpecstackError(f"medusa heads file {str(path)!r} does not exist; train one with `specstack train medusa`")
+        raise SpecstackError(f"medusa heads file {str(path)!r} does not exist; name shipped heads ({', '.join(SHIPPED)}) "
+                             f"or train a file with `specstack train medusa`")
     try:
         with safe_open(str(path), framework="pt") as file:
             meta = (file.metadata() or {}).get("specstack_medusa")
@@ -127,20 +160,23 @@ def load_heads(path: str | Path, dtype: torch.dtype = torch.float32) -> MedusaHe
             raise ValueError("no specstack_medusa metadata")
         info = HeadsInfo.from_json(meta)
         heads = MedusaHeads(info)
+        rank = tensors.pop(TOKEN_RANK, None)
         heads.load_state_dict(tensors)
     except SpecstackError:
         raise
     except Exception as error:  # a corrupt or foreign file: one line, not a traceback
         raise SpecstackError(f"{str(path)!r} is not a medusa heads file: {str(error).splitlines()[0][:200]}") from None
-    return heads.to(dtype).eval()
+    heads = heads.to(dtype).eval()
+    heads.token_rank = None if rank is None else rank.long()  # [V]
+    return heads
 
 
-def synthetic_heads(vocab: int, token_input: bool = False) -> MedusaHeads:
+def synthetic_heads(vocab: int, token_input: bool = False, chained: bool = False) -> MedusaHeads:
     """Random heads for the synthetic models of :mod:`specstack.synthetic` (hidden size 8): what the
     conformance suite runs the medusa drafter and stacks with."""
-    return MedusaHeads.random(HeadsInfo(hidden_size=8, heads=3, vocab_size=vocab, token_input=token_input))
+    return MedusaHeads.random(HeadsInfo(hidden_size=8, heads=3, vocab_size=vocab, token_input=token_input or chained, chained=chained))
 
 
-def shipped_heads() -> Path:
-    """The heads trained for the embedded default (SmolLM2-135M-Instruct); see their TRAINING.md."""
-    return SHIPPED
+def shipped_heads(name: str = "parallel") -> Path:
+    """The heads trained for the embedded default (SmolLM2-135M-Instruct) under ``name``; see their TRAINING.md."""
+    return SHIPPED[name]

@@ -1,5 +1,5 @@
-"""The entry point specstack loads: the ``medusa`` drafter and the ``medusa`` and ``triforce-medusa``
-stacks. (Training the heads is ``specstack train medusa``, in the specstack-training distribution.)"""
+"""The entry point specstack loads: the ``medusa`` drafter and the stacks of :mod:`specstack_medusa.recipes`
+(``medusa``, ``medusa-chain``, ``triforce-medusa``, ``medusa-lookup``). (Training the heads is ``specstack train medusa``, in the specstack-training distribution.)"""
 
 from specstack.hookspecs import hookimpl
 

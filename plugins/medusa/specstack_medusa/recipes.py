@@ -15,25 +15,33 @@ def _synthetic(vocab: int) -> dict:
     return {"heads": synthetic_heads(vocab, token_input=True)}
 
 
-def _heads(registry, target, heads: str | MedusaHeads | None, tree_size: int, top_k: int) -> Level:
-    return Level(drafter=registry.drafter("medusa", vocab=target.vocab_size, heads=heads, tree_size=tree_size, top_k=top_k))
+def _synthetic_chain(vocab: int) -> dict:
+    return {"heads": synthetic_heads(vocab, chained=True)}
 
 
-def _medusa(registry, *, target, heads: str | MedusaHeads | None = None, tree_size: int = 4, top_k: int = 8) -> list[Level]:
-    level0 = _heads(registry, target, heads, tree_size, top_k)
+def _heads(registry, target, heads: str | MedusaHeads | None, tree_size: int, top_k: int, draft_vocab: int) -> Level:
+    return Level(drafter=registry.drafter("medusa", vocab=target.vocab_size, heads=heads, tree_size=tree_size, top_k=top_k, draft_vocab=draft_vocab))
+
+
+def _medusa(registry, *, target, heads: str | MedusaHeads | None = None, tree_size: int = 4, top_k: int = 8, draft_vocab: int | None = None) -> list[Level]:
+    level0 = _heads(registry, target, heads, tree_size, top_k, draft_vocab)
     return [level0, _full(target, level0.drafter.step)]
 
 
-def _triforce_medusa(registry, *, target, heads: str | MedusaHeads | None = None, tree_size: int = 4, top_k: int = 8, gamma2: int = 6,
+def _medusa_chain(registry, *, target, heads: str | MedusaHeads | None = "chained", tree_size: int = 4, top_k: int = 8, draft_vocab: int | None = None) -> list[Level]:
+    return _medusa(registry, target=target, heads=heads, tree_size=tree_size, top_k=top_k, draft_vocab=draft_vocab)
+
+
+def _triforce_medusa(registry, *, target, heads: str | MedusaHeads | None = None, tree_size: int = 4, top_k: int = 8, draft_vocab: int | None = None, gamma2: int = 6,
                      budget: int | str = AUTO, chunk_size: int = 8, stride: int = 64) -> list[Level]:
-    level0 = _heads(registry, target, heads, tree_size, top_k)
+    level0 = _heads(registry, target, heads, tree_size, top_k, draft_vocab)
     retrieval = Retrieval(budget=budget, chunk_size=chunk_size, stride=stride)
     return [level0, _view(target, retrieval, level0.drafter.step), _full(target, gamma2)]
 
 
-def _medusa_lookup(registry, *, target, heads: str | MedusaHeads | None = None, tree_size: int = 4, top_k: int = 8, max_ngram: int = 3,
+def _medusa_lookup(registry, *, target, heads: str | MedusaHeads | None = None, tree_size: int = 4, top_k: int = 8, draft_vocab: int | None = None, max_ngram: int = 3,
                    min_ngram: int = 1, first_only: bool = False) -> list[Level]:
-    level0 = _heads(registry, target, heads, tree_size, top_k)
+    level0 = _heads(registry, target, heads, tree_size, top_k, draft_vocab)
     lookup = registry.drafter("prompt-lookup", vocab=target.vocab_size, max_ngram=max_ngram, min_ngram=min_ngram)
     merged = MergedDrafter(parts=(lookup, level0.drafter), first_only=first_only)
     return [Level(drafter=merged), _full(target, merged.step)]
@@ -42,6 +50,8 @@ def _medusa_lookup(registry, *, target, heads: str | MedusaHeads | None = None, 
 RECIPES = [
     StackRecipe(name="medusa", description="Medusa heads on the target's hidden state (a tree) -> target (-o tree_size=4)", build=_medusa,
                 conformance_options=_synthetic),
+    StackRecipe(name="medusa-chain", description="chained heads (one head, step after step, EAGLE-style) on the target's hidden state (a tree) -> target",
+                build=_medusa_chain, conformance_options=_synthetic_chain),
     StackRecipe(name="triforce-medusa", description="Medusa heads on the middle level's hidden state -> target+Retrieval -> target",
                 build=_triforce_medusa, conformance_options=_synthetic),
     StackRecipe(name="medusa-lookup", description="prompt lookup's chain and Medusa heads' tree, merged into one tree -> target",

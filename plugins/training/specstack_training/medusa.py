@@ -11,7 +11,9 @@ ran 4.7x faster on 2 threads of a CPU with AMX: 3,021 against 649 tokens/s); ``-
 Loss: head k (k = 1 … K) on h_t, through the target's own frozen LM head, is trained by cross-entropy
 to predict a_{t+k}: the target's greedy token k positions further on, what the level it drafts for will
 accept at temperature 0. Heads with ``token_input`` also read the embedding of x_{t+1}, the chunk's
-next token (:mod:`specstack_medusa.heads`). Only the heads learn (AdamW, warm-up then cosine decay, all driven by the
+next token (:mod:`specstack_medusa.heads`). Chained heads (one head, K steps) are trained unrolled: step k
+reads its own step k - 1 and the embedding of x_{t+k}, the row's token, and is trained to predict
+a_{t+k}, with the same loss, labels and evaluation as parallel head k. Only the heads learn (AdamW, warm-up then cosine decay, all driven by the
 wall-clock budget ``minutes``).
 
 Evaluation (:func:`rank_accuracy`): on held-out text the drafter never saw, the fraction of positions
@@ -61,6 +63,8 @@ DEFAULTS = dict(
     top_k=8,  # ranks measured per head (the drafter's tree uses them)
     threads=1,
     token_input=True,  # heads also read the embedding of the token after the state they read (heads.py)
+    chained=False,  # one head applied step after step on its own output, reading each next token (heads.py)
+    draft_vocab=8192,  # the heads' default draft vocabulary: the tokens the target chose most often in the training data (0: all)
     teacher_bf16=True,  # a bfloat16 copy of the target writes and labels the training data (held-out data: always float32)
     autocast=True,  # bfloat16 autocast for the heads' forward and backward
 )
@@ -164,6 +168,23 @@ def targets(greedy: torch.Tensor, heads: int, rows: torch.Tensor, cols: torch.Te
     return torch.where(inside, greedy[rows[:, None], ahead.clamp_max(greedy.shape[1] - 1)], -1)  # [n, K]
 
 
+def token_rank(greedy: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[V] token ids by how often the target chose them in ``greedy`` [N, T] (most often first; ties by id):
+    what a drafter with a ``draft_vocab`` drafts from."""
+    counts = torch.bincount(greedy.flatten(), minlength=vocab)  # [V]
+    return torch.sort(counts, descending=True, stable=True).indices  # [V]
+
+
+COVERAGE_SIZES = (4096, 8192, 16384)
+
+
+def coverage(rank: torch.Tensor, greedy: torch.Tensor, size: int) -> float:
+    """The fraction of the target's greedy tokens ``greedy`` that are among the first ``size`` of ``rank``."""
+    inside = torch.zeros(rank.shape[0], dtype=torch.bool)
+    inside[rank[:size]] = True
+    return float(inside[greedy.flatten()].float().mean())
+
+
 # -- training and evaluation -----------------------------------------------------------------------
 
 
@@ -171,10 +192,14 @@ def head_logits(heads, lm_head: torch.Tensor, embedding: torch.Tensor, tokens: t
                 rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
     """The states at (``rows``, ``cols``) [n] of ``states`` [N, T, H] -> [K, n, V] logits of every head through
     the frozen LM head weight [V, H]; heads with token input also read the embedding (``embedding`` [V, H])
-    of the token after each state, ``tokens[row, col + 1]``."""
+    of the token after each state, ``tokens[row, col + 1]`` (chained heads: of ``tokens[row, col + k]`` at
+    step k; past the row's end, the last token: those steps have no label)."""
     after = None
     if heads.info.token_input:
-        after = embedding[tokens[rows, (cols + 1).clamp_max(tokens.shape[1] - 1)]]  # [n, H]
+        steps = heads.info.heads if heads.info.chained else 1
+        ahead = (cols[None] + torch.arange(1, steps + 1)[:, None]).clamp_max(tokens.shape[1] - 1)  # [S, n]
+        after = embedding[tokens[rows[None], ahead]]  # [S, n, H]
+        after = after if heads.info.chained else after[0]  # chained: [K, n, H]; else [n, H]
     return heads(states[rows, cols].float(), after) @ lm_head.T  # [K, n, V]
 
 
@@ -271,7 +296,7 @@ def train_medusa(*, target_dir: str, texts: list[str], out: str, minutes: float,
                 for kind, data in _held_out(target, encode(tokenizer, [text])[0], hp, seed, log).items()}
     config = target.config
     heads = MedusaHeads(HeadsInfo(hidden_size=config.hidden_size, heads=hp["heads"], layers=hp["layers"], vocab_size=config.vocab_size,
-                                  token_input=hp["token_input"], target=Path(target_dir).name))
+                                  token_input=hp["token_input"] or hp["chained"], chained=hp["chained"], target=Path(target_dir).name))
     lm_head = target.lm_head.weight.detach()  # [V, H], frozen
     embedding = target.get_input_embeddings().weight.detach()  # [V, H], frozen
     first = next(iter(eval_texts or {}), None)
@@ -284,11 +309,13 @@ def train_medusa(*, target_dir: str, texts: list[str], out: str, minutes: float,
     run = train(heads, lm_head, embedding, training, hp, 60 * minutes, evaluate, log, seed)
     accuracy = {name: rank_accuracy(heads, lm_head, embedding, held, hp["top_k"]) for name, held in held_out.items()}
     shipped = accuracy.get(f"{first}:greedy") or rank_accuracy(heads, lm_head, embedding, score_on, hp["top_k"])
-    heads.info = attrs.evolve(heads.info, accuracy=shipped)
+    heads.info = attrs.evolve(heads.info, accuracy=shipped, draft_vocab=min(hp["draft_vocab"], config.vocab_size))
+    heads.token_rank = token_rank(training[2], config.vocab_size)
     save_heads(out, heads)
     metrics = {**run, "train_minutes": (time.time() - began) / 60, "training_tokens": int(training[2].numel()), "hyperparams": hp, "seed": seed,
                "held_out": {name: {"positions": int(held[2].numel()), "top1": [row[0] for row in accuracy[name]],
-                                   "top5": [sum(row[:5]) for row in accuracy[name]], "rank_accuracy": accuracy[name]}
+                                   "top5": [sum(row[:5]) for row in accuracy[name]], "rank_accuracy": accuracy[name],
+                                   "draft_vocab_coverage": {size: coverage(heads.token_rank, held[2], size) for size in COVERAGE_SIZES}}
                             for name, held in held_out.items()}}
     Path(out).with_suffix(".json").write_text(json.dumps(metrics, indent=2) + "\n")
     return metrics
