@@ -154,14 +154,14 @@ class MedusaDrafter(Drafter):
         frontier = state[None] if first == 0 else self._step(state[None], torch.tensor([after], device=state.device))  # [1, H]: depth 0's parent
         tokens = torch.empty(depth.shape[0], dtype=torch.long, device=state.device)  # [k]
         probs = torch.empty(depth.shape[0], self.vocab, dtype=torch.float32, device=state.device)  # [k, V]
-        low = 0  # the first node of the depth before
-        for d in range(int(depth[-1]) + 1):
+        low, last = 0, int(depth[-1])  # the first node of the depth before; the deepest depth
+        for d in range(last + 1):
             at = (depth == d).nonzero()[:, 0]  # [m] this depth's nodes (contiguous)
             slot = parents[at] - low if d > 0 else torch.zeros_like(at)  # [m] each node's parent's row of frontier
             ranks, rows = self._candidates(frontier)  # [f, top_k], [f, V]
             tokens[at] = ranks[slot, rank[at]]
             probs[at] = rows[slot]
-            if d < int(depth[-1]):
+            if d < last:
                 frontier = self._step(frontier[slot], tokens[at])  # [m, H]: the states this depth's tokens lead to
             low = int(at[0])
         return tokens, probs
@@ -179,9 +179,12 @@ class MedusaDrafter(Drafter):
 
     def _step(self, states: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         """Chained heads' one step: [m, H] states and [m] the tokens after them -> [m, H] the next states."""
-        dtype = next(self._model.parameters()).dtype
-        embedded = self._channel.input_embeddings(tokens).to(dtype)  # [m, H]
-        return self._model.step(states.to(dtype), embedded).to(states.dtype)  # [m, H]
+        embedded = self._embedded(tokens)  # [m, H]
+        return self._model.step(states.to(embedded.dtype), embedded).to(states.dtype)  # [m, H]
+
+    def _embedded(self, tokens: torch.Tensor) -> torch.Tensor:
+        """[m] token ids -> [m, H] the level's input embeddings of them, in the heads' dtype."""
+        return self._channel.input_embeddings(tokens).to(next(self._model.parameters()).dtype)  # [m, H]
 
     def _head_states(self, state: torch.Tensor, after: int | None) -> torch.Tensor:
         """[H] the level's state at q -> [K, H] the heads' states. Heads with token input also read the
@@ -192,7 +195,7 @@ class MedusaDrafter(Drafter):
         if self.info.token_input:
             if after is None:
                 after = int(self._channel.output_logits(state[None]).argmax())
-            embedded = self._channel.input_embeddings(torch.tensor([after], device=self._channel.device)).to(dtype)  # [1, H]
+            embedded = self._embedded(torch.tensor([after], device=self._channel.device))  # [1, H]
         return self._model(state[None].to(dtype), embedded)[:, 0].to(state.dtype)  # [K, H]
 
     def _tree(self, first: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

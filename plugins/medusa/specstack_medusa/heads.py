@@ -38,9 +38,13 @@ SHIPPED = {"parallel": ASSETS / "smollm2-medusa" / "heads.safetensors",  # the h
            "chained": ASSETS / "smollm2-medusa-chain" / "heads.safetensors"}
 
 
-def _positive(instance, attribute, value) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise SpecstackError(f"medusa heads {attribute.name} {value!r} is not allowed; use an integer >= 1")
+def _positive(instance, attribute, value, least: int = 1) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < least:
+        raise SpecstackError(f"medusa heads {attribute.name} {value!r} is not allowed; use an integer >= {least}")
+
+
+def _count(instance, attribute, value) -> None:
+    _positive(instance, attribute, value, least=0)
 
 
 @attrs.frozen(kw_only=True)
@@ -55,7 +59,7 @@ class HeadsInfo:
     vocab_size: int = attrs.field(validator=_positive)
     token_input: bool = False  # each head's first block also reads the embedding of the token after the state
     chained: bool = attrs.field(default=False)  # one head, applied once per step on its own output (needs token_input)
-    draft_vocab: int = attrs.field(default=0, validator=attrs.validators.ge(0))  # the drafter's default: draft from this many of the ranked tokens (0: all)
+    draft_vocab: int = attrs.field(default=0, validator=_count)  # the drafter's default: draft from this many of the ranked tokens (0: all)
     target: str = ""
     accuracy: tuple[tuple[float, ...], ...] = attrs.field(default=(), converter=lambda rows: tuple(tuple(float(a) for a in r) for r in rows))
 
