@@ -29,7 +29,7 @@ def test_demo_compares_triforce_and_the_fastest_stack_with_tuned_gammas(capsys) 
     assert set(triforce["acceptance"]) == {"target+retrieval", "target"}
     assert len(triforce["tuning"]["gammas"]) == 2 and all(1 <= g <= 8 for g in triforce["tuning"]["gammas"])
     assert set(merged["acceptance"]) == {"target"}
-    assert merged["tuning"]["gammas"] == [5]  # a tree's depth (the four heads and the LM head) is kept
+    assert merged["tuning"]["gammas"] == [6]  # a tree's depth (the chained head's five steps and the LM head) is kept
     assert record["text"].strip()
 
 

@@ -19,7 +19,7 @@ from specstack.testing import ALPHA, stack_pvalue
 from specstack.types import Capability, Draft, DraftKind
 from specstack_medusa import MedusaDrafter, MedusaHeads, load_heads, plugin, save_heads
 from specstack_medusa.heads import HeadsInfo, synthetic_heads
-from specstack_medusa.tree import choose_paths, parents_of
+from specstack_medusa.tree import choose_paths, confident_nodes, kept_parents, parents_of
 
 SMALL = {"budget": 16, "chunk_size": 4, "stride": 8}  # retrieval sized for prompts of a few dozen tokens
 PROMPT = [1, 2]
@@ -46,6 +46,46 @@ def test_the_tree_takes_the_likeliest_rank_paths_parents_first() -> None:
     assert parents_of(paths) == [-1, -1, 0, 1]
     assert choose_paths([[1.0], [0.5, 0.0]], size=5) == [(0,), (0, 0)]  # a rank never right is never drafted
     assert len(choose_paths([[0.5] * 8] * 4, size=16)) == 16
+
+
+def test_confidence_keeps_the_nodes_whose_path_probability_is_high_enough() -> None:
+    parents = [-1, -1, 0, 0, 1, 2]  # two roots; node 2 and 3 under 0, 4 under 1, 5 under 2
+    probs = [0.8, 0.15, 0.5, 0.3, 0.9, 0.5]  # paths: 0.8, 0.15, 0.4, 0.24, 0.135, 0.2
+    assert confident_nodes(probs, parents, 0.0) == [0, 1, 2, 3, 4, 5]
+    assert confident_nodes(probs, parents, 0.2) == [0, 2, 3, 5]  # node 4's own 0.9 does not lift its parent's 0.15
+    assert kept_parents(parents, [0, 2, 3, 5]) == [-1, 0, 0, 1]
+    assert confident_nodes(probs, parents, 0.9) == []
+
+
+@pytest.mark.parametrize("kind", list(HEADS))
+def test_a_pruned_tree_is_a_subtree_of_the_full_one_and_keeps_greedy_output(kind: str) -> None:
+    """min_prob drops the nodes the heads doubt (each node's probability of its own token, multiplied
+    down its path) and renumbers the parents; the output is still the target's greedy decoding."""
+    target = SyntheticLM(vocab_size=16, seed=1, sharpness=2.0)
+    heads = synthetic_heads(16, **HEADS[kind])
+    prompt = list(range(8)) * 3
+    full, pruned = (MedusaDrafter(vocab=16, heads=heads, tree_size=8, min_prob=p) for p in (0.0, 0.1))
+    for drafter in (full, pruned):
+        SpeculationStack.build([Level(drafter=drafter), Level(model=target, gamma=drafter.step)]).generate(prompt, 1)
+    whole, some = (d.propose(prompt + [3], d.step) for d in (full, pruned))
+    node = whole.probs.gather(1, whole.tokens[:, None])[:, 0].tolist()
+    kept = confident_nodes(node, whole.parents.tolist(), 0.1)
+    assert 0 < len(kept) < len(whole)  # these random heads are sure of some nodes and not of others
+    assert torch.equal(some.tokens, whole.tokens[kept]) and some.parents.tolist() == kept_parents(whole.parents.tolist(), kept)
+    stack = SpeculationStack.build([Level(drafter=pruned), Level(model=target, gamma=pruned.step)])
+    assert list(stack.generate(prompt, 30).tokens) == greedy_decode(target, prompt, 30)
+    doubted = MedusaDrafter(vocab=16, heads=heads, tree_size=8, min_prob=0.99)
+    stack = SpeculationStack.build([Level(drafter=doubted), Level(model=target, gamma=doubted.step)])
+    result = stack.generate(prompt, 10)
+    assert list(result.tokens) == greedy_decode(target, prompt, 10) and result.levels[0].drafted == 0  # plain steps
+
+
+def test_sampled_medusa_with_pruned_trees_keeps_the_target_distribution() -> None:
+    sampling = SamplingConfig(temperature=0.8)
+    target = SyntheticLM(vocab_size=4, seed=11, sharpness=1.5)
+    drafter = MedusaDrafter(vocab=4, heads=synthetic_heads(4, chained=True), tree_size=6, min_prob=0.1)
+    stack = SpeculationStack.build([Level(drafter=drafter), Level(model=target, gamma=drafter.step)], sampling=sampling, seed=3)
+    assert stack_pvalue(stack, target, sampling, PROMPT) > ALPHA
 
 
 def test_heads_round_trip_through_a_file_and_bad_files_are_one_line(tmp_path) -> None:
@@ -81,6 +121,8 @@ def test_bad_medusa_options_are_one_line_errors(capsys) -> None:
     assert capsys.readouterr().err.strip().endswith("medusa tree_size 0 is not allowed; use an integer >= 1")
     assert main(["generate", "--stack", "medusa", "-o", "heads=/no/such/heads.safetensors", "--prompt", "x"]) == 2
     assert "medusa heads file '/no/such/heads.safetensors' does not exist" in capsys.readouterr().err
+    assert main(["generate", "--stack", "medusa", "-o", "min_prob=1", "--prompt", "x"]) == 2
+    assert capsys.readouterr().err.strip().endswith("medusa min_prob 1 is not allowed; use a number from 0 (keep every node) up to but not including 1")
 
 
 # -- the hidden-state channel ----------------------------------------------------------------------
@@ -186,7 +228,7 @@ def test_chained_heads_expand_each_node_from_the_state_its_parents_token_leads_t
     target = SyntheticLM(vocab_size=10, seed=1, sharpness=2.0)
     heads = synthetic_heads(10, chained=True)
     heads.info = attrs.evolve(heads.info, accuracy=[[0.5, 0.4], [0.5, 0.4], [0.5, 0.4]])
-    drafter = MedusaDrafter(vocab=10, heads=heads, tree_size=9, top_k=2)
+    drafter = MedusaDrafter(vocab=10, heads=heads, tree_size=9, top_k=2, min_prob=0.0)
     prompt = list(range(10)) * 3
     stack = SpeculationStack.build([Level(drafter=drafter), Level(model=target, gamma=drafter.step)])
     prefix = prompt + list(stack.generate(prompt, 12).tokens)
@@ -310,7 +352,8 @@ def test_sampled_medusa_merged_with_prompt_lookup_keeps_the_target_distribution(
     """``medusa-lookup``: the heads' tree and prompt lookup's chain merged into one deterministic tree."""
     sampling = SamplingConfig(temperature=0.8)
     target = SyntheticLM(vocab_size=4, seed=11, sharpness=1.5)
-    stack = registry.stack("medusa-lookup", target=target, heads=synthetic_heads(4, token_input=True), tree_size=6, sampling=sampling, seed=3)
+    stack = registry.stack("medusa-lookup", target=target, heads=synthetic_heads(4, token_input=True), tree_size=6, sampling=sampling, seed=3,
+                           first_only=False, min_ngram=1)
     assert stack.top.verifier.name == "token-tree" and stack.top.drafter.name == "merged"
     assert stack_pvalue(stack, target, sampling, [1, 2, 3, 1, 2]) > ALPHA
 

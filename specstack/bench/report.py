@@ -23,7 +23,7 @@ SCALARS = (
     "id", "status", "label", "stack", "task", "context_length", "temperature", "top_p", "top_k", "seed", "max_new_tokens",
     "dtype", "device", "draft_device", "cuda_graphs", "stop_at_eos", "model", "baseline", "new_tokens", "decode_seconds",
     "prefill_seconds", "total_seconds", "timing",
-    "tokens_per_second", "speedup", "identical_to_baseline", "accuracy", "peak_rss_mb", "peak_cuda_mb", "error", "error_kind",
+    "tokens_per_second", "decode_tokens_per_second", "speedup", "identical_to_baseline", "accuracy", "peak_rss_mb", "peak_cuda_mb", "error", "error_kind",
     "git_revision", "group",
 )
 LEGEND_ROWS = 24  # legend entries per column under a plot
@@ -97,8 +97,10 @@ def write_csv(records: Sequence[dict], path: Path) -> None:
 
 TIMING_NOTE = (
     "Speedup = the baseline's seconds per new token / this run's, both measured in the same process on the same "
-    "prompt, seed and sampling. specstack stacks are timed on decoding (prefill excluded) against `autoregressive`; "
+    "prompt, seed and sampling. specstack stacks and `llama-cpp` are timed on decoding (prefill excluded) against `autoregressive`; "
     "the transformers baselines (`hf-*`) on the whole `generate()` call (prefill included) against `hf-generate`. "
+    "Decode tokens/s leaves the prefill out of every kind of run (for `hf-*`, everything from the first committed round on): "
+    "the one column that compares them all. "
     "Acceptance of a level = drafted tokens it accepted / drafted tokens it was offered by the level below."
 )
 
@@ -122,6 +124,7 @@ def _summary(runs: list[dict]) -> dict:
         "acceptance": {n: _mean(lv["acceptance_rate"] for lv in levels) for n, levels in per_level.items()},
         "accepted_per_round": {n: _mean(lv["mean_accepted_per_round"] for lv in levels) for n, levels in per_level.items()},
         "tokens_per_second": _mean(r.get("tokens_per_second") for r in runs),
+        "decode_tokens_per_second": _mean(r.get("decode_tokens_per_second") for r in runs),
         "total_seconds": _mean(r.get("total_seconds") for r in runs),
         "speedup": _mean(r.get("speedup") for r in runs),
         "accuracy": _mean(r.get("accuracy") for r in runs),
@@ -149,13 +152,13 @@ def summary_markdown(records: Sequence[dict]) -> str:
     devices = len({row["device"] for row in rows}) > 1
     cuda = any(row["peak_cuda_mb"] is not None for row in rows)
     header = ["stack", "task", "context", "T", *(["device"] * devices), "runs", "acceptance per level", "accepted/round", "tokens/s",
-              "total s", "speedup", "vs (timing)", "accuracy", "identical", *(["peak CUDA MiB"] * cuda)]
+              "decode tokens/s", "total s", "speedup", "vs (timing)", "accuracy", "identical", *(["peak CUDA MiB"] * cuda)]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for row in rows:
         cells = [
             f"`{row['stack']}`", row["task"], str(row["context"]), _fmt(row["temperature"], 2), *([row["device"]] * devices), str(row["runs"]),
             _levels(row["acceptance"], 3), _levels(row["accepted_per_round"], 2), _fmt(row["tokens_per_second"]),
-            _fmt(row["total_seconds"]), _fmt(row["speedup"], 2, "×"), f"{row['baseline']} ({row['timing']})",
+            _fmt(row["decode_tokens_per_second"]), _fmt(row["total_seconds"]), _fmt(row["speedup"], 2, "×"), f"{row['baseline']} ({row['timing']})",
             _fmt(row["accuracy"]), _fmt(row["identical"]) if row["temperature"] == 0 else "(sampled)",
             *([_fmt(row["peak_cuda_mb"], 0)] * cuda),
         ]

@@ -169,6 +169,7 @@ def metrics(run: Measurement, reference: Measurement | Failure | None, prompt: P
         "total_seconds": run.total_seconds,
         "timing": run.timing,
         "tokens_per_second": n / run.timed_seconds if run.timed_seconds > 0 else None,
+        "decode_tokens_per_second": run.decode_tokens_per_second,
         "speedup": _speedup(run, reference),
         "identical_to_baseline": _identical(run, reference) if greedy else None,
         "levels": [level.as_dict() for level in run.levels],

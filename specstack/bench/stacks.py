@@ -1,4 +1,5 @@
-"""What the harness can run by name: the registry's stack recipes and the transformers baselines.
+"""What the harness can run by name: the registry's stack recipes, the transformers baselines and
+llama.cpp's (``llama_cpp.LlamaCpp``).
 
 Both are *bench stacks*: ``options()`` (the tunable parameters, for crossing grid axes),
 ``baseline`` (the stack whose run in the same group a speedup is measured against), ``warm`` (a
@@ -6,9 +7,11 @@ short untimed run before the first timed one in a process) and ``measure`` (one 
 
 Timing differs, and every record says which was used (``timing``):
 
-* recipes report decode seconds (prefill excluded) and compare with ``autoregressive``;
+* recipes and ``llama-cpp`` report decode seconds (prefill excluded) and compare with ``autoregressive``;
 * the HF baselines cannot separate prefill from decoding inside ``generate``; they report total
-  seconds and compare with ``hf-generate`` run on the same prompt, seed and sampling.
+  seconds and compare with ``hf-generate`` run on the same prompt, seed and sampling; their decode
+  seconds, from the end of ``generate``'s first round, give every record a comparable
+  ``decode_tokens_per_second``.
 """
 
 from __future__ import annotations
@@ -79,10 +82,20 @@ class Measurement:
     timing: str
     notes: Mapping[str, Any] = attrs.field(factory=dict)
     peak_cuda_mb: float | None = None  # filled in by the runner, which resets the peak before the run
+    decode_tokens: int | None = None  # tokens produced within decode_seconds (None: all of them)
 
     @property
     def timed_seconds(self) -> float:
         return self.decode_seconds if self.timing == "decode" else self.total_seconds
+
+    @property
+    def decode_tokens_per_second(self) -> float | None:
+        """New tokens per second of decoding alone, prefill excluded: the one figure that compares every
+        kind of run (recipes, the transformers baselines, llama.cpp) on one footing."""
+        tokens = len(self.tokens) if self.decode_tokens is None else self.decode_tokens
+        if not self.decode_seconds or tokens <= 0:
+            return None
+        return tokens / self.decode_seconds
 
 
 class BenchStack(Protocol):
@@ -155,10 +168,11 @@ class Baseline:
         module = _module(run.models.target, "target")
         kwargs = {**_sampling_kwargs(run), **self.extra(run.models, options)}
         modules = [module, *([kwargs["assistant_model"]] if "assistant_model" in kwargs else [])]
+        clock = DecodeClock()
         with transformers_attention(modules, options["attn_implementation"]):
-            tokens, seconds = _timed_generate(module, run, kwargs)
-        return Measurement(tokens=tokens, levels=(), decode_seconds=None, prefill_seconds=None, total_seconds=seconds, timing="total",
-                           notes={"attn_implementation": options["attn_implementation"]})
+            tokens, seconds = _timed_generate(module, run, {**kwargs, "streamer": clock})
+        return Measurement(tokens=tokens, levels=(), decode_seconds=clock.seconds, prefill_seconds=None, total_seconds=seconds, timing="total",
+                           decode_tokens=clock.tokens, notes={"attn_implementation": options["attn_implementation"]})
 
     def _with_defaults(self, options: Mapping[str, Any]) -> dict[str, Any]:
         allowed = self.options()
@@ -166,6 +180,32 @@ class Baseline:
         if unknown:
             raise SpecstackError(f"stack '{self.name}' has no option '{unknown[0]}'; options: {', '.join(allowed)}")
         return {**allowed, **options}
+
+
+@attrs.define(eq=False)
+class DecodeClock:
+    """A ``generate()`` streamer that times decoding after the first round, which holds the prefill.
+
+    ``generate`` hands the prompt to ``put`` first, then each round's new tokens as it commits them.
+    The first round (the prefill forward; for assisted generation also the assistant's prefill and a
+    first verification) is excluded: ``seconds`` runs from its ``put`` to the last one, over the
+    ``tokens`` committed in between. Both are ``None`` when there was only one round."""
+
+    puts: list[tuple[float, int]] = attrs.field(factory=list)  # (clock, new tokens) per put, the prompt first
+
+    def put(self, value: torch.Tensor) -> None:
+        self.puts.append((time.perf_counter(), int(value.numel())))
+
+    def end(self) -> None:
+        pass
+
+    @property
+    def seconds(self) -> float | None:
+        return self.puts[-1][0] - self.puts[1][0] if len(self.puts) > 2 else None
+
+    @property
+    def tokens(self) -> int | None:
+        return sum(n for _, n in self.puts[2:]) if len(self.puts) > 2 else None
 
 
 def _module(model: Any, role: str) -> torch.nn.Module:
@@ -219,12 +259,19 @@ BASELINES = (
 )
 
 
+def all_baselines() -> tuple[Any, ...]:
+    """The transformers baselines and llama.cpp's (``specstack.bench.llama_cpp``)."""
+    from .llama_cpp import LlamaCpp
+
+    return (*BASELINES, LlamaCpp())
+
+
 @attrs.frozen(kw_only=True, eq=False)
 class Catalog:
-    """Bench stacks by name: the registry's stack recipes first, then the HF baselines."""
+    """Bench stacks by name: the registry's stack recipes first, then the baselines (transformers', llama.cpp's)."""
 
     registry: Registry
-    baselines: tuple[Baseline, ...] = BASELINES
+    baselines: tuple[Any, ...] = attrs.field(factory=all_baselines)
 
     def get(self, name: str) -> BenchStack:
         if name in self.registry.entries[Kind.STACK]:

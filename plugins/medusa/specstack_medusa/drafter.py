@@ -33,14 +33,20 @@ from specstack.drafters import Drafter
 from specstack.types import Capability, DraftKind
 
 from .heads import HeadsInfo, MedusaHeads, load_heads, shipped_heads, synthetic_heads
-from .tree import choose_paths, parents_of
+from .tree import choose_paths, confident_nodes, kept_parents, parents_of
 
 UNTRAINED_ACCURACY = (0.5, 0.1, 0.05)  # rank accuracies assumed for heads that carry no measurement
+MIN_PROB = 0.1  # the default min_prob: measured best or within 0.03x of it among 0-0.3 in fp32 (docs/medusa.md)
 
 
 def _size(instance, attribute, value) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise SpecstackError(f"medusa {attribute.name} {value!r} is not allowed; use an integer >= 1")
+
+
+def _probability(instance, attribute, value) -> None:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value < 1:
+        raise SpecstackError(f"medusa {attribute.name} {value!r} is not allowed; use a number from 0 (keep every node) up to but not including 1")
 
 
 def _draft_vocab(instance, attribute, value) -> None:
@@ -56,7 +62,11 @@ class MedusaDrafter(Drafter):
     come from the R tokens the target emitted most often in the heads' training data (FR-Spec, Zhao et
     al., 2025): the output head then computes R logits instead of V, and the draft's distributions are
     zero elsewhere. Deterministic trees are verified without them, so the output is unchanged. 0 drafts
-    from the whole vocabulary; None (the default) takes the heads file's own ``draft_vocab``."""
+    from the whole vocabulary; None (the default) takes the heads file's own ``draft_vocab``. With
+    ``min_prob`` > 0 a round drafts only the nodes whose path probability under the heads is at least
+    that (EAGLE-2's confidence, :func:`~specstack_medusa.tree.confident_nodes`): verify rows for
+    candidates the heads doubt are not paid for, and a round they doubt entirely is a plain step.
+    Which nodes are drafted never changes the output, only its cost."""
 
     name: ClassVar[str] = "medusa"
     requires: ClassVar[frozenset[Capability]] = frozenset({Capability.HIDDEN_STATES})
@@ -67,6 +77,7 @@ class MedusaDrafter(Drafter):
     tree_size: int = attrs.field(default=4, validator=_size)  # measured best of 2, 4, 8 on this CPU (docs/results.md)
     top_k: int = attrs.field(default=8, validator=_size)
     draft_vocab: int | None = attrs.field(default=None, validator=_draft_vocab)
+    min_prob: float = attrs.field(default=MIN_PROB, validator=_probability)  # drop nodes the heads give a lower path probability
     stats: LevelStats = attrs.field(factory=lambda: LevelStats(name="medusa"))
     _channel: HiddenStateChannel | None = attrs.field(init=False, default=None)
     _trees: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = attrs.field(init=False, factory=dict)  # first head -> (depth, rank, parent) per node
@@ -137,7 +148,19 @@ class MedusaDrafter(Drafter):
         with torch.inference_mode():
             nodes = self._chained_nodes if self.info.chained else self._parallel_nodes
             tokens, probs = nodes(state, after, first, depth.to(state.device), rank.to(state.device), parents.to(state.device))  # [k], [k, V]
+        if self.min_prob > 0:
+            return self._confident(tokens, probs, parents)
         return Draft(tokens=tokens, probs=probs, parents=parents.to(state.device), kind=self.draft_kind)
+
+    def _confident(self, tokens: torch.Tensor, probs: torch.Tensor, parents: torch.Tensor) -> Draft:
+        """The subtree of nodes with path probability >= ``min_prob`` (possibly empty)."""
+        node_probs = probs.gather(1, tokens[:, None])[:, 0]  # [k] each node's probability of its own token
+        kept = confident_nodes(node_probs.tolist(), parents.tolist(), self.min_prob)
+        if not kept:
+            return Draft.empty(self.vocab, device=tokens.device)
+        at = torch.tensor(kept, dtype=torch.long, device=tokens.device)  # [k']
+        renumbered = torch.tensor(kept_parents(parents.tolist(), kept), dtype=torch.long, device=tokens.device)  # [k']
+        return Draft(tokens=tokens[at], probs=probs[at], parents=renumbered, kind=self.draft_kind)
 
     def _parallel_nodes(self, state, after, first, depth, rank, parents) -> tuple[torch.Tensor, torch.Tensor]:
         """Parallel heads: every node's token is a rank of its depth's head, whatever its parent; the

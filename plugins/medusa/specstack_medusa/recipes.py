@@ -8,6 +8,7 @@ from specstack.builtins import _full, _view
 from specstack.retrieval import AUTO
 from specstack.stack import Level
 
+from .drafter import MIN_PROB
 from .heads import MedusaHeads, synthetic_heads
 
 
@@ -19,29 +20,32 @@ def _synthetic_chain(vocab: int) -> dict:
     return {"heads": synthetic_heads(vocab, chained=True)}
 
 
-def _heads(registry, target, heads: str | MedusaHeads | None, tree_size: int, top_k: int, draft_vocab: int) -> Level:
-    return Level(drafter=registry.drafter("medusa", vocab=target.vocab_size, heads=heads, tree_size=tree_size, top_k=top_k, draft_vocab=draft_vocab))
+def _heads(registry, target, heads: str | MedusaHeads | None, tree_size: int, top_k: int, draft_vocab: int, min_prob: float) -> Level:
+    return Level(drafter=registry.drafter("medusa", vocab=target.vocab_size, heads=heads, tree_size=tree_size, top_k=top_k, draft_vocab=draft_vocab,
+                                          min_prob=min_prob))
 
 
-def _medusa(registry, *, target, heads: str | MedusaHeads | None = None, tree_size: int = 4, top_k: int = 8, draft_vocab: int | None = None) -> list[Level]:
-    level0 = _heads(registry, target, heads, tree_size, top_k, draft_vocab)
+def _medusa(registry, *, target, heads: str | MedusaHeads | None = None, tree_size: int = 4, top_k: int = 8, draft_vocab: int | None = None,
+            min_prob: float = MIN_PROB) -> list[Level]:
+    level0 = _heads(registry, target, heads, tree_size, top_k, draft_vocab, min_prob)
     return [level0, _full(target, level0.drafter.step)]
 
 
-def _medusa_chain(registry, *, target, heads: str | MedusaHeads | None = "chained", tree_size: int = 4, top_k: int = 8, draft_vocab: int | None = None) -> list[Level]:
-    return _medusa(registry, target=target, heads=heads, tree_size=tree_size, top_k=top_k, draft_vocab=draft_vocab)
+def _medusa_chain(registry, *, target, heads: str | MedusaHeads | None = "chained", tree_size: int = 4, top_k: int = 8, draft_vocab: int | None = None,
+                  min_prob: float = MIN_PROB) -> list[Level]:
+    return _medusa(registry, target=target, heads=heads, tree_size=tree_size, top_k=top_k, draft_vocab=draft_vocab, min_prob=min_prob)
 
 
-def _triforce_medusa(registry, *, target, heads: str | MedusaHeads | None = None, tree_size: int = 4, top_k: int = 8, draft_vocab: int | None = None, gamma2: int = 6,
+def _triforce_medusa(registry, *, target, heads: str | MedusaHeads | None = None, tree_size: int = 4, top_k: int = 8, draft_vocab: int | None = None, min_prob: float = MIN_PROB, gamma2: int = 6,
                      budget: int | str = AUTO, chunk_size: int = 8, stride: int = 64) -> list[Level]:
-    level0 = _heads(registry, target, heads, tree_size, top_k, draft_vocab)
+    level0 = _heads(registry, target, heads, tree_size, top_k, draft_vocab, min_prob)
     retrieval = Retrieval(budget=budget, chunk_size=chunk_size, stride=stride)
     return [level0, _view(target, retrieval, level0.drafter.step), _full(target, gamma2)]
 
 
-def _medusa_lookup(registry, *, target, heads: str | MedusaHeads | None = None, tree_size: int = 4, top_k: int = 8, draft_vocab: int | None = None, max_ngram: int = 3,
-                   min_ngram: int = 1, first_only: bool = False) -> list[Level]:
-    level0 = _heads(registry, target, heads, tree_size, top_k, draft_vocab)
+def _medusa_lookup(registry, *, target, heads: str | MedusaHeads | None = "chained", tree_size: int = 4, top_k: int = 8, draft_vocab: int | None = None,
+                   min_prob: float = MIN_PROB, max_ngram: int = 3, min_ngram: int = 3, first_only: bool = True) -> list[Level]:
+    level0 = _heads(registry, target, heads, tree_size, top_k, draft_vocab, min_prob)
     lookup = registry.drafter("prompt-lookup", vocab=target.vocab_size, max_ngram=max_ngram, min_ngram=min_ngram)
     merged = MergedDrafter(parts=(lookup, level0.drafter), first_only=first_only)
     return [Level(drafter=merged), _full(target, merged.step)]
@@ -54,6 +58,6 @@ RECIPES = [
                 build=_medusa_chain, conformance_options=_synthetic_chain),
     StackRecipe(name="triforce-medusa", description="Medusa heads on the middle level's hidden state -> target+Retrieval -> target",
                 build=_triforce_medusa, conformance_options=_synthetic),
-    StackRecipe(name="medusa-lookup", description="prompt lookup's chain and Medusa heads' tree, merged into one tree -> target",
+    StackRecipe(name="medusa-lookup", description="prompt lookup's chain where it matches 3+ tokens, else chained Medusa heads' tree -> target",
                 build=_medusa_lookup, conformance_options=_synthetic),
 ]

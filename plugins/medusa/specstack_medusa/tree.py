@@ -37,3 +37,20 @@ def parents_of(paths: Sequence[Path]) -> list[int]:
     """The index of each path's parent in ``paths`` (-1 for depth 1); ``paths`` as ``choose_paths`` orders them."""
     index = {path: i for i, path in enumerate(paths)}
     return [index[path[:-1]] if len(path) > 1 else -1 for path in paths]
+
+
+def confident_nodes(node_probs: Sequence[float], parents: Sequence[int], least: float) -> list[int]:
+    """The nodes worth verifying: those whose path probability (the product of the heads' probabilities
+    of the node's tokens from the root down to it) is at least ``least``, in their order (EAGLE-2, Li et
+    al., 2024, Sec. 4: the draft model's confidence approximates a node's chance of acceptance). A path's
+    probability never exceeds its parent's, so the kept set is closed under taking parents."""
+    path: list[float] = []
+    for p, parent in zip(node_probs, parents):
+        path.append(float(p) * (path[parent] if parent >= 0 else 1.0))
+    return [i for i, p in enumerate(path) if p >= least]
+
+
+def kept_parents(parents: Sequence[int], kept: Sequence[int]) -> list[int]:
+    """``parents`` renumbered for the subtree of ``kept`` nodes (closed under taking parents)."""
+    index = {node: i for i, node in enumerate(kept)}
+    return [index[parents[node]] if parents[node] >= 0 else -1 for node in kept]
