@@ -31,16 +31,10 @@ from __future__ import annotations
 import attrs
 import torch
 
+from .decoder_ops import TORCH_OPS, DecoderOps, TorchOps, load_decoder_ops
 from .packed_linear import PackedLinear
 
 MAX_TOKENS = 256  # the widest forward taken here; prefill chunks (2,048 tokens) run faster through transformers
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    """[..., D] -> [..., D]: the second half negated, then the first (transformers' ``rotate_half``, RoPE's
-    rotation by 90 degrees of each pair of dimensions i and i + D/2)."""
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
 
 # What a decoder layer must hold for this forward: transformers' Llama, Mistral and Qwen2 layers do.
 LAYER_PARTS = ("input_layernorm", "post_attention_layernorm", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
@@ -115,21 +109,23 @@ class LeanLayer:
     def current(self) -> bool:
         return self.qkv.current() and self.gate_up.current()
 
-    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache, attend, attention: dict) -> torch.Tensor:
-        """hidden [1, T, H], cos/sin [1, T, 1, D] -> [1, T, H]: the decoder layer (pre-norm attention and
-        MLP, each added to the residual stream)."""
+    def forward(self, hidden: torch.Tensor, delta: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, cache, attend, attention: dict,
+                ops) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden [1, T, H] and the previous layer's MLP output ``delta`` (None for the first layer), cos/sin
+        [1, T, 1, D] -> the residual stream before this layer's MLP output, and that output, [1, T, H] each
+        (pre-norm attention and MLP, each added to the residual stream; the last add is the next layer's
+        to make, fused with its norm by ``ops``)."""
         t, d, heads, kv_heads = hidden.shape[1], self.head_dim, self.heads, self.kv_heads
-        x = self.input_norm.forward(hidden)  # [1, T, H]
+        hidden, x = ops.add_norm(hidden, delta, self.input_norm)  # [1, T, H] each
         qkv = self.qkv.linear.forward(x).view(1, t, heads + 2 * kv_heads, d)  # [1, T, Hq + 2 Hkv, D]
-        qk = qkv[:, :, : heads + kv_heads]  # [1, T, Hq + Hkv, D]
-        qk = qk * cos + rotate_half(qk) * sin  # [1, T, Hq + Hkv, D]
+        qk = ops.rotate(qkv, cos, sin, heads + kv_heads)  # [1, T, Hq + Hkv, D]
         query = qk[:, :, :heads].transpose(1, 2)  # [1, Hq, T, D]
         key, value = qk[:, :, heads:].transpose(1, 2), qkv[:, :, heads + kv_heads :].transpose(1, 2)  # [1, Hkv, T, D] each
         keys, values = cache.update(key, value, self.attention.layer_idx)  # [1, Hkv, n, D] each
         out, _ = attend(self.attention, query, keys, values, None, scaling=self.attention.scaling, **attention)  # [1, T, Hq, D]
-        hidden = hidden + self.o_proj.forward(out.reshape(1, t, heads * d))  # [1, T, H]
-        gate_up = self.gate_up.linear.forward(self.post_norm.forward(hidden))  # [1, T, 2 I]
-        return hidden + self.down_proj.forward(self.act.forward(gate_up[..., : self.inner]) * gate_up[..., self.inner :])  # [1, T, H]
+        hidden, x = ops.add_norm(hidden, self.o_proj.forward(out.reshape(1, t, heads * d)), self.post_norm)  # [1, T, H] each
+        gate_up = self.gate_up.linear.forward(x)  # [1, T, 2 I]
+        return hidden, self.down_proj.forward(self.act.forward(gate_up[..., : self.inner]) * gate_up[..., self.inner :])  # [1, T, H] each
 
 
 def fits(module: torch.nn.Module) -> bool:
@@ -158,6 +154,7 @@ class LeanDecoder:
 
     model: torch.nn.Module  # the module's decoder: embedding, layers, final norm, rotary embedding
     layers: list[LeanLayer]
+    ops: DecoderOps | TorchOps = TORCH_OPS  # the layers' small operations: compiled where they could be built
 
     @classmethod
     def build(cls, module: torch.nn.Module) -> "LeanDecoder | None":
@@ -166,7 +163,7 @@ class LeanDecoder:
         if not fits(module) or next(module.parameters()).device.type != "cpu":
             return None
         with torch.no_grad():
-            return cls(model=module.model, layers=[LeanLayer.of(layer) for layer in module.model.layers])
+            return cls(model=module.model, layers=[LeanLayer.of(layer) for layer in module.model.layers], ops=load_decoder_ops())
 
     def applies(self, tokens: torch.Tensor) -> bool:
         """Whether a forward over ``tokens`` [1, T] runs here: on the CPU, at most MAX_TOKENS of them."""
@@ -181,9 +178,10 @@ class LeanDecoder:
         hidden = model.embed_tokens(tokens)  # [1, T, H]
         cos, sin = model.rotary_emb(hidden, position_ids=rope)  # [1, T, D] each
         cos, sin = cos[:, :, None], sin[:, :, None]  # [1, T, 1, D]: one angle per token, every head
+        delta = None
         for layer in self.layers:
-            hidden = layer.forward(hidden, cos, sin, cache, attend, attention)  # [1, T, H]
-        return model.norm.forward(hidden)  # [1, T, H]
+            hidden, delta = layer.forward(hidden, delta, cos, sin, cache, attend, attention, self.ops)  # [1, T, H] each
+        return self.ops.add_norm(hidden, delta, model.norm)[1]  # [1, T, H]
 
     def _fuse_moved(self) -> None:
         """Fuse again any layer whose weights were replaced since they were fused."""

@@ -25,7 +25,8 @@ from .attention import attention_weights
 from .errors import SpecstackError
 from .batch import TokenBatch
 from .decode_attention import DecodeKernel, load_decode_kernel
-from .decoder import LeanDecoder, rotate_half
+from .decoder import LeanDecoder
+from .decoder_ops import rotate_half
 from .graphs import ForwardGraphs, StaticView
 from .kvstore import KVStore
 from .packed_linear import PackedLinear, pack_linears
