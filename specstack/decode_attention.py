@@ -8,7 +8,9 @@ small GEMM over keys transposed block by block, in the machine's widest vectors.
 read as it is stored and widened to float32 block by block: queries, arithmetic and output are
 float32, rounded once to bfloat16 at the end. Where the CPU has AMX tiles (and Linux lends them), a
 bfloat16 cache takes them instead: bf16 tile products for the scores and for the weighted values, the
-softmax in float32, the weights rounded to bf16 (as SDPA's bf16 kernels round them). It is built and loaded by
+softmax in float32, the weights rounded to bf16 (as SDPA's bf16 kernels round them); three query rows
+or fewer per KV head (a one-token step with GQA groups of three) take AVX-512's bf16 dot products in
+registers instead, with the same rounding (1.13x faster over 7,500 and 32,000 keys). It is built and loaded by
 :mod:`specstack.native`; where it cannot be built, :func:`load_decode_kernel` returns None and
 attention stays with SDPA.
 

@@ -97,6 +97,7 @@ def test_a_bfloat16_cache_is_read_as_its_float32_values(t, n, d, kv_heads, group
     (1, 2, 64, 3, 3), (3, 70, 64, 3, 3),  # one cached key; a cache shorter than a block per thread
     (2, 515, 128, 2, 4), (3, 133, 96, 1, 8),  # wider heads; keys that end mid-block
     (2, 1_000, 64, 3, 3), (1, 133, 96, 2, 4),  # groups of six and four rows: the row-by-row softmax, one ending mid-block
+    (1, 1_000, 64, 2, 2), (1, 517, 64, 4, 1), (1, 301, 128, 1, 3),  # three rows or fewer: bf16 dot products, no tiles (one ending mid-pair)
 ])
 def test_a_bfloat16_cache_on_amx_tiles_is_attention_up_to_the_weights_rounding(monkeypatch, t, n, d, kv_heads, group, tree) -> None:
     """On AMX tiles the softmax weights are rounded to bf16 before they weigh the values (as SDPA's bf16
