@@ -6,7 +6,7 @@ Three settings of the same loaded models, alternated ``--rounds`` times (the bes
   * ``attention``: the decode-attention kernel (``specstack.decode_attention``);
   * ``both``: that and the few-row linear kernel (``specstack.packed_linear``), the shipped default.
 In bf16 on a CPU with AMX tiles a fourth, ``widened``, is ``both`` with the attention kernel told not to
-use the tiles (``attrs.evolve(kernel, amx=False)``: up to four tokens widened, wider ones to SDPA).
+use the tiles or dot products (``attrs.evolve(kernel, amx=False, dot_products=False)``: up to four tokens widened, wider ones to SDPA).
 
 Each row is one ``HFCausalLM.forward`` of T tokens (a chain, or with ``tree`` one committed token and a
 binary tree) over a random cache, timed as ``specstack floor`` times it; ratios are ``torch`` ÷ setting,
@@ -36,7 +36,7 @@ FORWARDS = [(1, False), (2, False), (3, False), (4, False), (8, False), (16, Fal
 
 def use(model, setting: str, attention, rows) -> None:
     """Put ``model`` (an HFCausalLM) in one setting: which compiled kernels its forwards take."""
-    model.attention_kernel = {"attention": attention, "both": attention, "widened": attrs.evolve(attention, amx=False)}.get(setting)
+    model.attention_kernel = {"attention": attention, "both": attention, "widened": attrs.evolve(attention, amx=False, dot_products=False)}.get(setting)
     for module in model.module.modules():
         if isinstance(module, PackedLinear):
             PackedLinear.adopt(module, rows if setting in ("both", "widened") else None)

@@ -8,9 +8,10 @@ small GEMM over keys transposed block by block, in the machine's widest vectors.
 read as it is stored and widened to float32 block by block: queries, arithmetic and output are
 float32, rounded once to bfloat16 at the end. Where the CPU has AMX tiles (and Linux lends them), a
 bfloat16 cache takes them instead: bf16 tile products for the scores and for the weighted values, the
-softmax in float32, the weights rounded to bf16 (as SDPA's bf16 kernels round them); three query rows
-or fewer per KV head (a one-token step with GQA groups of three) take AVX-512's bf16 dot products in
-registers instead, with the same rounding (1.13x faster over 7,500 and 32,000 keys). It is built and loaded by
+softmax in float32, the weights rounded to bf16 (as SDPA's bf16 kernels round them). Three query rows
+or fewer per KV head (a one-token step with GQA groups of three), where the CPU has AVX-512's bf16 dot
+products (with or without AMX), take them in registers instead, with the same rounding (1.13x faster
+than the tiles over 7,500 and 32,000 keys). It is built and loaded by
 :mod:`specstack.native`; where it cannot be built, :func:`load_decode_kernel` returns None and
 attention stays with SDPA.
 
@@ -48,6 +49,7 @@ class DecodeKernel:
     max_rows: int
     max_dim: int
     amx: bool = False  # a bfloat16 cache takes AMX tiles (the CPU has them and Linux lends them)
+    dot_products: bool = False  # a bfloat16 cache of up to three query rows (heads of 64 or 128) takes AVX-512's bf16 dot products
 
     def __reduce__(self):
         """Pickled (a model sent to a bench worker) as a request to load it again where it lands."""
@@ -87,7 +89,7 @@ class DecodeKernel:
         status = self.library.specstack_decode_attention(
             q.data_ptr(), key.data_ptr(), value.data_ptr(), key.stride(1), value.stride(1), hkv, q.shape[1], t, d, n,
             None if mask is None else mask.data_ptr(), scale, out.data_ptr(), torch.get_num_threads(), key.dtype == torch.bfloat16,
-            self.tiles(key.dtype, d, t, n))
+            self.tiles(key.dtype, d, t, n), self.dot_products)
         if status != 0:
             raise ValueError(f"decode kernel refused query {tuple(query.shape)} over keys {tuple(key.shape)}")
         return out.reshape(1, hq, t, d).transpose(1, 2).to(query.dtype)  # [1, T, Hq, D]
@@ -96,10 +98,10 @@ class DecodeKernel:
 def load_decode_kernel(cache: Path | None = None) -> DecodeKernel | None:
     """The kernel, compiled into ``cache`` (default: the specstack cache) on first use; None where it
     cannot be built here."""
-    argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_int] * 4 + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p] + [ctypes.c_int] * 3
+    argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_int] * 4 + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p] + [ctypes.c_int] * 4
     loaded = load(SOURCE, "specstack_decode_attention", argtypes, cache)
     if loaded is None:
         return None
     library, path = loaded
     return DecodeKernel(library=library, path=path, max_rows=library.specstack_max_rows(), max_dim=library.specstack_max_dim(),
-                        amx=library.specstack_amx_bf16() == 1)
+                        amx=library.specstack_amx_bf16() == 1, dot_products=library.specstack_dp_bf16() == 1)

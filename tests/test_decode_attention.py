@@ -22,8 +22,9 @@ from specstack.testing.llama import random_llama
 from specstack.types import Draft, DraftKind
 
 KERNEL = load_decode_kernel()
-WIDENING = None if KERNEL is None else attrs.evolve(KERNEL, amx=False)  # a bfloat16 cache widened to float32, AMX or not
+WIDENING = None if KERNEL is None else attrs.evolve(KERNEL, amx=False, dot_products=False)  # a bfloat16 cache widened to float32, AMX or not
 needs_amx = pytest.mark.skipif(KERNEL is None or not KERNEL.amx, reason="no AMX tiles here: a bfloat16 cache is widened")
+needs_dot_products = pytest.mark.skipif(KERNEL is None or not KERNEL.dot_products, reason="no AVX-512 bf16 dot products here")
 pytestmark = pytest.mark.skipif(find_compiler() is None, reason="no C++ compiler here: the kernel cannot be built")
 
 
@@ -111,6 +112,26 @@ def test_a_bfloat16_cache_on_amx_tiles_is_attention_up_to_the_weights_rounding(m
     assert got.dtype == torch.bfloat16
     bound = 2**-8 * want.abs() + 2**-9 * values.abs().amax()  # its own rounding, the weights'
     assert ((got.double() - want).abs() <= bound).all(), float((got.double() - want).abs().max())
+
+
+@needs_dot_products
+@pytest.mark.parametrize(("t", "n", "d", "kv_heads", "group"), [
+    (1, 7_000, 64, 3, 3),  # the default target's one-token step
+    (1, 2, 64, 3, 3), (1, 70, 64, 3, 3),  # one cached key; a cache shorter than a block per thread
+    (1, 1_000, 64, 2, 2), (1, 517, 64, 4, 1), (1, 301, 128, 1, 3),  # fewer rows, a wider head, ranges ending mid-pair
+    (3, 900, 64, 1, 1),  # three tokens of one query head: three rows under the causal mask
+])
+def test_up_to_three_rows_take_bf16_dot_products_with_or_without_tiles(t, n, d, kv_heads, group) -> None:
+    """Three query rows or fewer take bf16 dot products in registers where the CPU has them, AMX or not
+    (the kernel told there are no tiles, as on an AVX-512 bf16 CPU without AMX): the weights rounded to
+    bf16 as on the tiles, so the same bound holds; told to use neither, the result is the widened one."""
+    query, keys, values, sees = bf16_inputs(t, n, d, kv_heads, group, False)
+    no_tiles = attrs.evolve(KERNEL, amx=False)
+    got = no_tiles.attend(query, keys, values, None, sees)  # [1, T, Hq, D]
+    want = reference(query, keys, values, sees)  # [1, T, Hq, D], float64
+    bound = 2**-8 * want.abs() + 2**-9 * values.abs().amax()  # its own rounding, the weights'
+    assert ((got.double() - want).abs() <= bound).all(), float((got.double() - want).abs().max())
+    assert not torch.equal(got, WIDENING.attend(query, keys, values, None, sees)) or n < 3  # another path than widening
 
 
 def bf16_inputs(t, n, d, kv_heads, group, tree):

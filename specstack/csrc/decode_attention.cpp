@@ -23,9 +23,9 @@
 // transposed and rounded to bf16,
 // multiply the values laid out by key pairs (O = P V). Scores, sums and output stay float32; the
 // weights' rounding is the only one the widening path does not make (as in SDPA's bf16 kernels).
-// Three query rows or fewer (a one-token step of a model with groups of three or fewer) skip the tiles
-// there: bf16 dot products in registers (attend_range_dp), the weights rounded the same way, the
-// next blocks prefetched.
+// Three query rows or fewer (a one-token step of a model with groups of three or fewer) can take
+// AVX-512's bf16 dot products in registers instead, on any CPU that has them (attend_range_dp), the
+// weights rounded as on the tiles, the next blocks prefetched.
 // Compiled at first use by specstack/decode_attention.py; plain C++ with GCC vector types (and Intel
 // intrinsics for the AMX path), no torch headers. Not built with -ffast-math: the -infinities of the
 // merge must stay.
@@ -36,11 +36,14 @@
 #include <string.h>
 
 #include <omp.h>
-#if defined(__AMX_BF16__) && defined(__AVX512BF16__)
-#define SPECSTACK_AMX 1  // compiled for a CPU with AMX tiles and AVX-512's bf16 conversions
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define SPECSTACK_DP 1  // compiled for a CPU with AVX-512's bf16 dot products and conversions
 #include <immintrin.h>
+#if defined(__AMX_BF16__)
+#define SPECSTACK_AMX 1  // and with AMX tiles
 #include <sys/syscall.h>
 #include <unistd.h>
+#endif
 #endif
 
 namespace {
@@ -368,8 +371,8 @@ void merge_row(const float *qr, int r, int t, int d, int splits, const float *k_
 
 int gcd(int a, int b) { return b == 0 ? a : gcd(b, a % b); }
 
-#ifdef SPECSTACK_AMX
-// ---- The AMX path for a bfloat16 cache -------------------------------------------------------------
+#ifdef SPECSTACK_DP
+// ---- bfloat16 caches in 512-bit vectors: the dot-product path and the AMX path -----------------------
 
 typedef float v16 __attribute__((vector_size(64), aligned(4)));  // one 512-bit register of floats
 typedef int32_t v16i __attribute__((vector_size(64), aligned(4)));
@@ -389,6 +392,120 @@ inline uint16_t float_to_bf16(float f) {  // round to nearest even
     return (uint16_t)((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
 }
 
+// 16 x 16 floats transposed in registers: r[i] becomes column i.
+void transpose16(__m512 r[16]) {
+    __m512 t[16];
+    for (int i = 0; i < 16; i += 2) t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]), t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+    for (int i = 0; i < 16; i += 4) {  // r[i + c] lane L: column 4L + c of rows i .. i+3
+        const __m512d a = _mm512_castps_pd(t[i]), b = _mm512_castps_pd(t[i + 1]), c = _mm512_castps_pd(t[i + 2]), e = _mm512_castps_pd(t[i + 3]);
+        r[i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c)), r[i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, c));
+        r[i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, e)), r[i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, e));
+    }
+    for (int i = 0; i < 4; ++i) {  // gather lane L of rows i, i+4, i+8, i+12 into column 4L + i
+        t[i] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0x88), t[i + 4] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0xDD);
+        t[i + 8] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0x88), t[i + 12] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0xDD);
+    }
+    for (int i = 0; i < 4; ++i) {
+        r[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88), r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xDD);
+        r[i + 4] = _mm512_shuffle_f32x4(t[i + 4], t[i + 12], 0x88), r[i + 12] = _mm512_shuffle_f32x4(t[i + 4], t[i + 12], 0xDD);
+    }
+}
+
+// ---- Three rows or fewer: AVX-512's bf16 dot products, no tiles -----------------------------------
+//
+// A one-token step gives each KV head three query rows, and a 16 x 16 tile product then wastes 13 of
+// its rows, and the softmax gathers each row's scores back out of the tile. Here the weights and
+// outputs stay in registers: sixteen keys at a time are transposed into 32-bit words (a word is a
+// pair of dimensions, a lane a key), so each query row scores them with d / 2 bf16 dot products
+// (vdpbf16ps, whose products are exact and summed in float32), the online softmax runs on that vector
+// of sixteen scores, and the weights, rounded to bf16 as on the tiles, weigh the values by key pairs
+// (two keys' values interleaved, one dot product per sixteen columns per row).
+
+constexpr int DP_ROWS = 3;  // rows up to which a bfloat16 cache can take this path
+
+// One work item as attend_range_amx, for ROWS <= DP_ROWS rows and d = 16 * D16 (D16 a multiple of 2).
+template <int ROWS, int D16>
+void attend_range_dp(const float *q, float scale, const uint16_t *k, const uint16_t *v, int64_t begin, int64_t end,
+                     float *m, float *l, float *acc) {
+    constexpr int d = 16 * D16, WORDS = d / 2;
+    const __m512i low = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
+                                         39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);  // a0 b0 a1 b1 ... a15 b15
+    const __m512i high = _mm512_add_epi16(low, _mm512_set1_epi16(16));                            // a16 b16 ... a31 b31
+    uint32_t qw[ROWS][WORDS];  // each row's dimension pairs as bf16 words (exact: q holds bf16 numbers)
+    for (int r = 0; r < ROWS; ++r)
+        for (int w = 0; w < WORDS; ++w)
+            qw[r][w] = (uint32_t)float_to_bf16(q[r * d + 2 * w]) | (uint32_t)float_to_bf16(q[r * d + 2 * w + 1]) << 16;
+    __m512 o[ROWS][D16];
+    float top[ROWS], sum[ROWS];
+    for (int r = 0; r < ROWS; ++r) {
+        top[r] = -INFINITY, sum[r] = 0.0f;
+        for (int c = 0; c < D16; ++c) o[r][c] = _mm512_setzero_ps();
+    }
+    for (int64_t b = begin; b < end; b += TILE) {
+        const int len = (int)(end - b < TILE ? end - b : TILE);
+        if (b + 4 * TILE < end)
+            for (int line = 0; line < TILE * d * 2; line += 64) {  // the block four ahead, keys and values
+                _mm_prefetch((const char *)(k + (b + 4 * TILE) * d) + line, _MM_HINT_T0);
+                _mm_prefetch((const char *)(v + (b + 4 * TILE) * d) + line, _MM_HINT_T0);
+            }
+        __m512 s[ROWS], s2[ROWS];  // two sums a row: even and odd words (shorter chains of dependent products)
+        for (int r = 0; r < ROWS; ++r) s[r] = s2[r] = _mm512_setzero_ps();
+        for (int c = 0; c < WORDS; c += TILE) {  // words c .. c+15 of the sixteen keys, transposed: lane i is key i
+            __m512 t[TILE];
+            for (int i = 0; i < TILE; ++i) t[i] = i < len ? _mm512_loadu_ps(k + (b + i) * d + 2 * c) : _mm512_setzero_ps();
+            transpose16(t);
+            for (int w = 0; w < TILE; w += 2)
+                for (int r = 0; r < ROWS; ++r) {
+                    s[r] = _mm512_dpbf16_ps(s[r], (__m512bh)t[w], (__m512bh)_mm512_set1_epi32((int)qw[r][c + w]));
+                    s2[r] = _mm512_dpbf16_ps(s2[r], (__m512bh)t[w + 1], (__m512bh)_mm512_set1_epi32((int)qw[r][c + w + 1]));
+                }
+        }
+        for (int r = 0; r < ROWS; ++r) s[r] = _mm512_add_ps(s[r], s2[r]);
+        const __mmask16 valid = (__mmask16)(len == TILE ? 0xFFFF : (1u << len) - 1);
+        __m512i weights[ROWS];  // the block's weights of each row as bf16 pairs: word j holds keys 2j, 2j+1 (upper half zero)
+        for (int r = 0; r < ROWS; ++r) {
+            const __m512 x = _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), valid, s[r], _mm512_set1_ps(scale));
+            const float next = fmaxf(top[r], _mm512_reduce_max_ps(x));
+            const v16 w = expv<v16, v16i>((v16)x - next);
+            const __m512 kept = _mm512_maskz_mov_ps(valid, (__m512)w);  // keys past len weigh nothing
+            const float rescale = expf(top[r] - next);  // 0 on the first block (top = -inf)
+            sum[r] = sum[r] * rescale + _mm512_reduce_add_ps(kept), top[r] = next;
+            for (int c = 0; c < D16; ++c) o[r][c] = _mm512_mul_ps(o[r][c], _mm512_set1_ps(rescale));
+            weights[r] = _mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(kept));
+        }
+        for (int j = 0; j < len; j += 2) {  // keys j, j+1 (a missing second key: zero values)
+            const uint16_t *va = v + (b + j) * d, *vb = va + d;
+            for (int c = 0; c < D16; c += 2) {  // columns 16c .. 16c+31
+                const __m512i a = _mm512_loadu_si512(va + 16 * c), e = j + 1 < len ? _mm512_loadu_si512(vb + 16 * c) : _mm512_setzero_si512();
+                const __m512i lo = _mm512_permutex2var_epi16(a, low, e), hi = _mm512_permutex2var_epi16(a, high, e);
+                for (int r = 0; r < ROWS; ++r) {
+                    const __m512i pair = _mm512_permutexvar_epi32(_mm512_set1_epi32(j / 2), weights[r]);
+                    o[r][c] = _mm512_dpbf16_ps(o[r][c], (__m512bh)lo, (__m512bh)pair);
+                    o[r][c + 1] = _mm512_dpbf16_ps(o[r][c + 1], (__m512bh)hi, (__m512bh)pair);
+                }
+            }
+        }
+    }
+    for (int r = 0; r < ROWS; ++r) {
+        m[r] = top[r], l[r] = sum[r];
+        for (int c = 0; c < D16; ++c) _mm512_storeu_ps(acc + r * d + 16 * c, o[r][c]);
+    }
+}
+
+// Whether a work item of rows query rows with heads of d can take attend_range_dp.
+inline bool dp_fits(int rows, int d) { return rows <= DP_ROWS && (d == 64 || d == 128); }
+
+// attend_range_dp for rows rows and heads of d (dp_fits).
+void attend_range_dp_any(const float *q, int rows, int d, float scale, const uint16_t *k, const uint16_t *v, int64_t begin, int64_t end,
+                         float *m, float *l, float *acc) {
+    typedef void (*Range)(const float *, float, const uint16_t *, const uint16_t *, int64_t, int64_t, float *, float *, float *);
+    static const Range ranges[2][DP_ROWS] = {{attend_range_dp<1, 4>, attend_range_dp<2, 4>, attend_range_dp<3, 4>},
+                                             {attend_range_dp<1, 8>, attend_range_dp<2, 8>, attend_range_dp<3, 8>}};
+    ranges[d == 128][rows - 1](q, scale, k, v, begin, end, m, l, acc);
+}
+
+#ifdef SPECSTACK_AMX
+
 // Linux lends the tile registers to a process that asks (arch_prctl ARCH_REQ_XCOMP_PERM = 0x1023 for
 // XFEATURE_XTILEDATA = 18); asked once, false where refused (an old kernel, a hypervisor without AMX).
 bool amx_permitted() {
@@ -407,25 +524,6 @@ void configure_tiles() {
     TileConfig config;
     for (int i = 0; i < 6; ++i) config.colsb[i] = 64, config.rows[i] = TILE;
     _tile_loadconfig(&config);
-}
-
-// 16 x 16 floats transposed in registers: r[i] becomes column i.
-void transpose16(__m512 r[16]) {
-    __m512 t[16];
-    for (int i = 0; i < 16; i += 2) t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]), t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
-    for (int i = 0; i < 16; i += 4) {  // r[i + c] lane L: column 4L + c of rows i .. i+3
-        const __m512d a = _mm512_castps_pd(t[i]), b = _mm512_castps_pd(t[i + 1]), c = _mm512_castps_pd(t[i + 2]), e = _mm512_castps_pd(t[i + 3]);
-        r[i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c)), r[i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, c));
-        r[i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, e)), r[i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, e));
-    }
-    for (int i = 0; i < 4; ++i) {  // gather lane L of rows i, i+4, i+8, i+12 into column 4L + i
-        t[i] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0x88), t[i + 4] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0xDD);
-        t[i + 8] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0x88), t[i + 12] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0xDD);
-    }
-    for (int i = 0; i < 4; ++i) {
-        r[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88), r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xDD);
-        r[i + 4] = _mm512_shuffle_f32x4(t[i + 4], t[i + 12], 0x88), r[i + 12] = _mm512_shuffle_f32x4(t[i + 4], t[i + 12], 0xDD);
-    }
 }
 
 // qv[g][s][pair][2 * row + i] = q[16 g + row][32 s + 2 pair + i], zero past the rows: each group of
@@ -549,90 +647,6 @@ void group_values(const uint16_t *p, const uint16_t *vv, int d, float *o) {
     }
 }
 
-// ---- Three rows or fewer: AVX-512's bf16 dot products, no tiles -----------------------------------
-//
-// A one-token step gives each KV head three query rows, and a 16 x 16 tile product then wastes 13 of
-// its rows, and the softmax gathers each row's scores back out of the tile. Here the weights and
-// outputs stay in registers: sixteen keys at a time are transposed into 32-bit words (a word is a
-// pair of dimensions, a lane a key), so each query row scores them with d / 2 bf16 dot products
-// (vdpbf16ps, whose products are exact and summed in float32), the online softmax runs on that vector
-// of sixteen scores, and the weights, rounded to bf16 as on the tiles, weigh the values by key pairs
-// (two keys' values interleaved, one dot product per sixteen columns per row).
-
-constexpr int DP_ROWS = 3;  // rows up to which a bfloat16 cache takes this path where the tiles would run
-
-// One work item as attend_range_amx, for ROWS <= DP_ROWS rows and d = 16 * D16 (D16 a multiple of 2).
-template <int ROWS, int D16>
-void attend_range_dp(const float *q, float scale, const uint16_t *k, const uint16_t *v, int64_t begin, int64_t end,
-                     float *m, float *l, float *acc) {
-    constexpr int d = 16 * D16, WORDS = d / 2;
-    const __m512i low = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
-                                         39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);  // a0 b0 a1 b1 ... a15 b15
-    const __m512i high = _mm512_add_epi16(low, _mm512_set1_epi16(16));                            // a16 b16 ... a31 b31
-    uint32_t qw[ROWS][WORDS];  // each row's dimension pairs as bf16 words (exact: q holds bf16 numbers)
-    for (int r = 0; r < ROWS; ++r)
-        for (int w = 0; w < WORDS; ++w)
-            qw[r][w] = (uint32_t)float_to_bf16(q[r * d + 2 * w]) | (uint32_t)float_to_bf16(q[r * d + 2 * w + 1]) << 16;
-    __m512 o[ROWS][D16];
-    float top[ROWS], sum[ROWS];
-    for (int r = 0; r < ROWS; ++r) {
-        top[r] = -INFINITY, sum[r] = 0.0f;
-        for (int c = 0; c < D16; ++c) o[r][c] = _mm512_setzero_ps();
-    }
-    for (int64_t b = begin; b < end; b += TILE) {
-        const int len = (int)(end - b < TILE ? end - b : TILE);
-        if (b + 4 * TILE < end)
-            for (int line = 0; line < TILE * d * 2; line += 64) {  // the block four ahead, keys and values
-                _mm_prefetch((const char *)(k + (b + 4 * TILE) * d) + line, _MM_HINT_T0);
-                _mm_prefetch((const char *)(v + (b + 4 * TILE) * d) + line, _MM_HINT_T0);
-            }
-        __m512 s[ROWS], s2[ROWS];  // two sums a row: even and odd words (shorter chains of dependent products)
-        for (int r = 0; r < ROWS; ++r) s[r] = s2[r] = _mm512_setzero_ps();
-        for (int c = 0; c < WORDS; c += TILE) {  // words c .. c+15 of the sixteen keys, transposed: lane i is key i
-            __m512 t[TILE];
-            for (int i = 0; i < TILE; ++i) t[i] = i < len ? _mm512_loadu_ps(k + (b + i) * d + 2 * c) : _mm512_setzero_ps();
-            transpose16(t);
-            for (int w = 0; w < TILE; w += 2)
-                for (int r = 0; r < ROWS; ++r) {
-                    s[r] = _mm512_dpbf16_ps(s[r], (__m512bh)t[w], (__m512bh)_mm512_set1_epi32((int)qw[r][c + w]));
-                    s2[r] = _mm512_dpbf16_ps(s2[r], (__m512bh)t[w + 1], (__m512bh)_mm512_set1_epi32((int)qw[r][c + w + 1]));
-                }
-        }
-        for (int r = 0; r < ROWS; ++r) s[r] = _mm512_add_ps(s[r], s2[r]);
-        const __mmask16 valid = (__mmask16)(len == TILE ? 0xFFFF : (1u << len) - 1);
-        __m512i weights[ROWS];  // the block's weights of each row as bf16 pairs: word j holds keys 2j, 2j+1 (upper half zero)
-        for (int r = 0; r < ROWS; ++r) {
-            const __m512 x = _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), valid, s[r], _mm512_set1_ps(scale));
-            const float next = fmaxf(top[r], _mm512_reduce_max_ps(x));
-            const v16 w = expv<v16, v16i>((v16)x - next);
-            const __m512 kept = _mm512_maskz_mov_ps(valid, (__m512)w);  // keys past len weigh nothing
-            const float rescale = expf(top[r] - next);  // 0 on the first block (top = -inf)
-            sum[r] = sum[r] * rescale + _mm512_reduce_add_ps(kept), top[r] = next;
-            for (int c = 0; c < D16; ++c) o[r][c] = _mm512_mul_ps(o[r][c], _mm512_set1_ps(rescale));
-            weights[r] = _mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(kept));
-        }
-        for (int j = 0; j < len; j += 2) {  // keys j, j+1 (a missing second key: zero values)
-            const uint16_t *va = v + (b + j) * d, *vb = va + d;
-            for (int c = 0; c < D16; c += 2) {  // columns 16c .. 16c+31
-                const __m512i a = _mm512_loadu_si512(va + 16 * c), e = j + 1 < len ? _mm512_loadu_si512(vb + 16 * c) : _mm512_setzero_si512();
-                const __m512i lo = _mm512_permutex2var_epi16(a, low, e), hi = _mm512_permutex2var_epi16(a, high, e);
-                for (int r = 0; r < ROWS; ++r) {
-                    const __m512i pair = _mm512_permutexvar_epi32(_mm512_set1_epi32(j / 2), weights[r]);
-                    o[r][c] = _mm512_dpbf16_ps(o[r][c], (__m512bh)lo, (__m512bh)pair);
-                    o[r][c + 1] = _mm512_dpbf16_ps(o[r][c + 1], (__m512bh)hi, (__m512bh)pair);
-                }
-            }
-        }
-    }
-    for (int r = 0; r < ROWS; ++r) {
-        m[r] = top[r], l[r] = sum[r];
-        for (int c = 0; c < D16; ++c) _mm512_storeu_ps(acc + r * d + 16 * c, o[r][c]);
-    }
-}
-
-// Whether a work item of rows query rows with heads of d takes attend_range_dp.
-inline bool dp_fits(int rows, int d) { return rows <= DP_ROWS && (d == 64 || d == 128); }
-
 // Floats of scratch one AMX work item needs: a group's scores and weights, the block's interleaved
 // values, a group's weighted values, a short last block zero-padded, every group's interleaved queries.
 inline size_t amx_scratch_floats(int d) {
@@ -645,13 +659,6 @@ inline size_t amx_scratch_floats(int d) {
 // unscaled queries (bf16 numbers); scores are scaled in float32.
 void attend_range_amx(const float *q, int rows, int d, float scale, const uint16_t *k, const uint16_t *v, int64_t begin, int64_t end,
                       float *scratch, float *m, float *l, float *acc) {
-    if (dp_fits(rows, d)) {
-        typedef void (*Range)(const float *, float, const uint16_t *, const uint16_t *, int64_t, int64_t, float *, float *, float *);
-        static const Range ranges[2][DP_ROWS] = {{attend_range_dp<1, 4>, attend_range_dp<2, 4>, attend_range_dp<3, 4>},
-                                                 {attend_range_dp<1, 8>, attend_range_dp<2, 8>, attend_range_dp<3, 8>}};
-        ranges[d == 128][rows - 1](q, scale, k, v, begin, end, m, l, acc);
-        return;
-    }
     float *st = scratch;                                    // [64 keys][16 rows]
     uint16_t *p = (uint16_t *)(st + AMX_BLOCK * TILE);      // [2][16 rows][32 keys]
     uint16_t *vv = p + TILE * AMX_BLOCK;                    // [2][d / 16][16 pairs][32]
@@ -692,6 +699,7 @@ void attend_range_amx(const float *q, int rows, int d, float scale, const uint16
     _tile_release();
 }
 #endif  // SPECSTACK_AMX
+#endif  // SPECSTACK_DP
 
 }  // namespace
 
@@ -699,6 +707,15 @@ extern "C" {
 
 int specstack_max_rows() { return MAX_ROWS; }
 int specstack_max_dim() { return MAX_DIM; }
+
+// 1 where a bfloat16 cache of up to three query rows can take bf16 dot products in registers.
+int specstack_dp_bf16() {
+#ifdef SPECSTACK_DP
+    return 1;
+#else
+    return 0;
+#endif
+}
 
 // 1 where a bfloat16 cache can take the AMX path: compiled for a CPU with AMX and the tiles lent by Linux.
 int specstack_amx_bf16() {
@@ -712,11 +729,13 @@ int specstack_amx_bf16() {
 // q [hkv, rows, d] contiguous (rows = G * t); keys and values of head h at k + h * k_head_stride elements,
 // rows of d, n of them, the last t the new tokens' own; float32, or bfloat16 where kv_bf16 is nonzero.
 // sees [t, t] (token i sees own key j) or null for a chain. out [hkv, rows, d] float32. A bfloat16 cache
-// takes the AMX path where amx is nonzero, specstack_amx_bf16() says 1 and d is a multiple of 32 (q then
-// holds bf16 numbers). Returns 0, or -1 for shapes it does not take (the caller falls back).
+// takes bf16 dot products in registers where dp is nonzero, specstack_dp_bf16() says 1, rows <= 3 and d is
+// 64 or 128; else the AMX path where amx is nonzero, specstack_amx_bf16() says 1 and d is a multiple of 32
+// (q then holds bf16 numbers); else it is widened. Returns 0, or -1 for shapes it does not take (the
+// caller falls back).
 int specstack_decode_attention(const float *q, const void *k, const void *v, int64_t k_head_stride, int64_t v_head_stride,
                                int hkv, int rows, int t, int d, int64_t n, const uint8_t *sees, float scale,
-                               float *out, int threads, int kv_bf16, int amx) {
+                               float *out, int threads, int kv_bf16, int amx, int dp) {
     if (rows < 1 || rows > MAX_ROWS || t < 1 || rows % t != 0 || d % 8 != 0 || d > MAX_DIM || n < t || hkv < 1 || threads < 1) return -1;
     const bool bf16 = kv_bf16 != 0;
     const size_t elem = bf16 ? 2 : 4;
@@ -732,6 +751,12 @@ int specstack_decode_attention(const float *q, const void *k, const void *v, int
     const bool tiles = false;
     const size_t item_floats = scratch_floats(d);
     (void)amx;
+#endif
+#ifdef SPECSTACK_DP
+    const bool registers = bf16 && dp != 0 && dp_fits(rows, d);
+#else
+    const bool registers = false;
+    (void)dp;
 #endif
     const size_t own = (size_t)hkv * t * d;  // the new tokens' own keys (and values), as float32
     // one allocation per call: scaled queries, each item's partials and scratch, the own keys and values
@@ -750,6 +775,13 @@ int specstack_decode_attention(const float *q, const void *k, const void *v, int
         const int h = item / splits, s = item % splits;
         const int64_t begin = past * s / splits, end = past * (s + 1) / splits;
         float *item_m = m + (int64_t)item * rows, *item_l = l + (int64_t)item * rows, *item_acc = acc + (int64_t)item * rows * d;
+#ifdef SPECSTACK_DP
+        if (registers) {
+            attend_range_dp_any(q + (int64_t)h * rows * d, rows, d, scale, (const uint16_t *)k + h * k_head_stride,
+                                (const uint16_t *)v + h * v_head_stride, begin, end, item_m, item_l, item_acc);
+            continue;
+        }
+#endif
 #ifdef SPECSTACK_AMX
         if (tiles) {
             attend_range_amx(q + (int64_t)h * rows * d, rows, d, scale, (const uint16_t *)k + h * k_head_stride, (const uint16_t *)v + h * v_head_stride,
