@@ -8,14 +8,18 @@ the same modules' weights and fewer calls:
 * each layer's q, k and v products are one matrix product, and so are its MLP's gate and up products:
   the layer's ``q_proj``, ``k_proj`` and ``v_proj`` weights become row blocks of one contiguous matrix
   (views: no copy, the state dict unchanged), and likewise ``gate_proj`` and ``up_proj``;
-* rotary embedding rotates the queries and keys of a layer in one pass;
+* each residual add is fused with the norm after it, and the queries and keys are rotated in place,
+  one compiled call each (:mod:`specstack.decoder_ops`; transformers' own operations where it cannot
+  be built);
 * attention is specstack's own (:func:`specstack.hf.grouped_attention`, which the transformers path
-  also uses), the norms and activation the modules' own forwards, the products :class:`PackedLinear`'s.
+  also uses), the activation the module's own forward, the products :class:`PackedLinear`'s.
 
 It computes what the transformers forward computes, operation for operation, so results agree with
 it to rounding: each output of the few-row kernel is summed in one fixed order whatever matrix holds
-its weight row, so up to its row count the two paths give the same bits (tests/test_decoder.py);
-wider products go through oneDNN, whose blocking may round a fused matrix differently.
+its weight row, so up to its row count, with torch's small operations (``decoder_ops.TORCH_OPS``), the
+two paths give the same bits; the compiled norm sums its squares in another order, a float32 last
+place (tests/test_decoder.py). Wider products go through oneDNN, whose blocking may round a fused
+matrix differently.
 
 It takes forwards of up to :data:`MAX_TOKENS` tokens. Against the transformers forward, bf16, 2 threads,
 one process: 1.20x faster at one token over 512 cached slots, 1.13-1.17x over 7,500, 1.09-1.15x for 16

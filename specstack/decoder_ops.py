@@ -73,14 +73,17 @@ class DecoderOps:
         return load_decoder_ops, ()
 
     @staticmethod
-    def _ours(*tensors: torch.Tensor) -> bool:
-        first = tensors[0]
-        return first.dtype in DTYPES and all(t.device.type == "cpu" and t.dtype == first.dtype and t.is_contiguous() for t in tensors)
+    def _ours(first: torch.Tensor, second: torch.Tensor, third: torch.Tensor | None = None) -> bool:
+        """Whether the tensors are the compiled ops': one dtype they take, contiguous, on the CPU (called
+        twice a layer per forward: no loop, no generator)."""
+        dtype = first.dtype
+        return (dtype in DTYPES and first.device.type == "cpu" and first.is_contiguous() and second.dtype == dtype and second.is_contiguous()
+                and second.device.type == "cpu" and (third is None or (third.dtype == dtype and third.is_contiguous() and third.device.type == "cpu")))
 
     def add_norm(self, hidden: torch.Tensor, delta: torch.Tensor | None, norm: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
         """hidden [.., H] += delta (in place), and its RMSNorm [.., H]."""
         weight = norm.weight
-        if type(norm).__name__ not in RMS_NORMS or not self._ours(hidden, weight, *(() if delta is None else (delta,))):
+        if type(norm).__name__ not in RMS_NORMS or not self._ours(hidden, weight, delta):
             return TORCH_OPS.add_norm(hidden, delta, norm)
         width = hidden.shape[-1]
         normed = torch.empty_like(hidden)  # [.., H]

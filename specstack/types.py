@@ -144,15 +144,15 @@ class Draft:
         for i, parent in enumerate(parents):  # a node is cut if its parent is a stop token or was cut
             cut.append(parent >= 0 and (bool(stops[parent]) or cut[parent]))
         keep = torch.nonzero(~torch.tensor(cut, dtype=torch.bool, device="cpu")).flatten()  # [k'] ascending
-        return self._subset(keep)
+        return self.subtree(keep)
 
     def head(self, n: int) -> "Draft":
         """The tokens at depth < ``n`` (the first ``n`` of a chain); a tree stays a tree of the same kind."""
         if self.parents is None:
             return Draft(tokens=self.tokens[:n], probs=self.probs[:n])
-        return self._subset(torch.nonzero(self.depths() < n).flatten())  # [k'] on the CPU
+        return self.subtree(torch.nonzero(self.depths() < n).flatten())  # [k'] on the CPU
 
-    def _subset(self, keep: torch.Tensor) -> "Draft":
+    def subtree(self, keep: torch.Tensor) -> "Draft":
         """The tree restricted to ``keep`` [k'] (ascending, closed under taking parents), renumbered."""
         if keep.shape[0] == len(self):
             return self

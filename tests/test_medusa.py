@@ -19,7 +19,7 @@ from specstack.testing import ALPHA, stack_pvalue
 from specstack.types import Capability, Draft, DraftKind
 from specstack_medusa import MedusaDrafter, MedusaHeads, load_heads, plugin, save_heads
 from specstack_medusa.heads import HeadsInfo, synthetic_heads
-from specstack_medusa.tree import choose_paths, confident_nodes, kept_parents, parents_of
+from specstack_medusa.tree import choose_paths, confident_nodes, parents_of
 
 SMALL = {"budget": 16, "chunk_size": 4, "stride": 8}  # retrieval sized for prompts of a few dozen tokens
 PROMPT = [1, 2]
@@ -53,7 +53,8 @@ def test_confidence_keeps_the_nodes_whose_path_probability_is_high_enough() -> N
     probs = [0.8, 0.15, 0.5, 0.3, 0.9, 0.5]  # paths: 0.8, 0.15, 0.4, 0.24, 0.135, 0.2
     assert confident_nodes(probs, parents, 0.0) == [0, 1, 2, 3, 4, 5]
     assert confident_nodes(probs, parents, 0.2) == [0, 2, 3, 5]  # node 4's own 0.9 does not lift its parent's 0.15
-    assert kept_parents(parents, [0, 2, 3, 5]) == [-1, 0, 0, 1]
+    tree = Draft(tokens=torch.arange(6), probs=torch.ones(6, 6) / 6, parents=torch.tensor(parents), kind=DraftKind.TREE_DETERMINISTIC)
+    assert tree.subtree(torch.tensor([0, 2, 3, 5])).parents.tolist() == [-1, 0, 0, 1]
     assert confident_nodes(probs, parents, 0.9) == []
 
 
@@ -71,7 +72,7 @@ def test_a_pruned_tree_is_a_subtree_of_the_full_one_and_keeps_greedy_output(kind
     node = whole.probs.gather(1, whole.tokens[:, None])[:, 0].tolist()
     kept = confident_nodes(node, whole.parents.tolist(), 0.1)
     assert 0 < len(kept) < len(whole)  # these random heads are sure of some nodes and not of others
-    assert torch.equal(some.tokens, whole.tokens[kept]) and some.parents.tolist() == kept_parents(whole.parents.tolist(), kept)
+    assert torch.equal(some.tokens, whole.tokens[kept]) and some.parents.tolist() == whole.subtree(torch.tensor(kept)).parents.tolist()
     stack = SpeculationStack.build([Level(drafter=pruned), Level(model=target, gamma=pruned.step)])
     assert list(stack.generate(prompt, 30).tokens) == greedy_decode(target, prompt, 30)
     doubted = MedusaDrafter(vocab=16, heads=heads, tree_size=8, min_prob=0.99)

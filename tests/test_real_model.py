@@ -61,7 +61,7 @@ def reference(models, prompt):
         ("medusa-chain", {"tree_size": 8}),  # ... one head chained step after step (a tree expanded depth by depth)
         ("triforce-medusa", {**SMALL, "heads": "chained", "tree_size": 4}),
         ("triforce-medusa", {**SMALL, "tree_size": 4}),  # ... on the middle level's, over retrieval
-        ("medusa-lookup", {"tree_size": 4}),  # ... merged with prompt lookup into one tree
+        ("medusa-lookup", {"tree_size": 4}),  # ... prompt lookup's chain where it matches, else the chained heads' tree
     ],
 )
 def test_greedy_output_equals_the_targets_own_greedy_decoding(models, prompt, reference, name, options) -> None:

@@ -32,7 +32,7 @@ import attrs
 import torch
 
 from ..errors import SpecstackError
-from .stacks import Measurement, RunSetup
+from .stacks import Measurement, RunSetup, with_defaults
 
 INSTALL = "pip install 'specstack[llama-cpp]' (it compiles llama.cpp: a few minutes)"
 
@@ -55,7 +55,7 @@ class LlamaCpp:
         pass  # every run is a fresh process: there is nothing to warm in this one
 
     def measure(self, run: RunSetup, options: Mapping[str, Any]) -> Measurement:
-        options = _checked(self.options(), options)
+        options = _checked(with_defaults(self.name, self.options(), options))
         sampling = run.sampling
         request = {
             "gguf": str(_gguf(run, options["gguf"])), "threads": options["threads"] or torch.get_num_threads(),
@@ -70,11 +70,8 @@ class LlamaCpp:
                            timing="decode", notes={"engine": f"llama.cpp (llama-cpp-python {reply['version']})", "threads": request["threads"]})
 
 
-def _checked(allowed: dict[str, Any], options: Mapping[str, Any]) -> dict[str, Any]:
-    unknown = sorted(set(options) - set(allowed))
-    if unknown:
-        raise SpecstackError(f"stack 'llama-cpp' has no option '{unknown[0]}'; options: {', '.join(allowed)}")
-    merged = {**allowed, **options}
+def _checked(merged: dict[str, Any]) -> dict[str, Any]:
+    """``merged`` (the options over their defaults) once its values are checked."""
     if merged["cache_type"] not in CACHE_TYPES:
         raise SpecstackError(f"llama-cpp cache_type {merged['cache_type']!r} is not allowed; use one of {', '.join(CACHE_TYPES)}")
     threads = merged["threads"]

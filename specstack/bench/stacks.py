@@ -175,11 +175,15 @@ class Baseline:
                            decode_tokens=clock.tokens, notes={"attn_implementation": options["attn_implementation"]})
 
     def _with_defaults(self, options: Mapping[str, Any]) -> dict[str, Any]:
-        allowed = self.options()
-        unknown = sorted(set(options) - set(allowed))
-        if unknown:
-            raise SpecstackError(f"stack '{self.name}' has no option '{unknown[0]}'; options: {', '.join(allowed)}")
-        return {**allowed, **options}
+        return with_defaults(self.name, self.options(), options)
+
+
+def with_defaults(name: str, allowed: Mapping[str, Any], options: Mapping[str, Any]) -> dict[str, Any]:
+    """A baseline's ``options`` over its defaults ``allowed``; an unknown option is a one-line error."""
+    unknown = sorted(set(options) - set(allowed))
+    if unknown:
+        raise SpecstackError(f"stack '{name}' has no option '{unknown[0]}'; options: {', '.join(allowed)}")
+    return {**allowed, **options}
 
 
 @attrs.define(eq=False)

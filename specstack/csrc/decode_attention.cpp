@@ -744,19 +744,19 @@ int specstack_decode_attention(const float *q, const void *k, const void *v, int
     int splits = threads / gcd(hkv, threads);
     while (splits > 1 && past / splits < BLOCK) --splits;
     const int items = hkv * splits;
-#ifdef SPECSTACK_AMX
-    const bool tiles = bf16 && amx != 0 && d % PAIRS == 0 && amx_permitted();
-    const size_t item_floats = tiles ? amx_scratch_floats(d) : scratch_floats(d);
-#else
-    const bool tiles = false;
-    const size_t item_floats = scratch_floats(d);
-    (void)amx;
-#endif
 #ifdef SPECSTACK_DP
     const bool registers = bf16 && dp != 0 && dp_fits(rows, d);
 #else
     const bool registers = false;
     (void)dp;
+#endif
+#ifdef SPECSTACK_AMX
+    const bool tiles = bf16 && amx != 0 && d % PAIRS == 0 && amx_permitted();
+    const size_t item_floats = registers ? 0 : tiles ? amx_scratch_floats(d) : scratch_floats(d);  // the register path needs none
+#else
+    const bool tiles = false;
+    const size_t item_floats = registers ? 0 : scratch_floats(d);
+    (void)amx;
 #endif
     const size_t own = (size_t)hkv * t * d;  // the new tokens' own keys (and values), as float32
     // one allocation per call: scaled queries, each item's partials and scratch, the own keys and values

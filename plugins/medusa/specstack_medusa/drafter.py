@@ -33,7 +33,7 @@ from specstack.drafters import Drafter
 from specstack.types import Capability, DraftKind
 
 from .heads import HeadsInfo, MedusaHeads, load_heads, shipped_heads, synthetic_heads
-from .tree import choose_paths, confident_nodes, kept_parents, parents_of
+from .tree import choose_paths, confident_nodes, parents_of
 
 UNTRAINED_ACCURACY = (0.5, 0.1, 0.05)  # rank accuracies assumed for heads that carry no measurement
 MIN_PROB = 0.1  # the default min_prob: measured best or within 0.03x of it among 0-0.3 in fp32 (docs/medusa.md)
@@ -148,19 +148,16 @@ class MedusaDrafter(Drafter):
         with torch.inference_mode():
             nodes = self._chained_nodes if self.info.chained else self._parallel_nodes
             tokens, probs = nodes(state, after, first, depth.to(state.device), rank.to(state.device), parents.to(state.device))  # [k], [k, V]
-        if self.min_prob > 0:
-            return self._confident(tokens, probs, parents)
-        return Draft(tokens=tokens, probs=probs, parents=parents.to(state.device), kind=self.draft_kind)
+        draft = Draft(tokens=tokens, probs=probs, parents=parents.to(state.device), kind=self.draft_kind)
+        return self._confident(draft, parents) if self.min_prob > 0 else draft
 
-    def _confident(self, tokens: torch.Tensor, probs: torch.Tensor, parents: torch.Tensor) -> Draft:
-        """The subtree of nodes with path probability >= ``min_prob`` (possibly empty)."""
-        node_probs = probs.gather(1, tokens[:, None])[:, 0]  # [k] each node's probability of its own token
+    def _confident(self, draft: Draft, parents: torch.Tensor) -> Draft:
+        """The subtree of ``draft`` (whose ``parents`` [k] are on the host) with path probability >= ``min_prob`` (possibly empty)."""
+        node_probs = draft.probs.gather(1, draft.tokens[:, None])[:, 0]  # [k] each node's probability of its own token
         kept = confident_nodes(node_probs.tolist(), parents.tolist(), self.min_prob)
         if not kept:
-            return Draft.empty(self.vocab, device=tokens.device)
-        at = torch.tensor(kept, dtype=torch.long, device=tokens.device)  # [k']
-        renumbered = torch.tensor(kept_parents(parents.tolist(), kept), dtype=torch.long, device=tokens.device)  # [k']
-        return Draft(tokens=tokens[at], probs=probs[at], parents=renumbered, kind=self.draft_kind)
+            return Draft.empty(self.vocab, device=draft.device)
+        return draft.subtree(torch.tensor(kept, dtype=torch.long, device="cpu"))  # [k']
 
     def _parallel_nodes(self, state, after, first, depth, rank, parents) -> tuple[torch.Tensor, torch.Tensor]:
         """Parallel heads: every node's token is a rank of its depth's head, whatever its parent; the

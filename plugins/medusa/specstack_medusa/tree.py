@@ -49,8 +49,3 @@ def confident_nodes(node_probs: Sequence[float], parents: Sequence[int], least: 
         path.append(float(p) * (path[parent] if parent >= 0 else 1.0))
     return [i for i, p in enumerate(path) if p >= least]
 
-
-def kept_parents(parents: Sequence[int], kept: Sequence[int]) -> list[int]:
-    """``parents`` renumbered for the subtree of ``kept`` nodes (closed under taking parents)."""
-    index = {node: i for i, node in enumerate(kept)}
-    return [index[parents[node]] if parents[node] >= 0 else -1 for node in kept]
