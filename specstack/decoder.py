@@ -74,6 +74,8 @@ class FusedProducts:
             row += rows
         if isinstance(parts[0], PackedLinear):
             PackedLinear.adopt(linear, parts[0]._rows)
+            if all(getattr(p, "_blocks", None) is not None for p in parts):  # each part's Q4_1 blocks, rows in the same order
+                linear.attach_blocks(torch.cat([p._blocks for p in parts]))
         linear.requires_grad_(False)
         return cls(linear=linear, views=tuple(views))
 

@@ -96,9 +96,22 @@ def load_default(*, dtype: torch.dtype = torch.float32, with_draft: bool = True,
     from .run import check_devices
 
     device, draft_device = check_devices(device, draft_device)  # before any weights are read
-    target, tokenizer = load_model(prepare_target(), dtype=dtype, device=device, name=TARGET_NAME, context=context, rope_scaling=rope_scaling)
+    target, tokenizer = load_target(dtype=dtype, device=device, context=context, rope_scaling=rope_scaling)
     draft = load_default_draft(target, dtype=dtype, device=draft_device) if with_draft else None
     return target, draft, tokenizer
+
+
+def load_target(*, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", context: int | None = None,
+                rope_scaling: str | None = None):
+    """``(target, tokenizer)``: the embedded default target (see :func:`specstack.hf.load_model`). In bf16 on
+    the CPU its products of a few rows read the GGUF's Q4_1 blocks, which widen to its weights bit for
+    bit (:mod:`specstack.gguf_weights`)."""
+    from .hf import load_model
+
+    target, tokenizer = load_model(prepare_target(), dtype=dtype, device=device, name=TARGET_NAME, context=context, rope_scaling=rope_scaling)
+    if target.dtype == torch.bfloat16 and target.device.type == "cpu":
+        target.read_weights_from(find_gguf())
+    return target, tokenizer
 
 
 def load_default_draft(target, *, dtype: torch.dtype = torch.float32, device: str | torch.device | None = None):

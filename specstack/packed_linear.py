@@ -79,13 +79,17 @@ class RowsKernel:
         return (shape and 0 < x.numel() <= MAX_STREAMED_ROWS.get(dtype, 0) * width and x.dtype == dtype and x.device.type == weight.device.type == "cpu"
                 and weight.is_contiguous() and (bias is None or (bias.dtype == dtype and bias.is_contiguous())))
 
-    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """x [..., in] -> [..., out]."""
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, blocks: torch.Tensor | None = None) -> torch.Tensor:
+        """x [..., in] -> [..., out]; bf16 reads ``blocks`` [out, in / 32 * 24] (the weight as Q4_1 blocks,
+        :mod:`specstack.gguf_weights`) instead of the weight where given: the same bits out."""
         out, inp = weight.shape
         x = x.contiguous()
         y = x.new_empty((*x.shape[:-1], out))  # [..., out]
-        entry = self.library.specstack_linear_rows_f32 if x.dtype == torch.float32 else self.library.specstack_linear_rows_bf16
-        status = entry(weight.data_ptr(), x.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(), x.numel() // inp, out, inp,
+        if x.dtype == torch.float32:
+            entry, stored = self.library.specstack_linear_rows_f32, weight
+        else:
+            entry, stored = (self.library.specstack_linear_rows_bf16, weight) if blocks is None else (self.library.specstack_linear_rows_q4_1_bf16, blocks)
+        status = entry(stored.data_ptr(), x.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(), x.numel() // inp, out, inp,
                        torch.get_num_threads())
         if status != 0:
             raise ValueError(f"the few-row linear kernel refused a weight of shape {tuple(weight.shape)}")
@@ -100,7 +104,8 @@ def load_rows_kernel(cache: Path | None = None) -> RowsKernel | None:
     if loaded is None:
         return None
     library, path = loaded
-    library.specstack_linear_rows_bf16.restype, library.specstack_linear_rows_bf16.argtypes = ctypes.c_int, argtypes
+    for entry in (library.specstack_linear_rows_bf16, library.specstack_linear_rows_q4_1_bf16):
+        entry.restype, entry.argtypes = ctypes.c_int, argtypes
     return RowsKernel(library=library, path=path, bf16=library.specstack_linear_rows_bf16_supported() == 1)
 
 
@@ -117,17 +122,26 @@ class PackedLinear(torch.nn.Linear):
     _packed_from: tuple | None
     _rows: RowsKernel | None  # a few rows; None: where it could not be built
     _bf16_packs: bool  # whether wider bf16 forwards take oneDNN's packed kernel (it has bf16 kernels here)
+    _blocks: torch.Tensor | None  # the weight as Q4_1 blocks [out, in / 32 * 24], read by a few bf16 rows instead of it
+    _blocks_for: tuple | None  # the weight the blocks were last found to widen to, bit for bit
+
+    def attach_blocks(self, blocks: torch.Tensor) -> None:
+        """Let a few bf16 rows read ``blocks`` [out, in / 32 * 24] uint8 (Q4_1, :mod:`specstack.gguf_weights`)
+        instead of the weight, for as long as they widen to it bit for bit (checked on the next forward
+        and whenever the weight changes)."""
+        self._blocks, self._blocks_for = blocks.contiguous(), None
 
     @classmethod
     def adopt(cls, linear: torch.nn.Linear, rows: RowsKernel | None = None) -> None:
         """Give ``linear`` (exactly an ``nn.Linear``) this forward, in place."""
         linear.__class__ = cls
         linear._packed, linear._packed_from, linear._rows = None, None, rows
+        linear._blocks, linear._blocks_for = None, None
         linear._bf16_packs = onednn_bf16_available()
 
     def __getstate__(self) -> dict:
         """Copies and pickles leave the packed weight out (oneDNN's layout has no storage to copy)."""
-        return {**self.__dict__, "_packed": None, "_packed_from": None}
+        return {**self.__dict__, "_packed": None, "_packed_from": None, "_blocks_for": None}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., in] -> [..., out]."""
@@ -135,7 +149,7 @@ class PackedLinear(torch.nn.Linear):
         weight, bias = params["weight"], params["bias"]
         if self._takes(x, weight):
             if self._rows is not None and self._rows.applies(x, weight, bias):
-                return self._rows(x, weight, bias)  # [..., out]
+                return self._rows(x, weight, bias, None if self._blocks is None else self._current_blocks(weight))  # [..., out]
             if x.dtype == torch.float32 or (x.dtype == torch.bfloat16 and self._bf16_packs):
                 return torch.ops.mkldnn._linear_pointwise(x, self._packed_weight(), bias, "none", [], "")  # [..., out]
         return torch.nn.functional.linear(x, weight, bias)  # [..., out]
@@ -144,6 +158,29 @@ class PackedLinear(torch.nn.Linear):
     def _takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
         """Whether this forward is ours: on the CPU, recording no gradients."""
         return x.device.type == "cpu" and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+
+    def bytes_per_weight(self, rows: int) -> float:
+        """Bytes this layer reads per weight in a product of ``rows`` rows: its Q4_1 blocks' where a few
+        bf16 rows read them (0.75), else the weight's element size."""
+        weight = self._parameters["weight"]
+        if self._blocks is not None and weight.dtype == torch.bfloat16 and rows <= MAX_STREAMED_ROWS[torch.bfloat16] and self._rows is not None and self._rows.bf16:
+            return self._blocks.shape[1] / weight.shape[1]
+        return weight.element_size()
+
+    def _current_blocks(self, weight: torch.Tensor) -> torch.Tensor | None:
+        """The Q4_1 blocks if they still widen to ``weight`` bit for bit (checked again after any change
+        to it; dropped for good where they do not), for bf16 rows only; else None."""
+        if weight.dtype != torch.bfloat16 or self._rows is None or not self._rows.bf16:
+            return None
+        source = (weight.data_ptr(), 0 if weight.is_inference() else weight._version)
+        if self._blocks_for != source:
+            from .gguf_weights import q4_1_weights
+
+            if self._blocks.shape[0] != weight.shape[0] or not torch.equal(q4_1_weights(self._blocks, weight.dtype), weight.detach()):
+                self._blocks = None
+                return None
+            self._blocks_for = source
+        return self._blocks
 
     def _packed_weight(self) -> torch.Tensor:
         weight = self.weight

@@ -35,7 +35,7 @@ class Session:
     @classmethod
     def open(cls, args) -> "Session":
         from .hf import load_model
-        from .models import TARGET_NAME, prepare_target
+        from .models import load_target
 
         from transformers.utils import logging as hf_logging
 
@@ -49,8 +49,11 @@ class Session:
         status(f"loading the target model on {device}")
         dtype = getattr(torch, args.dtype)
         context, scaling = getattr(args, "context", None), getattr(args, "rope_scaling", "yarn")
-        target, tokenizer = load_model(args.target or prepare_target(), dtype=dtype, device=device, name=None if args.target else TARGET_NAME,
-                                       context=context, rope_scaling=None if scaling == "none" else scaling)
+        scaling = None if scaling == "none" else scaling
+        if args.target:
+            target, tokenizer = load_model(args.target, dtype=dtype, device=device, context=context, rope_scaling=scaling)
+        else:
+            target, tokenizer = load_target(dtype=dtype, device=device, context=context, rope_scaling=scaling)
         use_cuda_graphs([target], cuda_graphs)
         return cls(registry=Registry.create(), target=target, tokenizer=tokenizer, draft_path=args.draft, sampling=sampling, seed=args.seed,
                    dtype=dtype, draft_device=draft_device, cuda_graphs=cuda_graphs)

@@ -41,6 +41,15 @@ def test_smollm2_autoregressive_step_over_no_cache_by_hand() -> None:
     assert floor.seconds == floor.memory_s and floor.bound == "memory"
 
 
+def test_a_bf16_step_reading_q4_1_blocks_counts_their_bytes_for_the_linear_maps_only() -> None:
+    floor = forward_floor(SMOLLM2_135M, "bfloat16", 1, 7500, 1, MACHINE, linear_bytes=0.75)
+    kv = 2 * 7500 * 30 * 3 * 64
+    assert floor.bytes == 0.75 * 106_168_320 + 2 * (28_311_552 + kv)  # the head and the cache stay bf16
+    assert floor.flops == forward_floor(SMOLLM2_135M, "bfloat16", 1, 7500, 1, MACHINE).flops
+    with pytest.raises(SpecstackError, match="linear_bytes 0 is not allowed"):
+        forward_floor(SMOLLM2_135M, "bfloat16", 1, 7500, 1, MACHINE, linear_bytes=0)
+
+
 def test_smollm2_verify_of_7_tokens_over_7500_slots_in_bf16_by_hand() -> None:
     floor = forward_floor(SMOLLM2_135M, "bfloat16", 7, 7500, 7, MACHINE)
     kv = 2 * 7500 * 30 * 3 * 64  # keys and values: 86,400,000 elements

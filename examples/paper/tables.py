@@ -15,7 +15,9 @@ from pathlib import Path
 
 
 def load(directory: str) -> list[dict]:
-    lines = (Path(directory) / "results.jsonl").read_text().splitlines()
+    """The records of a `specstack bench` output directory (its results.jsonl), or of a .jsonl file."""
+    path = Path(directory)
+    lines = (path if path.is_file() else path / "results.jsonl").read_text().splitlines()
     return [json.loads(line) for line in lines if line.strip()]
 
 

@@ -139,7 +139,7 @@ def measure(levels: Sequence[Level], machine: Machine, *, tokens: Sequence[int],
                 for is_tree in (False, True) if tree and t >= 2 else (False,):
                     seconds = time_forward(level.model, store, cached=cached, tokens=t, tree=is_tree, repeats=repeats, generator=generator)
                     rows.append(Row(level=level.name, cache=cached, tokens=t, tree=is_tree, seconds=seconds,
-                                    floor=forward_floor(shape, dtype, t, cached, t, machine)))
+                                    floor=forward_floor(shape, dtype, t, cached, t, machine, level.model.linear_bytes_per_weight(t))))
             del store
     return rows
 
@@ -197,6 +197,9 @@ def add_floor_parser(commands) -> argparse.ArgumentParser:
     floor.add_argument("--repeats", default="5", metavar="N", help="timed forwards per figure, after one warm-up; the median is reported (default: 5)")
     floor.add_argument("--threads", default=None, metavar="N", help="torch intra-op threads (default: torch's choice)")
     floor.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    from ..cli import add_window_options  # the target's window, as generate, demo and bench take it
+
+    add_window_options(floor)
     floor.set_defaults(run=run_floor)
     return floor
 
@@ -212,6 +215,8 @@ class Options:
     repeats: int
     threads: int | None
     tree: bool
+    context: int | None = None  # the target's window (None: its trained one)
+    rope_scaling: str | None = None  # how a window beyond the trained one is reached
 
 
 def _int(text: str, flag: str) -> int:
@@ -232,19 +237,23 @@ def options(args: argparse.Namespace) -> Options:
     return Options(dtype=dtype_name(args.dtype), caches=tuple(_int(n, "--cache") for n in args.cache),
                    tokens=tuple(dict.fromkeys(_int(t, "--tokens") for t in args.tokens)), levels=tuple(dict.fromkeys(args.levels)),
                    budget=_int(args.budget, "--budget"), window=_int(args.window, "--window"), repeats=_int(args.repeats, "--repeats"),
-                   threads=None if args.threads is None else _int(args.threads, "--threads"), tree=args.tree)
+                   threads=None if args.threads is None else _int(args.threads, "--threads"), tree=args.tree,
+                   context=getattr(args, "context", None), rope_scaling=_scaling(getattr(args, "rope_scaling", None)))
+
+
+def _scaling(name: str | None) -> str | None:
+    return None if name == "none" else name
 
 
 def default_levels(opts: Options) -> list[Level]:
     """The embedded default's levels (the draft loaded only when wanted), checked against its context."""
     from transformers.utils import logging as hf_logging
 
-    from ..hf import load_model
-    from ..models import TARGET_NAME, load_default_draft, prepare_target
+    from ..models import load_default_draft, load_target
 
     hf_logging.disable_progress_bar()
     dtype = DTYPES[opts.dtype]
-    target = load_model(prepare_target(), dtype=dtype, name=TARGET_NAME)[0]
+    target = load_target(dtype=dtype, context=opts.context, rope_scaling=opts.rope_scaling)[0]
     caches = {"full": opts.caches, "retrieval": (opts.budget,), "draft": (opts.window,)}
     levels = []
     for key in opts.levels:

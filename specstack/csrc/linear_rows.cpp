@@ -16,6 +16,12 @@
 // lanes), so the weights stream at half the bytes and are never widened; each output is summed in
 // float32 in one fixed order and rounded once to bf16 (to nearest even), bias included. Where the
 // compiler targets no such instructions, specstack_linear_rows_bf16_supported() says 0.
+//
+// Weights stored as GGUF's Q4_1 blocks (a model shipped that way): each 32 weights of a row are four-bit
+// codes q with a float16 scale d and offset m, w = d * q + m. The bf16 entry widens each block in
+// registers to the very bf16 numbers the model holds (d * q + m in float32, then rounded to nearest even,
+// as the GGUF reader and torch's cast do) and takes the same dot products in the same order as the bf16
+// kernel, so its outputs are the same bits while it reads 0.625 bytes a weight instead of 2.
 
 #include <stdint.h>
 #include <string.h>
@@ -30,6 +36,7 @@ namespace {
 typedef float v8 __attribute__((vector_size(32), aligned(4)));  // 8 floats, loads need no alignment
 
 constexpr int ROWS = 4;  // weight rows streamed side by side
+constexpr int MAX_Q4_ROWS = 6;  // bf16 input rows over Q4_1 weights, each block widened once for all of them
 constexpr int MAX_BF16_ROWS = 16;  // bf16 input rows taken (four at a time over each block); packed_linear.py sends up to six
 
 inline v8 load8(const float *p) { return *(const v8 *)p; }
@@ -126,6 +133,64 @@ float bf16_one_output(const uint16_t *wr, const uint16_t *xj, int64_t in) {
     for (int64_t c = 0; c < in; c += 32) a = dot32(a, xj + c, wr + c);
     return _mm512_reduce_add_ps(a);
 }
+
+// A row of Q4_1 weights as this file reads it (specstack/gguf_weights.py writes it from GGUF's blocks):
+// in / 32 blocks of 16 code bytes (byte i holds q_i in its low nibble and q_{i+16} in its high), then the
+// blocks' scales and offsets (d, m) as float32 pairs, exact copies of GGUF's float16 numbers.
+inline int64_t q4_row_bytes(int64_t in) { return in / 32 * 24; }
+
+// One Q4_1 block as the 32 bf16 weights it stands for, in order: the sixteen values d * q + m (q = 0..15)
+// in float32 (a product, then a sum: two roundings, as the GGUF reader's (d * q) + m), rounded to bf16,
+// then each weight picked from them by its code. vpermw reads five bits of each index, so the table holds
+// the sixteen values twice and a zero-extended code byte (q_i + 16 q_{i+16}) picks q_i's value as it is.
+inline __m512i q4_1_bf16(const uint8_t *codes, const float *dm) {
+    const __m512 ramp = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    const __m512 values = _mm512_add_ps(_mm512_mul_ps(_mm512_set1_ps(dm[0]), ramp), _mm512_set1_ps(dm[1]));
+    const __m512i table = (__m512i)_mm512_cvtne2ps_pbh(values, values);  // words 0-15 and 16-31: the block's bf16 values
+    const __m256i bytes = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)codes));  // word i: q_i + 16 q_{i+16}
+    const __m512i index = _mm512_inserti64x4(_mm512_castsi256_si512(bytes), _mm256_srli_epi16(bytes, 4), 1);  // then q_{16..31}
+    return _mm512_permutexvar_epi16(index, table);
+}
+
+// sums[j * ROWS + i] = w_{r+i} . x_j for the n <= N input rows, each Q4_1 block widened once for them all;
+// every sum takes the same dot products in the same order as bf16_four_outputs.
+template <int N>
+void q4_four_outputs(const uint8_t *w, const uint16_t *x, int64_t in, int64_t r, float *sums) {
+    const int64_t row_bytes = q4_row_bytes(in), scales = in / 32 * 16;
+    const uint8_t *w0 = w + r * row_bytes;
+    __m512 a[N][ROWS];
+    for (int j = 0; j < N; ++j)
+        for (int i = 0; i < ROWS; ++i) a[j][i] = _mm512_setzero_ps();
+    for (int64_t c = 0, block = 0; c < in; c += 32, ++block) {
+        if (block % 4 == 0) prefetch_next_block(w0, row_bytes, 16 * block);  // codes: once per 64-byte line of each row
+        if (block % 8 == 0) prefetch_next_block(w0, row_bytes, scales + 8 * block);  // scales
+        __m512i k[ROWS];
+        for (int i = 0; i < ROWS; ++i) {
+            const uint8_t *row = w0 + i * row_bytes;
+            k[i] = q4_1_bf16(row + 16 * block, (const float *)(row + scales) + 2 * block);
+        }
+        for (int j = 0; j < N; ++j) {
+            const __m512bh xj = (__m512bh)_mm512_loadu_si512(x + j * in + c);
+            for (int i = 0; i < ROWS; ++i) a[j][i] = _mm512_dpbf16_ps(a[j][i], xj, (__m512bh)k[i]);
+        }
+    }
+    for (int j = 0; j < N; ++j)
+        for (int i = 0; i < ROWS; ++i) sums[j * ROWS + i] = _mm512_reduce_add_ps(a[j][i]);
+}
+
+// The same for one output row (the last, short block).
+float q4_one_output(const uint8_t *row, const uint16_t *xj, int64_t in) {
+    const float *dm = (const float *)(row + in / 32 * 16);
+    __m512 a = _mm512_setzero_ps();
+    for (int64_t c = 0; c < in; c += 32) a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_loadu_si512(xj + c), (__m512bh)q4_1_bf16(row + c / 2, dm + c / 16));
+    return _mm512_reduce_add_ps(a);
+}
+
+void q4_rows(const uint8_t *w, const uint16_t *x, int n, int64_t in, int64_t r, float *sums) {
+    typedef void (*Rows)(const uint8_t *, const uint16_t *, int64_t, int64_t, float *);
+    static const Rows rows[] = {q4_four_outputs<1>, q4_four_outputs<2>, q4_four_outputs<3>, q4_four_outputs<4>, q4_four_outputs<5>, q4_four_outputs<6>};
+    rows[n - 1](w, x, in, r, sums);
+}
 #endif
 
 }  // namespace
@@ -175,6 +240,34 @@ int specstack_linear_rows_bf16(const uint16_t *w, const uint16_t *x, const uint1
         else
             for (int64_t r = first; r < last; ++r)
                 for (int j = 0; j < n; ++j) sums[j * ROWS + (r - first)] = bf16_one_output(w + r * in, x + j * in, in);
+        for (int j = 0; j < n; ++j)
+            for (int64_t r = first; r < last; ++r)
+                y[j * out + r] = float_to_bf16(sums[j * ROWS + (r - first)] + (bias ? bf16_to_float(bias[r]) : 0.0f));
+    }
+    return 0;
+#else
+    (void)w, (void)x, (void)bias, (void)y, (void)n, (void)out, (void)in, (void)threads;
+    return -1;
+#endif
+}
+
+// The bf16 product with W stored as Q4_1 blocks: w [out, in / 32 * 24] (q4_row_bytes), x [n, in] bf16
+// with n <= MAX_Q4_ROWS, bias [out] bf16 or null, y [n, out] bf16: the same bits as
+// specstack_linear_rows_bf16 over the bf16 weights the blocks stand for. Returns 0, or -1 for shapes it
+// does not take (in not a multiple of 32, more than MAX_Q4_ROWS rows, a build without AVX-512 bf16).
+int specstack_linear_rows_q4_1_bf16(const uint8_t *w, const uint16_t *x, const uint16_t *bias, uint16_t *y, int n, int64_t out, int64_t in, int threads) {
+#if defined(__AVX512BF16__)
+    if (in < 32 || in % 32 != 0 || out < 1 || n < 1 || n > MAX_Q4_ROWS || threads < 1) return -1;
+    const int64_t blocks = (out + ROWS - 1) / ROWS, row_bytes = q4_row_bytes(in);
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t b = 0; b < blocks; ++b) {
+        const int64_t first = b * ROWS, last = first + ROWS < out ? first + ROWS : out;
+        float sums[MAX_Q4_ROWS * ROWS];
+        if (last - first == ROWS)
+            q4_rows(w, x, n, in, first, sums);
+        else
+            for (int64_t r = first; r < last; ++r)
+                for (int j = 0; j < n; ++j) sums[j * ROWS + (r - first)] = q4_one_output(w + r * row_bytes, x + j * in, in);
         for (int j = 0; j < n; ++j)
             for (int64_t r = first; r < last; ++r)
                 y[j * out + r] = float_to_bf16(sums[j * ROWS + (r - first)] + (bias ? bf16_to_float(bias[r]) : 0.0f));
