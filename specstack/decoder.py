@@ -74,10 +74,17 @@ class FusedProducts:
             row += rows
         if isinstance(parts[0], PackedLinear):
             PackedLinear.adopt(linear, parts[0]._rows)
-            if all(getattr(p, "_blocks", None) is not None for p in parts):  # each part's Q4_1 blocks, rows in the same order
-                linear.attach_blocks(torch.cat([p._blocks for p in parts]))
         linear.requires_grad_(False)
-        return cls(linear=linear, views=tuple(views))
+        product = cls(linear=linear, views=tuple(views))
+        product.attach_part_blocks()
+        return product
+
+    def attach_part_blocks(self) -> None:
+        """Give the fused product its parts' Q4_1 blocks (:mod:`specstack.gguf_weights`), rows in the parts'
+        order, where every part holds them."""
+        parts = list(dict.fromkeys(part for part, *_ in self.views))  # in order, each once
+        if isinstance(self.linear, PackedLinear) and all(getattr(p, "_blocks", None) is not None for p in parts):
+            self.linear.attach_blocks(torch.cat([p._blocks for p in parts]))
 
     def current(self) -> bool:
         """Whether every part's weight (and bias) is still the same parameter viewing the fused matrix
@@ -170,6 +177,12 @@ class LeanDecoder:
             return None
         with torch.no_grad():
             return cls(model=module.model, layers=[LeanLayer.of(layer) for layer in module.model.layers], ops=load_decoder_ops())
+
+    def attach_part_blocks(self) -> None:
+        """Each layer's fused q/k/v and gate/up products take their parts' Q4_1 blocks (given to the parts after fusing)."""
+        for layer in self.layers:
+            layer.qkv.attach_part_blocks()
+            layer.gate_up.attach_part_blocks()
 
     def applies(self, tokens: torch.Tensor) -> bool:
         """Whether a forward over ``tokens`` [1, T] runs here: on the CPU, at most MAX_TOKENS of them."""

@@ -6,7 +6,8 @@ code ``q``, so ``w = d·q + m``), 20 bytes per 32 weights. transformers widens t
 reads the file, and a bfloat16 model rounds those to bf16: 2 bytes a weight. A forward of a few tokens
 is bound by reading the weights (docs/benchmarks.md), so it can read the blocks instead and widen each
 in registers to the very bf16 numbers the model holds (``csrc/linear_rows.cpp``,
-``specstack_linear_rows_q4_1_bf16``): the same products, in the same order, 3.2x fewer bytes.
+``specstack_linear_rows_q4_1_bf16``): the same products, in the same order, from 0.75 bytes a weight instead of 2 (24 bytes per 32: the
+float16 scales are kept as float32).
 
 :func:`attach_q4_1` reads each Q4_1 matrix of a Llama-family GGUF, puts its rows in transformers'
 order (the GGUF stores the rows of q and k permuted for its own rotary layout), and hands the blocks
@@ -24,7 +25,6 @@ import torch
 
 from .packed_linear import PackedLinear
 
-BLOCK = 32  # weights per Q4_1 block
 BLOCK_BYTES = 20  # in the file: float16 d, float16 m, 16 bytes of codes (q_i in byte i's low nibble, q_{i+16} in its high)
 ROW_BYTES_PER_BLOCK = 24  # as the kernel reads them: the 16 code bytes, and d and m as float32 (with the row's other scales)
 # The GGUF name of each layer matrix -> its module under transformers' ``model.layers.{i}``.

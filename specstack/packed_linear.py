@@ -169,8 +169,9 @@ class PackedLinear(torch.nn.Linear):
 
     def _current_blocks(self, weight: torch.Tensor) -> torch.Tensor | None:
         """The Q4_1 blocks if they still widen to ``weight`` bit for bit (checked again after any change
-        to it; dropped for good where they do not), for bf16 rows only; else None."""
-        if weight.dtype != torch.bfloat16 or self._rows is None or not self._rows.bf16:
+        to it; dropped for good where they do not), for bf16 rows only (the forward asks only where the
+        few-row kernel takes them); else None."""
+        if weight.dtype != torch.bfloat16:
             return None
         source = (weight.data_ptr(), 0 if weight.is_inference() else weight._version)
         if self._blocks_for != source:

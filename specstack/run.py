@@ -49,7 +49,6 @@ class Session:
         status(f"loading the target model on {device}")
         dtype = getattr(torch, args.dtype)
         context, scaling = getattr(args, "context", None), getattr(args, "rope_scaling", "yarn")
-        scaling = None if scaling == "none" else scaling
         if args.target:
             target, tokenizer = load_model(args.target, dtype=dtype, device=device, context=context, rope_scaling=scaling)
         else:

@@ -216,7 +216,7 @@ class Options:
     threads: int | None
     tree: bool
     context: int | None = None  # the target's window (None: its trained one)
-    rope_scaling: str | None = None  # how a window beyond the trained one is reached
+    rope_scaling: str | None = None  # how a window beyond the trained one is reached (specstack.hf.window_config)
 
 
 def _int(text: str, flag: str) -> int:
@@ -238,11 +238,7 @@ def options(args: argparse.Namespace) -> Options:
                    tokens=tuple(dict.fromkeys(_int(t, "--tokens") for t in args.tokens)), levels=tuple(dict.fromkeys(args.levels)),
                    budget=_int(args.budget, "--budget"), window=_int(args.window, "--window"), repeats=_int(args.repeats, "--repeats"),
                    threads=None if args.threads is None else _int(args.threads, "--threads"), tree=args.tree,
-                   context=getattr(args, "context", None), rope_scaling=_scaling(getattr(args, "rope_scaling", None)))
-
-
-def _scaling(name: str | None) -> str | None:
-    return None if name == "none" else name
+                   context=args.context, rope_scaling=args.rope_scaling)
 
 
 def default_levels(opts: Options) -> list[Level]:

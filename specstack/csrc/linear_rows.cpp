@@ -21,7 +21,7 @@
 // codes q with a float16 scale d and offset m, w = d * q + m. The bf16 entry widens each block in
 // registers to the very bf16 numbers the model holds (d * q + m in float32, then rounded to nearest even,
 // as the GGUF reader and torch's cast do) and takes the same dot products in the same order as the bf16
-// kernel, so its outputs are the same bits while it reads 0.625 bytes a weight instead of 2.
+// kernel, so its outputs are the same bits while it reads 0.75 bytes a weight instead of 2.
 
 #include <stdint.h>
 #include <string.h>
@@ -191,6 +191,27 @@ void q4_rows(const uint8_t *w, const uint16_t *x, int n, int64_t in, int64_t r, 
     static const Rows rows[] = {q4_four_outputs<1>, q4_four_outputs<2>, q4_four_outputs<3>, q4_four_outputs<4>, q4_four_outputs<5>, q4_four_outputs<6>};
     rows[n - 1](w, x, in, r, sums);
 }
+
+// y [n, out] bf16 = the sums of each group of ROWS output rows, plus the bias, rounded once (to nearest
+// even): four(first, sums) fills sums[j * ROWS + i] for output rows first .. first+3, one(r, j) gives the
+// sum of a last, short group's row r for input row j. Groups are shared among the threads.
+template <int MAX_N, class Four, class One>
+void bf16_outputs(const uint16_t *bias, uint16_t *y, int n, int64_t out, int threads, Four four, One one) {
+    const int64_t blocks = (out + ROWS - 1) / ROWS;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t b = 0; b < blocks; ++b) {
+        const int64_t first = b * ROWS, last = first + ROWS < out ? first + ROWS : out;
+        float sums[MAX_N * ROWS];
+        if (last - first == ROWS)
+            four(first, sums);
+        else
+            for (int64_t r = first; r < last; ++r)
+                for (int j = 0; j < n; ++j) sums[j * ROWS + (r - first)] = one(r, j);
+        for (int j = 0; j < n; ++j)
+            for (int64_t r = first; r < last; ++r)
+                y[j * out + r] = float_to_bf16(sums[j * ROWS + (r - first)] + (bias ? bf16_to_float(bias[r]) : 0.0f));
+    }
+}
 #endif
 
 }  // namespace
@@ -230,20 +251,12 @@ int specstack_linear_rows_bf16_supported() {
 int specstack_linear_rows_bf16(const uint16_t *w, const uint16_t *x, const uint16_t *bias, uint16_t *y, int n, int64_t out, int64_t in, int threads) {
 #if defined(__AVX512BF16__)
     if (in < 32 || in % 32 != 0 || out < 1 || n < 1 || n > MAX_BF16_ROWS || threads < 1) return -1;
-    const int64_t blocks = (out + ROWS - 1) / ROWS;
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t b = 0; b < blocks; ++b) {
-        const int64_t first = b * ROWS, last = first + ROWS < out ? first + ROWS : out;
-        float sums[MAX_BF16_ROWS * ROWS];
-        if (last - first == ROWS)
+    bf16_outputs<MAX_BF16_ROWS>(
+        bias, y, n, out, threads,
+        [&](int64_t first, float *sums) {
             for (int j = 0; j < n; j += 4) bf16_four_outputs(w, x + j * in, n - j < 4 ? n - j : 4, in, first, sums + j * ROWS, j == 0);
-        else
-            for (int64_t r = first; r < last; ++r)
-                for (int j = 0; j < n; ++j) sums[j * ROWS + (r - first)] = bf16_one_output(w + r * in, x + j * in, in);
-        for (int j = 0; j < n; ++j)
-            for (int64_t r = first; r < last; ++r)
-                y[j * out + r] = float_to_bf16(sums[j * ROWS + (r - first)] + (bias ? bf16_to_float(bias[r]) : 0.0f));
-    }
+        },
+        [&](int64_t r, int j) { return bf16_one_output(w + r * in, x + j * in, in); });
     return 0;
 #else
     (void)w, (void)x, (void)bias, (void)y, (void)n, (void)out, (void)in, (void)threads;
@@ -258,20 +271,10 @@ int specstack_linear_rows_bf16(const uint16_t *w, const uint16_t *x, const uint1
 int specstack_linear_rows_q4_1_bf16(const uint8_t *w, const uint16_t *x, const uint16_t *bias, uint16_t *y, int n, int64_t out, int64_t in, int threads) {
 #if defined(__AVX512BF16__)
     if (in < 32 || in % 32 != 0 || out < 1 || n < 1 || n > MAX_Q4_ROWS || threads < 1) return -1;
-    const int64_t blocks = (out + ROWS - 1) / ROWS, row_bytes = q4_row_bytes(in);
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t b = 0; b < blocks; ++b) {
-        const int64_t first = b * ROWS, last = first + ROWS < out ? first + ROWS : out;
-        float sums[MAX_Q4_ROWS * ROWS];
-        if (last - first == ROWS)
-            q4_rows(w, x, n, in, first, sums);
-        else
-            for (int64_t r = first; r < last; ++r)
-                for (int j = 0; j < n; ++j) sums[j * ROWS + (r - first)] = q4_one_output(w + r * row_bytes, x + j * in, in);
-        for (int j = 0; j < n; ++j)
-            for (int64_t r = first; r < last; ++r)
-                y[j * out + r] = float_to_bf16(sums[j * ROWS + (r - first)] + (bias ? bf16_to_float(bias[r]) : 0.0f));
-    }
+    const int64_t row_bytes = q4_row_bytes(in);
+    bf16_outputs<MAX_Q4_ROWS>(
+        bias, y, n, out, threads, [&](int64_t first, float *sums) { q4_rows(w, x, n, in, first, sums); },
+        [&](int64_t r, int j) { return q4_one_output(w + r * row_bytes, x + j * in, in); });
     return 0;
 #else
     (void)w, (void)x, (void)bias, (void)y, (void)n, (void)out, (void)in, (void)threads;
