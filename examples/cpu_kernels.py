@@ -11,9 +11,9 @@ use the tiles or dot products (``attrs.evolve(kernel, amx=False, dot_products=Fa
 Each row is one ``HFCausalLM.forward`` of T tokens (a chain, or with ``tree`` one committed token and a
 binary tree) over a random cache, timed as ``specstack floor`` times it; ratios are ``torch`` ÷ setting,
 and with ``widened`` also ``widened`` ÷ ``both`` (what the tiles buy).
-In bf16 the linear kernel takes one to six rows where the CPU has AVX-512's bf16 dot products
-(elsewhere ``both`` equals ``attention``), and the attention kernel one to four tokens (one to sixteen
-where the CPU has AMX tiles).
+In bf16 the linear kernel takes one to six rows where the CPU has AVX-512's bf16 dot products, one to
+32 where it also has AMX tiles (elsewhere ``both`` equals ``attention``), and the attention kernel one
+to four tokens (one to sixteen where the CPU has AMX tiles).
 
     python examples/cpu_kernels.py --threads 2
     python examples/cpu_kernels.py --threads 2 --dtype bfloat16 --caches 7500 1024

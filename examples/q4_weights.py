@@ -1,7 +1,7 @@
 """The bf16 target reading its linear weights as the GGUF's Q4_1 blocks, against reading the bf16 weights.
 
 Both settings in one process, alternated, best of three: the layers' 120 products (q/k/v and gate/up
-fused, o, down) of 1-6 rows, then whole target forwards of T tokens over each cache length.
+fused, o, down) of 1-6 rows (from five on AMX tiles where there are tiles), then whole target forwards of T tokens over each cache length.
 specstack.gguf_weights gives the same bits either way; this measures the time.
 
     python examples/q4_weights.py --threads 2 --caches 512 2048 7500

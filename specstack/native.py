@@ -45,7 +45,8 @@ def build(source: Path, cache: Path | None = None) -> Path | None:
 
         cache = cache_dir()
     source = Path(source)
-    key = hashlib.sha256(source.read_bytes() + repr((FLAGS, compiler, platform.machine(), _cpu_flags())).encode()).hexdigest()[:16]
+    headers = b"".join(header.read_bytes() for header in sorted(source.parent.glob("*.h")))  # what the source may include
+    key = hashlib.sha256(source.read_bytes() + headers + repr((FLAGS, compiler, platform.machine(), _cpu_flags())).encode()).hexdigest()[:16]
     target = Path(cache) / "kernels" / f"{source.stem}-{key}.so"
     if target.exists():
         return target

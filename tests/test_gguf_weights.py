@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from specstack.gguf_weights import BLOCK_BYTES, attach_q4_1, from_gguf_blocks, q4_1_weights
-from specstack.packed_linear import MAX_STREAMED_ROWS, PackedLinear, load_rows_kernel
+from specstack.packed_linear import PackedLinear, load_rows_kernel
 
 ROWS_KERNEL = load_rows_kernel()
 needs_bf16_dots = pytest.mark.skipif(ROWS_KERNEL is None or not ROWS_KERNEL.bf16, reason="no AVX-512 bf16 dot products here: bf16 rows keep F.linear")
@@ -45,17 +45,19 @@ def test_blocks_widen_as_the_gguf_reader_widens_them() -> None:
 
 
 @needs_bf16_dots
-@pytest.mark.parametrize("out_features", [8, 10, 1])
+@pytest.mark.parametrize("out_features", [8, 10, 1, 40])
 @pytest.mark.parametrize("bias", [False, True])
 def test_rows_reading_blocks_are_the_same_bits_as_rows_reading_the_bf16_weight(out_features, bias) -> None:
-    """Every row count the kernel takes, an output count that leaves a short last group, with a bias."""
+    """Every row count the kernel takes (on AMX tiles from TILES_FROM rows where there are tiles), output counts
+    that leave a short last group of four or of sixteen, with a bias."""
     layer = bf16_layer(random_blocks(out_features, 160, seed=out_features), bias)
     if bias:
         with torch.no_grad():
             layer.bias.copy_(torch.randn(out_features, generator=torch.Generator().manual_seed(1)))
-    x = torch.randn(MAX_STREAMED_ROWS[torch.bfloat16], 160, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    rows = ROWS_KERNEL.max_rows(torch.bfloat16)
+    x = torch.randn(rows, 160, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
     with torch.no_grad():
-        for n in range(1, MAX_STREAMED_ROWS[torch.bfloat16] + 1):
+        for n in range(1, rows + 1):
             plain = layer(x[:n])  # [n, out], the bf16 weight
             layer.attach_blocks(random_blocks(out_features, 160, seed=out_features))
             read = layer(x[:n])  # [n, out], the blocks
@@ -96,8 +98,9 @@ def test_the_embedded_targets_bf16_forward_reads_every_layer_matrix_as_blocks_wi
     fused = [layer.qkv.linear for layer in target.decoder.layers] + [layer.gate_up.linear for layer in target.decoder.layers]
     assert sum(m._blocks is not None for m in target.module.modules() if isinstance(m, PackedLinear)) == 7 * layers
     assert all(m._blocks is not None for m in fused)
-    assert target.linear_bytes_per_weight(1) == target.linear_bytes_per_weight(6) == 0.75  # the floor counts the blocks' bytes
-    assert target.linear_bytes_per_weight(7) == 2  # wider products read the bf16 weights (oneDNN)
+    most = ROWS_KERNEL.max_rows(torch.bfloat16)  # 6, or 32 on AMX tiles
+    assert target.linear_bytes_per_weight(1) == target.linear_bytes_per_weight(most) == 0.75  # the floor counts the blocks' bytes
+    assert target.linear_bytes_per_weight(most + 1) == 2  # wider products read the bf16 weights (oneDNN)
     tokens = [1, 504, 3458, 314, 253, 1345, 2330, 30]
 
     def logits() -> torch.Tensor:
@@ -105,8 +108,10 @@ def test_the_embedded_targets_bf16_forward_reads_every_layer_matrix_as_blocks_wi
         target.forward(TokenBatch.chain(tokens[:5], start=0, num_logits=1), store)  # a prefill of five
         steps = [target.forward(TokenBatch.chain([t], start=5 + i, num_logits=1), store) for i, t in enumerate(tokens[5:])]  # one row each
         store.truncate(5)
-        verify = target.forward(TokenBatch.chain(tokens[5:], start=5, num_logits=3), store)  # three rows
-        return torch.cat([*steps, verify])  # [6, V]
+        verify = target.forward(TokenBatch.chain(tokens[5:], start=5, num_logits=3), store)  # three rows (tiles, where there are tiles)
+        store.truncate(0)
+        wide = target.forward(TokenBatch.chain(tokens, start=0, num_logits=8), store)  # eight rows
+        return torch.cat([*steps, verify, wide])  # [14, V]
 
     read = logits()
     for m in [*target.module.modules(), *fused]:

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from specstack.native import find_compiler
-from specstack.packed_linear import MAX_STREAMED_ROWS, PackedLinear, RowsKernel, load_rows_kernel, onednn_available, onednn_bf16_available, pack_linears
+from specstack.packed_linear import MAX_STREAMED_ROWS, TILES_FROM, PackedLinear, RowsKernel, load_rows_kernel, onednn_available, onednn_bf16_available, pack_linears
 
 FP32_ROWS, BF16_ROWS = MAX_STREAMED_ROWS[torch.float32], MAX_STREAMED_ROWS[torch.bfloat16]  # the most rows the streaming kernel takes
 pytestmark = pytest.mark.skipif(not onednn_available(), reason="this torch build has no oneDNN linear ops")
@@ -80,19 +80,24 @@ def test_a_rows_outputs_are_the_same_bits_alone_or_among_others() -> None:
 
 ROWS_KERNEL = load_rows_kernel()
 needs_bf16_dots = pytest.mark.skipif(ROWS_KERNEL is None or not ROWS_KERNEL.bf16, reason="no AVX-512 bf16 dot products here: bf16 rows keep F.linear")
+needs_tiles = pytest.mark.skipif(ROWS_KERNEL is None or not ROWS_KERNEL.tiles, reason="no AMX tiles here: wider bf16 products take oneDNN")
+BF16_KERNEL_ROWS = ROWS_KERNEL.max_rows(torch.bfloat16) if ROWS_KERNEL is not None else 0  # 6, or 32 on AMX tiles
 
 
 @needs_bf16_dots
 @pytest.mark.parametrize(("in_features", "out_features", "bias", "shape"), [
     (576, 1536, False, (1, 1)),  # the default target's MLP
     (1536, 576, True, (1, 2)),  # its down projection with a bias, two tokens
-    (64, 1003, True, (BF16_ROWS,)),  # output rows not a multiple of four, the most rows it takes
+    (64, 1003, True, (BF16_ROWS,)),  # output rows not a multiple of four, the most rows the streaming kernel takes
     (32, 5, False, ()),  # the narrowest input it takes, a bare [H]
+    (576, 1003, True, (1, 8)),  # a verify of eight: the tiles where there are tiles; a short last group of sixteen
+    (96, 40, False, (17,)),  # two B tiles, the second of one row
+    (64, 1003, True, (max(BF16_KERNEL_ROWS, 1),)),  # the most rows the kernel takes
 ])
 def test_bf16_rows_take_the_kernel_and_are_the_linear_layer_rounded_once(monkeypatch, in_features, out_features, bias, shape) -> None:
     """bf16: each output is the exact product of the bf16 numbers, summed in float32 and rounded once
     to bf16 (half a bf16 ulp, at most 2^-8 relative, plus the float32 sum's error); one more row than
-    BF16_ROWS goes to oneDNN (packed, where it has bf16 kernels; else F.linear)."""
+    the kernel takes goes to oneDNN (packed, where it has bf16 kernels; else F.linear)."""
     calls = []
     call = RowsKernel.__call__
     monkeypatch.setattr(RowsKernel, "__call__", lambda self, *args: calls.append(1) or call(self, *args))
@@ -101,7 +106,7 @@ def test_bf16_rows_take_the_kernel_and_are_the_linear_layer_rounded_once(monkeyp
     with torch.inference_mode():
         got = layer(hidden)  # [..., out]
         assert layer._packed is None
-        wide = torch.randn(BF16_ROWS + 1, in_features).bfloat16()
+        wide = torch.randn(BF16_KERNEL_ROWS + 1, in_features).bfloat16()
         torch.testing.assert_close(layer(wide), torch.nn.functional.linear(wide, layer.weight, layer.bias), rtol=2**-7, atol=1e-2)  # wider: oneDNN
     assert len(calls) == 1 and (layer._packed is not None) == onednn_bf16_available()
     want = torch.nn.functional.linear(hidden.double(), layer.weight.double(), None if layer.bias is None else layer.bias.double())
@@ -111,12 +116,36 @@ def test_bf16_rows_take_the_kernel_and_are_the_linear_layer_rounded_once(monkeyp
 
 @needs_bf16_dots
 def test_a_bf16_rows_outputs_are_the_same_bits_alone_or_among_others() -> None:
+    """Up to the row count where the tiles take over (all the streaming kernel takes where there are none),
+    a row's outputs are the same bits alone or among others; from there on, the same bits in any product
+    on the tiles."""
     layer = packed(576, 1003, bias=True).to(torch.bfloat16)
-    hidden = torch.randn(BF16_ROWS, 576).bfloat16()  # [T, H]
+    streamed = TILES_FROM - 1 if ROWS_KERNEL.tiles else BF16_ROWS
+    hidden = torch.randn(BF16_KERNEL_ROWS, 576).bfloat16()  # [T, H]
     with torch.inference_mode():
-        together = layer(hidden)  # [T, V]
-        for count in range(1, BF16_ROWS + 1):
+        together = layer(hidden[:streamed])  # [T, V]
+        for count in range(1, streamed + 1):
             assert torch.equal(layer(hidden[count - 1 : count]), together[count - 1 : count])
+        if ROWS_KERNEL.tiles:
+            tiled = layer(hidden)  # [32, V]
+            for count in range(TILES_FROM, BF16_KERNEL_ROWS):
+                assert torch.equal(layer(hidden[:count]), tiled[:count]), count
+                assert torch.equal(layer(hidden[BF16_KERNEL_ROWS - count :]), tiled[BF16_KERNEL_ROWS - count :]), count
+
+
+@needs_tiles
+def test_the_tiles_sum_what_the_streaming_kernel_sums() -> None:
+    """The same products on the tiles and in the streaming kernel: each rounded once from float32 sums
+    taken in different orders, so at most one bf16 step apart."""
+    layer = packed(1536, 576, bias=True).to(torch.bfloat16)
+    hidden = torch.randn(TILES_FROM, 1536).bfloat16()  # [T, H]
+    with torch.inference_mode():
+        tiled = layer(hidden)  # [T, V]
+        streamed = torch.cat([layer(hidden[i : i + 1]) for i in range(TILES_FROM)])  # [T, V]
+    exact = torch.nn.functional.linear(hidden.double(), layer.weight.double(), layer.bias.double())
+    step = 2.0 ** (torch.floor(torch.log2(exact.abs().clamp_min(1e-30))) - 7)  # one bf16 step at each output's size
+    assert ((tiled.double() - streamed.double()).abs() <= step).all()
+    torch.testing.assert_close(tiled.double(), exact, rtol=2**-8, atol=1e-5)
 
 
 @needs_compiler
@@ -167,9 +196,9 @@ def test_a_forward_recording_gradients_keeps_f_linear() -> None:
     assert torch.equal(out, torch.nn.functional.linear(hidden, layer.weight, layer.bias))
 
 
-@pytest.mark.parametrize("rows", [BF16_ROWS + 1, 16, 512])
+@pytest.mark.parametrize("rows", [BF16_KERNEL_ROWS + 1, 64, 512])
 def test_wide_bf16_forwards_take_onednn_packed_where_it_has_bf16_kernels(rows) -> None:
-    """A verify wider than the streaming kernel takes, or a prefill chunk: oneDNN's packed bf16 product,
+    """A verify wider than the kernel takes, or a prefill chunk: oneDNN's packed bf16 product,
     the layer's own outputs up to bf16 rounding (F.linear itself where oneDNN has no bf16 kernels)."""
     layer = packed(576, 1003, bias=True).to(torch.bfloat16)
     hidden = torch.randn(1, rows, 576).bfloat16()  # [1, T, H]

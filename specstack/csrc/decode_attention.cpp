@@ -41,8 +41,7 @@
 #include <immintrin.h>
 #if defined(__AMX_BF16__)
 #define SPECSTACK_AMX 1  // and with AMX tiles
-#include <sys/syscall.h>
-#include <unistd.h>
+#include "amx_tiles.h"
 #endif
 #endif
 
@@ -505,19 +504,6 @@ void attend_range_dp_any(const float *q, int rows, int d, float scale, const uin
 }
 
 #ifdef SPECSTACK_AMX
-
-// Linux lends the tile registers to a process that asks (arch_prctl ARCH_REQ_XCOMP_PERM = 0x1023 for
-// XFEATURE_XTILEDATA = 18); asked once, false where refused (an old kernel, a hypervisor without AMX).
-bool amx_permitted() {
-    static const bool permitted = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
-    return permitted;
-}
-
-struct TileConfig {  // what ldtilecfg reads: palette 1, then each tile's bytes per row and rows
-    uint8_t palette = 1, start_row = 0, reserved[14] = {};
-    uint16_t colsb[16] = {};
-    uint8_t rows[16] = {};
-};
 
 // Tiles 0-5 (per thread), each 16 rows of 64 bytes: 0 scores, 1 keys, 2 queries; 3 output, 4 weights, 5 values.
 void configure_tiles() {

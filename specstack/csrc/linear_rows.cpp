@@ -22,6 +22,9 @@
 // registers to the very bf16 numbers the model holds (d * q + m in float32, then rounded to nearest even,
 // as the GGUF reader and torch's cast do) and takes the same dot products in the same order as the bf16
 // kernel, so its outputs are the same bits while it reads 0.75 bytes a weight instead of 2.
+//
+// On a CPU with AMX tiles, wider bf16 products (up to 32 rows, from either kind of weight) run on the tiles
+// (the section "Up to 32 rows on AMX tiles" below); specstack_linear_rows_tiles_supported() says where.
 
 #include <stdint.h>
 #include <string.h>
@@ -29,6 +32,10 @@
 #include <omp.h>
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
+#if defined(__AMX_BF16__)
+#define SPECSTACK_AMX 1  // and AMX tiles: wider products on them
+#include "amx_tiles.h"
+#endif
 #endif
 
 namespace {
@@ -214,6 +221,129 @@ void bf16_outputs(const uint16_t *bias, uint16_t *y, int n, int64_t out, int thr
 }
 #endif
 
+#ifdef SPECSTACK_AMX
+// ---- Up to 32 rows on AMX tiles ------------------------------------------------------------------------
+//
+// With more rows the dot products above stop being cheap next to the stream of weights (each Q4_1 block
+// is widened once, then takes one vdpbf16ps per row), and oneDNN's product reads the bf16 weights. Here
+// each group of sixteen output rows is one A tile per 32 columns (its weights as they lie, or its Q4_1
+// blocks widened whole into a panel in L1/L2), the input rows are B tiles (their column pairs interleaved
+// once per call), and tdpbf16ps sums 16 x 16 dot products of 32 columns at a time into float32 tiles. A
+// thread takes two groups side by side, so two chains of tile products (four from seventeen rows) overlap.
+// Each output is its row's sum over the column chunks in order, whatever the number of rows, so a token's
+// outputs are the same bits in any product of 1-32 rows on the tiles, from the bf16 weights or from the
+// blocks that widen to them (packed_linear.py sends TILES_FROM rows and more). Widening a tile's sixteen
+// rows chunk by chunk read the blocks across 32 rows at once and ran at half the speed from memory;
+// widening each row front to back while asking for the next work item's rows made it 1.5x faster.
+
+constexpr int TILE = 16;           // output rows of a group; input rows of a B tile
+constexpr int PAIRS = 32;          // bf16 numbers in a 64-byte tile row
+constexpr int MAX_TILE_ROWS = 32;  // two B tiles
+
+// All eight tiles, 16 rows of 64 bytes: 0-1 A (the two groups' weights), 2-3 B (input rows 0-15, 16-31),
+// 4-5 C of the first group (those rows' sums), 6-7 C of the second.
+void configure_linear_tiles() {
+    TileConfig config;
+    for (int i = 0; i < 8; ++i) config.colsb[i] = 64, config.rows[i] = TILE;
+    _tile_loadconfig(&config);
+}
+
+// xv[h][s][pair][row] = the 32-bit pair x[16 h + row][32 s + 2 pair .. + 1], zero past the n rows: the input
+// rows as B operands (column pairs interleaved), one tile per half and 32 columns.
+void interleave_rows(const uint16_t *x, int n, int64_t in, uint32_t *xv) {
+    const int64_t steps = in / PAIRS, words = in / 2, halves = (n + TILE - 1) / TILE;
+    const __m512i rows = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), _mm512_set1_epi32((int)words));
+    for (int64_t h = 0; h < halves; ++h) {
+        const int left = n - (int)h * TILE;
+        const __mmask16 present = left >= TILE ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
+        const uint32_t *base = (const uint32_t *)x + h * TILE * words;
+        for (int64_t s = 0; s < steps; ++s)
+            for (int pair = 0; pair < TILE; ++pair) {
+                const __m512i at = _mm512_add_epi32(rows, _mm512_set1_epi32((int)(s * TILE + pair)));
+                _mm512_store_si512(xv + ((h * steps + s) * TILE + pair) * TILE, _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), present, at, base, 4));
+            }
+    }
+}
+
+// A group's A tiles: the tile of column chunk s is the 16 rows at base + s * chunk, `stride` bytes apart.
+struct Panel {
+    const uint16_t *base;
+    int64_t chunk, stride;
+};
+
+// One work item: the sums c[group][half][o][row] = w_{first + 16 group + o} . x_{16 half + row} of one or two
+// groups (`two`) over the interleaved input rows xv.
+void tile_pair(const uint32_t *xv, int halves, int64_t steps, bool two, const Panel *a, float *c) {
+    _tile_zero(4);
+    _tile_zero(5);
+    _tile_zero(6);
+    _tile_zero(7);
+    for (int64_t s = 0; s < steps; ++s) {
+        const uint32_t *b = xv + s * TILE * TILE;
+        _tile_loadd(2, b, 64);
+        if (halves > 1) _tile_loadd(3, b + steps * TILE * TILE, 64);
+        _tile_loadd(0, a[0].base + s * a[0].chunk, a[0].stride);
+        if (two) _tile_loadd(1, a[1].base + s * a[1].chunk, a[1].stride);
+        _tile_dpbf16ps(4, 0, 2);
+        if (two) _tile_dpbf16ps(6, 1, 2);
+        if (halves > 1) {
+            _tile_dpbf16ps(5, 0, 3);
+            if (two) _tile_dpbf16ps(7, 1, 3);
+        }
+    }
+    _tile_stored(4, c, 64);
+    _tile_stored(5, c + TILE * TILE, 64);
+    _tile_stored(6, c + 2 * TILE * TILE, 64);
+    _tile_stored(7, c + 3 * TILE * TILE, 64);
+}
+
+// y[j, o0 .. o0 + count) = the C tile column j of c[half][o][row], plus the bias, rounded to nearest even.
+void store_group(const float *c, const uint16_t *bias, uint16_t *y, int n, int64_t out, int64_t o0, int count) {
+    const __m512i column = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), _mm512_set1_epi32(TILE));
+    const __mmask16 present = count == TILE ? (__mmask16)0xFFFF : (__mmask16)((1u << count) - 1);
+    const __m512 b = bias ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(present, bias + o0)), 16))
+                          : _mm512_setzero_ps();  // [16 outputs] float32
+    for (int j = 0; j < n; ++j) {
+        const __m512 sums = _mm512_i32gather_ps(column, c + (j / TILE) * TILE * TILE + j % TILE, 4);  // [16 outputs]
+        _mm256_mask_storeu_epi16(y + j * out + o0, present, (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(sums, b)));
+    }
+}
+
+// y [n, out] bf16 from n <= 32 rows: work items of two groups of sixteen outputs shared among the threads,
+// bias added, rounded once. panel(first, count, room) gives the A tiles of the `count` outputs from `first`
+// (fewer than 16 only in a short last group), widening or copying them into `room` [in / 32][16][32] bf16
+// where they do not lie as tiles.
+template <class MakePanel>
+void tile_outputs(const uint16_t *x, const uint16_t *bias, uint16_t *y, int n, int64_t out, int64_t in, int threads, MakePanel panel) {
+    const int64_t steps = in / PAIRS, items = (out + 2 * TILE - 1) / (2 * TILE);
+    const int halves = (n + TILE - 1) / TILE;
+    uint32_t *xv = (uint32_t *)aligned_alloc(64, (size_t)halves * steps * TILE * TILE * 4);
+    interleave_rows(x, n, in, xv);
+#pragma omp parallel num_threads(threads)
+    {
+        configure_linear_tiles();
+        uint16_t *room = (uint16_t *)aligned_alloc(64, sizeof(uint16_t) * 2 * steps * TILE * PAIRS);  // two groups' A tiles
+        alignas(64) float c[2][2][TILE * TILE];
+#pragma omp for schedule(static)
+        for (int64_t item = 0; item < items; ++item) {
+            const int64_t first = item * 2 * TILE;
+            int count[2];
+            Panel a[2];
+            for (int g = 0; g < 2; ++g) {
+                const int64_t left = out - first - g * TILE;
+                count[g] = (int)(left < 0 ? 0 : left < TILE ? left : TILE);
+                if (count[g] > 0) a[g] = panel(first + g * TILE, count[g], room + g * steps * TILE * PAIRS);
+            }
+            tile_pair(xv, halves, steps, count[1] > 0, a, &c[0][0][0]);
+            for (int g = 0; g < 2 && count[g] > 0; ++g) store_group(&c[g][0][0], bias, y, n, out, first + g * TILE, count[g]);
+        }
+        _tile_release();
+        free(room);
+    }
+    free(xv);
+}
+#endif
+
 }  // namespace
 
 extern "C" {
@@ -275,6 +405,61 @@ int specstack_linear_rows_q4_1_bf16(const uint8_t *w, const uint16_t *x, const u
     bf16_outputs<MAX_Q4_ROWS>(
         bias, y, n, out, threads, [&](int64_t first, float *sums) { q4_rows(w, x, n, in, first, sums); },
         [&](int64_t r, int j) { return q4_one_output(w + r * row_bytes, x + j * in, in); });
+    return 0;
+#else
+    (void)w, (void)x, (void)bias, (void)y, (void)n, (void)out, (void)in, (void)threads;
+    return -1;
+#endif
+}
+
+// 1 where the tile entries below run: built for AMX, and Linux lends this process the tiles.
+int specstack_linear_rows_tiles_supported() {
+#ifdef SPECSTACK_AMX
+    return amx_permitted() ? 1 : 0;
+#else
+    return 0;
+#endif
+}
+
+// The bf16 product on AMX tiles (packed_linear.py sends TILES_FROM rows and more): w [out, in] bf16,
+// x [n, in] with n <= MAX_TILE_ROWS, bias [out] or null, y [n, out]. Returns 0, or -1 for what it does
+// not take (in not a multiple of 32, more than MAX_TILE_ROWS rows, no AMX here).
+int specstack_linear_rows_bf16_tiles(const uint16_t *w, const uint16_t *x, const uint16_t *bias, uint16_t *y, int n, int64_t out, int64_t in, int threads) {
+#ifdef SPECSTACK_AMX
+    if (in < 32 || in % 32 != 0 || out < 1 || n < 1 || n > MAX_TILE_ROWS || threads < 1 || !amx_permitted()) return -1;
+    const int64_t steps = in / PAIRS;
+    tile_outputs(x, bias, y, n, out, in, threads, [&](int64_t first, int count, uint16_t *room) {
+        if (count == TILE) return Panel{w + first * in, PAIRS, in * 2};  // sixteen weight rows as they lie
+        memset(room, 0, sizeof(uint16_t) * steps * TILE * PAIRS);  // a short last group: rows past `out` weigh nothing
+        for (int o = 0; o < count; ++o)
+            for (int64_t s = 0; s < steps; ++s) memcpy(room + (s * TILE + o) * PAIRS, w + (first + o) * in + s * PAIRS, 64);
+        return Panel{room, TILE * PAIRS, 64};
+    });
+    return 0;
+#else
+    (void)w, (void)x, (void)bias, (void)y, (void)n, (void)out, (void)in, (void)threads;
+    return -1;
+#endif
+}
+
+// The same with W stored as Q4_1 blocks (w [out, in / 32 * 24]): each group's rows widened whole into L1/L2,
+// front to back as the few-row kernel reads them, to the bf16 weights they stand for, while the next work
+// item's rows are fetched; the same bits as specstack_linear_rows_bf16_tiles over those weights.
+int specstack_linear_rows_q4_1_bf16_tiles(const uint8_t *w, const uint16_t *x, const uint16_t *bias, uint16_t *y, int n, int64_t out, int64_t in, int threads) {
+#ifdef SPECSTACK_AMX
+    if (in < 32 || in % 32 != 0 || out < 1 || n < 1 || n > MAX_TILE_ROWS || threads < 1 || !amx_permitted()) return -1;
+    const int64_t row_bytes = q4_row_bytes(in), scales = in / 32 * 16, steps = in / PAIRS;
+    tile_outputs(x, bias, y, n, out, in, threads, [&](int64_t first, int count, uint16_t *room) {
+        if (count < TILE) memset(room, 0, sizeof(uint16_t) * steps * TILE * PAIRS);
+        for (int o = 0; o < count; ++o) {
+            const uint8_t *row = w + (first + o) * row_bytes;
+            if (first + 2 * TILE + o < out)  // the same row of the next work item (two groups on): 1.25x faster from memory
+                for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(row + 2 * TILE * row_bytes + b, 0, 3);
+            const float *dm = (const float *)(row + scales);
+            for (int64_t s = 0; s < steps; ++s) _mm512_store_si512(room + (s * TILE + o) * PAIRS, q4_1_bf16(row + 16 * s, dm + 2 * s));
+        }
+        return Panel{room, TILE * PAIRS, 64};
+    });
     return 0;
 #else
     (void)w, (void)x, (void)bias, (void)y, (void)n, (void)out, (void)in, (void)threads;
