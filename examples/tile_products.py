@@ -7,6 +7,7 @@ weights come from memory, as in a forward over a long cache), median of seven; t
 of T tokens over each cache length, best of three medians.
 
     python examples/tile_products.py --threads 2 --caches 512 7500
+    python examples/tile_products.py --threads 2 --rows 3 4 --tokens 3 4 --tiles-from 3
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 
 from specstack.bench.floor import fill, time_forward
 from specstack.models import load_target
+from specstack import packed_linear
 from specstack.packed_linear import PackedLinear
 
 
@@ -29,13 +31,17 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 5, 6, 8, 16, 32])
     parser.add_argument("--caches", type=int, nargs="+", default=[512, 7500])
     parser.add_argument("--tokens", type=int, nargs="+", default=[4, 5, 6, 8, 16, 32])
+    parser.add_argument("--tiles-from", type=int, default=packed_linear.TILES_FROM,
+                        help=f"the fewest rows that take the tiles (default: the shipped {packed_linear.TILES_FROM})")
     args = parser.parse_args()
+    packed_linear.TILES_FROM = args.tiles_from  # read by every call of the kernel
     torch.set_num_threads(args.threads)
     target = load_target(dtype=torch.bfloat16)[0]
     products = []
     for layer in target.decoder.layers:
         products += [layer.qkv.linear, layer.layer.self_attn.o_proj, layer.gate_up.linear, layer.layer.mlp.down_proj]
-    every = [m for m in target.module.modules() if isinstance(m, PackedLinear)] + [layer.qkv.linear for layer in target.decoder.layers] + [layer.gate_up.linear for layer in target.decoder.layers]
+    fused = [layer.qkv.linear for layer in target.decoder.layers] + [layer.gate_up.linear for layer in target.decoder.layers]
+    every = [m for m in target.module.modules() if isinstance(m, PackedLinear)] + fused
     kernel = products[0]._rows
     if kernel is None or not kernel.tiles:
         raise SystemExit("no AMX tiles here: nothing to compare")
@@ -73,7 +79,6 @@ def main() -> None:
             off, on = best.values()
             print(f"forward of {t} over {cached} cached: without tiles {1e3 * off:.2f} ms, tiles {1e3 * on:.2f} ms, {off / on:.2f}x", flush=True)
         del store
-    use("tiles")
 
 
 if __name__ == "__main__":

@@ -44,9 +44,10 @@ ROWS_SOURCE = SOURCES / "linear_rows.cpp"
 # whose weights stay in cache, gains nothing from 5 rows on in either dtype.
 MAX_STREAMED_ROWS = {torch.float32: 6, torch.bfloat16: 6}
 # Where the CPU has AMX tiles (``RowsKernel.tiles``), bf16 products of TILES_FROM to MAX_TILE_ROWS rows take
-# them instead. The target's 120 layer products of 8 rows over their Q4_1 blocks measured 1.5-1.7x faster
-# than oneDNN's; whole target forwards over 7,500 cached slots 1.03x (5 tokens) to 1.21x (8) faster than
-# with the streaming kernel or oneDNN, 0.97-1.00x at 3-4 tokens (docs/benchmarks.md, "Five to 32 rows on AMX tiles").
+# them instead. The target's 120 layer products of 8-32 rows over their Q4_1 blocks measured 1.47-1.57x
+# faster than oneDNN's; whole target forwards over 7,500 cached slots 1.05x (5 tokens) to 1.18x (8, 16)
+# faster than with the streaming kernel or oneDNN, and forwards of 3-4 tokens no faster on the tiles
+# (docs/benchmarks.md, "Five to 32 rows on AMX tiles"; examples/tile_products.py).
 TILES_FROM, MAX_TILE_ROWS = 5, 32
 
 PACKED_FOR_ROWS = 4  # the row count oneDNN's reorder is told to expect: measured best over 1-32 rows here (hint 1 doubled 2 rows' cost)
@@ -193,7 +194,7 @@ class PackedLinear(torch.nn.Linear):
         few-row kernel takes them); else None."""
         if weight.dtype != torch.bfloat16:
             return None
-        source = (weight.data_ptr(), 0 if weight.is_inference() else weight._version)
+        source = self._weight_source(weight)
         if self._blocks_for != source:
             from .gguf_weights import q4_1_weights
 
@@ -203,9 +204,15 @@ class PackedLinear(torch.nn.Linear):
             self._blocks_for = source
         return self._blocks
 
+    @staticmethod
+    def _weight_source(weight: torch.Tensor) -> tuple:
+        """What changes when the weight does: its storage (new after ``.to()`` or ``.data =``) and its version
+        counter (advanced by an in-place write)."""
+        return weight.data_ptr(), 0 if weight.is_inference() else weight._version
+
     def _packed_weight(self) -> torch.Tensor:
         weight = self.weight
-        source = (weight.data_ptr(), 0 if weight.is_inference() else weight._version)  # new storage or an in-place write
+        source = self._weight_source(weight)
         if self._packed_from != source:
             with torch.no_grad():
                 self._packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACKED_FOR_ROWS)  # [out, in], oneDNN layout

@@ -111,6 +111,11 @@ inline uint16_t float_to_bf16(float f) {  // round to nearest even (no NaNs reac
     return (uint16_t)((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
 }
 
+// Whether a bf16 entry takes n rows through [out, in] on `threads` threads: in a multiple of 32, 1 to `most` rows.
+inline bool bf16_shape_taken(int n, int64_t out, int64_t in, int threads, int most) {
+    return in >= 32 && in % 32 == 0 && out >= 1 && n >= 1 && n <= most && threads >= 1;
+}
+
 inline __m512 dot32(__m512 acc, const uint16_t *a, const uint16_t *b) {  // acc lanes += pairs of 32 bf16 products
     return _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(a), (__m512bh)_mm512_loadu_si512(b));
 }
@@ -232,13 +237,16 @@ void bf16_outputs(const uint16_t *bias, uint16_t *y, int n, int64_t out, int thr
 // thread takes two groups side by side, so two chains of tile products (four from seventeen rows) overlap.
 // Each output is its row's sum over the column chunks in order, whatever the number of rows, so a token's
 // outputs are the same bits in any product of 1-32 rows on the tiles, from the bf16 weights or from the
-// blocks that widen to them (packed_linear.py sends TILES_FROM rows and more). Widening a tile's sixteen
-// rows chunk by chunk read the blocks across 32 rows at once and ran at half the speed from memory;
-// widening each row front to back while asking for the next work item's rows made it 1.5x faster.
+// blocks that widen to them (packed_linear.py sends TILES_FROM rows and more). A group's Q4_1 rows are
+// widened whole, each front to back as the streaming kernel reads it, while the next work item's rows are
+// fetched: widening tile by tile would read the blocks across 32 rows at once.
 
 constexpr int TILE = 16;           // output rows of a group; input rows of a B tile
 constexpr int PAIRS = 32;          // bf16 numbers in a 64-byte tile row
 constexpr int MAX_TILE_ROWS = 32;  // two B tiles
+
+inline __mmask16 first_lanes(int count) { return count >= TILE ? (__mmask16)0xFFFF : (__mmask16)((1u << count) - 1); }  // lanes 0 .. count-1
+inline __m512i lane_times(int step) { return _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), _mm512_set1_epi32(step)); }  // lane i: i * step
 
 // All eight tiles, 16 rows of 64 bytes: 0-1 A (the two groups' weights), 2-3 B (input rows 0-15, 16-31),
 // 4-5 C of the first group (those rows' sums), 6-7 C of the second.
@@ -252,10 +260,9 @@ void configure_linear_tiles() {
 // rows as B operands (column pairs interleaved), one tile per half and 32 columns.
 void interleave_rows(const uint16_t *x, int n, int64_t in, uint32_t *xv) {
     const int64_t steps = in / PAIRS, words = in / 2, halves = (n + TILE - 1) / TILE;
-    const __m512i rows = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), _mm512_set1_epi32((int)words));
+    const __m512i rows = lane_times((int)words);  // lane r: row r's first word
     for (int64_t h = 0; h < halves; ++h) {
-        const int left = n - (int)h * TILE;
-        const __mmask16 present = left >= TILE ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
+        const __mmask16 present = first_lanes(n - (int)h * TILE);
         const uint32_t *base = (const uint32_t *)x + h * TILE * words;
         for (int64_t s = 0; s < steps; ++s)
             for (int pair = 0; pair < TILE; ++pair) {
@@ -299,8 +306,8 @@ void tile_pair(const uint32_t *xv, int halves, int64_t steps, bool two, const Pa
 
 // y[j, o0 .. o0 + count) = the C tile column j of c[half][o][row], plus the bias, rounded to nearest even.
 void store_group(const float *c, const uint16_t *bias, uint16_t *y, int n, int64_t out, int64_t o0, int count) {
-    const __m512i column = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), _mm512_set1_epi32(TILE));
-    const __mmask16 present = count == TILE ? (__mmask16)0xFFFF : (__mmask16)((1u << count) - 1);
+    const __m512i column = lane_times(TILE);  // lane o: output o's row of the C tile
+    const __mmask16 present = first_lanes(count);
     const __m512 b = bias ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(present, bias + o0)), 16))
                           : _mm512_setzero_ps();  // [16 outputs] float32
     for (int j = 0; j < n; ++j) {
@@ -380,7 +387,7 @@ int specstack_linear_rows_bf16_supported() {
 // MAX_BF16_ROWS rows, or a build without AVX-512 bf16 instructions).
 int specstack_linear_rows_bf16(const uint16_t *w, const uint16_t *x, const uint16_t *bias, uint16_t *y, int n, int64_t out, int64_t in, int threads) {
 #if defined(__AVX512BF16__)
-    if (in < 32 || in % 32 != 0 || out < 1 || n < 1 || n > MAX_BF16_ROWS || threads < 1) return -1;
+    if (!bf16_shape_taken(n, out, in, threads, MAX_BF16_ROWS)) return -1;
     bf16_outputs<MAX_BF16_ROWS>(
         bias, y, n, out, threads,
         [&](int64_t first, float *sums) {
@@ -400,7 +407,7 @@ int specstack_linear_rows_bf16(const uint16_t *w, const uint16_t *x, const uint1
 // does not take (in not a multiple of 32, more than MAX_Q4_ROWS rows, a build without AVX-512 bf16).
 int specstack_linear_rows_q4_1_bf16(const uint8_t *w, const uint16_t *x, const uint16_t *bias, uint16_t *y, int n, int64_t out, int64_t in, int threads) {
 #if defined(__AVX512BF16__)
-    if (in < 32 || in % 32 != 0 || out < 1 || n < 1 || n > MAX_Q4_ROWS || threads < 1) return -1;
+    if (!bf16_shape_taken(n, out, in, threads, MAX_Q4_ROWS)) return -1;
     const int64_t row_bytes = q4_row_bytes(in);
     bf16_outputs<MAX_Q4_ROWS>(
         bias, y, n, out, threads, [&](int64_t first, float *sums) { q4_rows(w, x, n, in, first, sums); },
@@ -426,7 +433,7 @@ int specstack_linear_rows_tiles_supported() {
 // not take (in not a multiple of 32, more than MAX_TILE_ROWS rows, no AMX here).
 int specstack_linear_rows_bf16_tiles(const uint16_t *w, const uint16_t *x, const uint16_t *bias, uint16_t *y, int n, int64_t out, int64_t in, int threads) {
 #ifdef SPECSTACK_AMX
-    if (in < 32 || in % 32 != 0 || out < 1 || n < 1 || n > MAX_TILE_ROWS || threads < 1 || !amx_permitted()) return -1;
+    if (!bf16_shape_taken(n, out, in, threads, MAX_TILE_ROWS) || !amx_permitted()) return -1;
     const int64_t steps = in / PAIRS;
     tile_outputs(x, bias, y, n, out, in, threads, [&](int64_t first, int count, uint16_t *room) {
         if (count == TILE) return Panel{w + first * in, PAIRS, in * 2};  // sixteen weight rows as they lie
@@ -447,7 +454,7 @@ int specstack_linear_rows_bf16_tiles(const uint16_t *w, const uint16_t *x, const
 // item's rows are fetched; the same bits as specstack_linear_rows_bf16_tiles over those weights.
 int specstack_linear_rows_q4_1_bf16_tiles(const uint8_t *w, const uint16_t *x, const uint16_t *bias, uint16_t *y, int n, int64_t out, int64_t in, int threads) {
 #ifdef SPECSTACK_AMX
-    if (in < 32 || in % 32 != 0 || out < 1 || n < 1 || n > MAX_TILE_ROWS || threads < 1 || !amx_permitted()) return -1;
+    if (!bf16_shape_taken(n, out, in, threads, MAX_TILE_ROWS) || !amx_permitted()) return -1;
     const int64_t row_bytes = q4_row_bytes(in), scales = in / 32 * 16, steps = in / PAIRS;
     tile_outputs(x, bias, y, n, out, in, threads, [&](int64_t first, int count, uint16_t *room) {
         if (count < TILE) memset(room, 0, sizeof(uint16_t) * steps * TILE * PAIRS);
