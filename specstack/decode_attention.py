@@ -95,11 +95,12 @@ class DecodeKernel:
         return out.reshape(1, hq, t, d).transpose(1, 2).to(query.dtype)  # [1, T, Hq, D]
 
 
-def load_decode_kernel(cache: Path | None = None) -> DecodeKernel | None:
+def load_decode_kernel(cache: Path | None = None, *, source: Path | None = None) -> DecodeKernel | None:
     """The kernel, compiled into ``cache`` (default: the specstack cache) on first use; None where it
-    cannot be built here."""
+    cannot be built here. ``source`` (default: :data:`SOURCE`, read at the call) is another version of
+    ``csrc/decode_attention.cpp`` a benchmark builds beside it (examples/attention_bounds.py)."""
     argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_int] * 4 + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p] + [ctypes.c_int] * 4
-    loaded = load(SOURCE, "specstack_decode_attention", argtypes, cache)
+    loaded = load(SOURCE if source is None else source, "specstack_decode_attention", argtypes, cache)
     if loaded is None:
         return None
     library, path = loaded

@@ -81,6 +81,10 @@ class ModelShape:
     def head_params(self) -> int:
         return self.vocab * self.hidden
 
+    def kv_elements(self, cached: int) -> int:
+        """Numbers a KV cache of ``cached`` slots holds: keys and values of every layer and KV head."""
+        return 2 * cached * self.layers * self.kv_heads * self.head_dim
+
     def linear_shapes(self) -> list[tuple[int, int]]:
         """(in, out) of one layer's linear maps, in the order a layer runs them."""
         q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
@@ -160,7 +164,7 @@ def forward_floor(shape: ModelShape, dtype: torch.dtype | str, tokens: int, cach
     e = ELEMENT_BYTES[dtype_name(dtype)]
     head = shape.head_params if logits_rows else 0
     embed = 0 if (shape.tied and logits_rows) else tokens * shape.hidden  # tied: those rows are in the head, read anyway
-    kv = 2 * cached * shape.layers * shape.kv_heads * shape.head_dim  # keys and values
+    kv = shape.kv_elements(cached)
     if linear_bytes is not None and not linear_bytes > 0:
         raise SpecstackError(f"linear_bytes {linear_bytes!r} is not allowed; use a number of bytes per weight > 0")
     weights_bytes = (e if linear_bytes is None else linear_bytes) * shape.linear_params + e * (head + embed)
