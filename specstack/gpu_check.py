@@ -226,11 +226,13 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def tests_summary(log: Path) -> str:
     """The correctness half in a few lines, from a verbose pytest ``log`` (one PASSED/FAILED line per
-    test, so that a run stopped by its time cap still tells what finished)."""
+    test, so that a run stopped by its time cap still tells what finished; the cap interrupts pytest, which
+    then still prints the failures' tracebacks into the log)."""
     lines = log.read_text(errors="replace").splitlines() if log.exists() else []
     passed = [line for line in lines if " PASSED" in line or line.endswith("PASSED")]
     failed = [line.split("FAILED", 1)[1].strip() for line in lines if " FAILED" in line and "::" in line]
-    finished = next((line for line in reversed(lines) if line.startswith("=") and (" passed" in line or " failed" in line)), None)
+    interrupted = any(line.startswith("!") and "KeyboardInterrupt" in line for line in lines)  # the cap's SIGINT, as pytest reports it
+    finished = not interrupted and any(line.startswith("=") and (" passed" in line or " failed" in line) for line in lines)
     return "\n".join([
         "Correctness on this device (`pytest --device cuda -v`, the Makefile's `GPU_TESTS`): "
         f"{len(passed)} passed, {len(failed)} failed" + ("." if finished else ", then the time cap stopped pytest before the rest."),

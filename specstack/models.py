@@ -8,6 +8,7 @@ once into a transformers directory under the cache (``$SPECSTACK_CACHE``, defaul
 
 from __future__ import annotations
 
+import fcntl
 import importlib.metadata
 import os
 import shutil
@@ -44,18 +45,27 @@ def prepare_target(*, force: bool = False) -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     out = cache_dir() / TARGET_NAME
-    stamp = out / "converted-by-transformers"
-    if (out / "model.safetensors").exists() and stamp.exists() and stamp.read_text() == transformers_version() and not force:
+    if _converted(out) and not force:
         return out
-
-    gguf = find_gguf()
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        quantized = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    except Exception as error:  # a truncated or corrupt file fails deep inside the GGUF reader
-        raise SpecstackError(f"cannot read model file {str(gguf)!r}: {type(error).__name__}: {str(error).splitlines()[0][:200] if str(error) else ''}") from None
-    _save_dequantized(quantized, tokenizer, out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.parent / f"{TARGET_NAME}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one converting process at a time (two test workers, two shells)
+        if _converted(out) and not force:
+            return out  # another process converted it while this one waited
+        gguf = find_gguf()
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+            quantized = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        except Exception as error:  # a truncated or corrupt file fails deep inside the GGUF reader
+            raise SpecstackError(f"cannot read model file {str(gguf)!r}: {type(error).__name__}: {str(error).splitlines()[0][:200] if str(error) else ''}") from None
+        _save_dequantized(quantized, tokenizer, out)
     return out
+
+
+def _converted(out: Path) -> bool:
+    """Whether ``out`` holds a conversion made by this transformers version."""
+    stamp = out / "converted-by-transformers"
+    return (out / "model.safetensors").exists() and stamp.exists() and stamp.read_text() == transformers_version()
 
 
 def _save_dequantized(quantized, tokenizer, out: Path) -> None:

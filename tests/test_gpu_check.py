@@ -80,5 +80,8 @@ def test_the_report_summarises_a_verbose_pytest_log_even_when_cut_short(tmp_path
     log.write_text("[gw0] [ 10%] PASSED tests/test_cuda.py::test_a[cuda]\n[gw1] [ 20%] FAILED tests/test_greedy.py::test_b\n")
     cut = tests_summary(log)
     assert "1 passed, 1 failed, then the time cap stopped pytest" in cut and "- FAILED tests/test_greedy.py::test_b" in cut
-    log.write_text(log.read_text() + "==== 1 failed, 1 passed in 3.0s ====\n")
+    interrupted = log.read_text() + "!!!! KeyboardInterrupt !!!!\n==== 1 failed, 1 passed in 3.0s ====\n"
+    log.write_text(interrupted)  # the cap's SIGINT: pytest still prints its summary line
+    assert "1 passed, 1 failed, then the time cap stopped pytest" in tests_summary(log)
+    log.write_text(log.read_text().replace("!!!! KeyboardInterrupt !!!!\n", ""))
     assert "1 passed, 1 failed." in tests_summary(log)

@@ -106,3 +106,31 @@ def test_the_target_is_converted_again_by_another_transformers_version(tmp_path,
     (out / "converted-by-transformers").write_text("5.5.4")
     with pytest.raises(RuntimeError, match="converting"):
         models.prepare_target()
+
+
+def test_a_process_that_waits_for_another_conversion_takes_it_instead_of_converting_again(tmp_path, monkeypatch) -> None:
+    """Two processes that find no conversion (two test workers) must not both convert: the second waits
+    on the lock, then finds the first one's conversion. Without the lock both rewrite the directory, and
+    one's removal of it fails under the other."""
+    import fcntl
+    import threading
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: F401  imported here, so the wait below is the lock's
+
+    from specstack import models
+
+    monkeypatch.setenv("SPECSTACK_CACHE", str(tmp_path))
+    monkeypatch.setattr(models, "find_gguf", lambda: pytest.fail("converted although another process had just converted"))
+    out = tmp_path / models.TARGET_NAME
+    result = {}
+    with open(tmp_path / f"{models.TARGET_NAME}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # the other process, converting
+        waiting = threading.Thread(target=lambda: result.update(path=models.prepare_target()))
+        waiting.start()
+        waiting.join(1.0)
+        assert waiting.is_alive(), "prepare_target did not wait for the converting process"
+        out.mkdir()
+        (out / "model.safetensors").write_bytes(b"")
+        (out / "converted-by-transformers").write_text(models.transformers_version())
+    waiting.join(10)
+    assert result == {"path": out}
