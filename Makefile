@@ -36,8 +36,8 @@ test: setup
 GPU_PYTHON ?= python3
 GPU_REPORT ?= gpu-check.md
 GPU_TEST_SECONDS ?= 420
-# pytest-xdist workers on the one GPU: processes take turns on it, so 14 made each sampled test 25-60x slower than on
-# the CPU and the cap stopped 12 of 90 tests (docs/gpu.md, 2026-11-24)
+# pytest-xdist workers on the one GPU. On an H100, 14 and 4 both finished 78 of the 90 tests within the cap (the
+# device's round trips bound them); with 4 each test ran about 3x faster, so fewer are lost half-run (docs/gpu.md)
 GPU_TEST_WORKERS ?= 4
 # the greedy tests, and the sampled-distribution tests but their 25-example property test (each sample is
 # a few CUDA round trips: that one alone takes longer than the whole check may)
