@@ -221,21 +221,49 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--contexts", help="comma-separated prompt lengths (default 16384,32768,65536,122880; tiny 256,512)")
     parser.add_argument("--budget", type=int, help="retrieval budget in tokens (default 4096; tiny 64)")
     parser.add_argument("--tests-log", type=Path, help="a pytest log (make gpu-check's correctness half): its summary goes into the report")
+    parser.add_argument("--tests-ids", type=Path, help="the test ids pytest collected for that log, one a line: those that did not "
+                        "run to the end go into the log's name with .rest")
     return parser.parse_args(argv)
 
 
-def tests_summary(log: Path) -> str:
+OUTCOMES = ("PASSED", "FAILED", "ERROR", "SKIPPED", "XFAIL", "XPASS")
+
+
+def test_outcomes(lines: Sequence[str]) -> dict[str, str]:
+    """Test id -> outcome from a verbose pytest log: ``[gw0] [ 10%] PASSED id`` under xdist, ``id PASSED [ 10%]``
+    without it (a test id may hold spaces, inside its brackets)."""
+    outcomes = {}
+    for line in lines:
+        for outcome in OUTCOMES:
+            before, found, after = line.partition(f" {outcome} ")
+            if not found and line.endswith(f" {outcome}"):
+                before, found, after = line[: -len(outcome) - 1], outcome, ""
+            test = after.strip() if "::" in after else before.strip() if "::" in before and " " not in before.split("::")[0] else ""
+            if found and test:
+                outcomes[test] = outcome
+                break
+    return outcomes
+
+
+def tests_summary(log: Path, collected: Sequence[str] = (), rest: Path | None = None) -> str:
     """The correctness half in a few lines, from a verbose pytest ``log`` (one PASSED/FAILED line per
     test, so that a run stopped by its time cap still tells what finished; the cap interrupts pytest, which
-    then still prints the failures' tracebacks into the log)."""
+    then still prints the failures' tracebacks into the log). Of the ``collected`` test ids, those the cap
+    stopped are written to ``rest``, one a line, for ``make gpu-check GPU_TESTS=@FILE`` to run next."""
     lines = log.read_text(errors="replace").splitlines() if log.exists() else []
-    passed = [line for line in lines if " PASSED" in line or line.endswith("PASSED")]
-    failed = [line.split("FAILED", 1)[1].strip() for line in lines if " FAILED" in line and "::" in line]
+    outcomes = test_outcomes(lines)
+    passed = [test for test, outcome in outcomes.items() if outcome == "PASSED"]
+    failed = [test for test, outcome in outcomes.items() if outcome in ("FAILED", "ERROR")]
     interrupted = any(line.startswith("!") and "KeyboardInterrupt" in line for line in lines)  # the cap's SIGINT, as pytest reports it
     finished = not interrupted and any(line.startswith("=") and (" passed" in line or " failed" in line) for line in lines)
+    stopped = [test for test in collected if test not in outcomes]
+    if rest is not None:
+        rest.write_text("".join(f"{test}\n" for test in stopped))
+    where = f" (`make gpu-check GPU_TESTS=@{rest}` runs them)" if rest is not None and stopped else ""
     return "\n".join([
         "Correctness on this device (`pytest --device cuda -v`, the Makefile's `GPU_TESTS`): "
         f"{len(passed)} passed, {len(failed)} failed" + ("." if finished else ", then the time cap stopped pytest before the rest."),
+        *([f"Of the {len(collected)} tests collected, {len(stopped)} did not run to the end{where}."] if collected else []),
         "", *(f"- FAILED {name}" for name in failed[:20]), "",
     ])
 
@@ -260,7 +288,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"context {context}: {rows[-1].failure or 'done'} ({time.perf_counter() - began:.0f} s)", file=sys.stderr, flush=True)
     text = report(rows, setup, device, time.perf_counter() - began)
     if args.tests_log:
-        text += "\n" + tests_summary(args.tests_log)
+        collected = [line.strip() for line in args.tests_ids.read_text().splitlines() if "::" in line] if args.tests_ids and args.tests_ids.exists() else []
+        text += "\n" + tests_summary(args.tests_log, collected, args.tests_log.with_suffix(".rest") if collected else None)
     if args.out:
         args.out.write_text(text)
     print(table(rows))
