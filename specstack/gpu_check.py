@@ -229,7 +229,7 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
 OUTCOMES = ("PASSED", "FAILED", "ERROR", "SKIPPED", "XFAIL", "XPASS")
 
 
-def test_outcomes(lines: Sequence[str]) -> dict[str, str]:
+def outcomes_in_log(lines: Sequence[str]) -> dict[str, str]:
     """Test id -> outcome from a verbose pytest log: ``[gw0] [ 10%] PASSED id`` under xdist, ``id PASSED [ 10%]``
     without it (a test id may hold spaces, inside its brackets)."""
     outcomes = {}
@@ -251,7 +251,7 @@ def tests_summary(log: Path, collected: Sequence[str] = (), rest: Path | None = 
     then still prints the failures' tracebacks into the log). Of the ``collected`` test ids, those the cap
     stopped are written to ``rest``, one a line, for ``make gpu-check GPU_TESTS=@FILE`` to run next."""
     lines = log.read_text(errors="replace").splitlines() if log.exists() else []
-    outcomes = test_outcomes(lines)
+    outcomes = outcomes_in_log(lines)
     passed = [test for test, outcome in outcomes.items() if outcome == "PASSED"]
     failed = [test for test, outcome in outcomes.items() if outcome in ("FAILED", "ERROR")]
     interrupted = any(line.startswith("!") and "KeyboardInterrupt" in line for line in lines)  # the cap's SIGINT, as pytest reports it

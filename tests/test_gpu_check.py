@@ -90,14 +90,14 @@ def test_the_report_summarises_a_verbose_pytest_log_even_when_cut_short(tmp_path
 def test_the_tests_the_cap_stopped_are_written_for_the_next_run(tmp_path) -> None:
     """Of the collected ids, those with no outcome in the log (not started, or started and cut off) go to
     the rest file, one a line, in collection order; ids with spaces in their brackets, both pytest formats."""
-    from specstack.gpu_check import test_outcomes, tests_summary
+    from specstack.gpu_check import outcomes_in_log, tests_summary
 
     collected = ["tests/a.py::t[cpu]", "tests/a.py::t[ x:1 -p6]", "tests/b.py::u", "tests/b.py::v", "tests/c.py::w"]
     log = tmp_path / "gpu-tests.log"
     log.write_text("tests/b.py::u \n[gw1] [ 20%] PASSED tests/a.py::t[ x:1 -p6] \n[gw0] [ 40%] FAILED tests/a.py::t[cpu] \n"
                    "tests/c.py::w PASSED                                  [ 60%]\n"
                    "!!!! KeyboardInterrupt !!!!\n==== 1 failed, 2 passed in 3.0s ====\n")
-    assert test_outcomes(log.read_text().splitlines()) == {"tests/a.py::t[ x:1 -p6]": "PASSED", "tests/a.py::t[cpu]": "FAILED", "tests/c.py::w": "PASSED"}
+    assert outcomes_in_log(log.read_text().splitlines()) == {"tests/a.py::t[ x:1 -p6]": "PASSED", "tests/a.py::t[cpu]": "FAILED", "tests/c.py::w": "PASSED"}
     rest = tmp_path / "gpu-tests.rest"
     text = tests_summary(log, collected, rest)
     assert rest.read_text().splitlines() == ["tests/b.py::u", "tests/b.py::v"]  # u started but was cut off; v never started
