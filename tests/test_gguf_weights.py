@@ -108,9 +108,9 @@ def test_the_embedded_targets_bf16_forward_reads_every_layer_matrix_as_blocks_wi
         target.forward(TokenBatch.chain(tokens[:5], start=0, num_logits=1), store)  # a prefill of five
         steps = [target.forward(TokenBatch.chain([t], start=5 + i, num_logits=1), store) for i, t in enumerate(tokens[5:])]  # one row each
         store.truncate(5)
-        verify = target.forward(TokenBatch.chain(tokens[5:], start=5, num_logits=3), store)  # three rows (tiles, where there are tiles)
+        verify = target.forward(TokenBatch.chain(tokens[5:], start=5, num_logits=3), store)  # three rows (the streaming kernel)
         store.truncate(0)
-        wide = target.forward(TokenBatch.chain(tokens, start=0, num_logits=8), store)  # eight rows
+        wide = target.forward(TokenBatch.chain(tokens, start=0, num_logits=8), store)  # eight rows (the tiles, where there are tiles)
         return torch.cat([*steps, verify, wide])  # [14, V]
 
     read = logits()

@@ -319,7 +319,8 @@ void store_group(const float *c, const uint16_t *bias, uint16_t *y, int n, int64
 // y [n, out] bf16 from n <= 32 rows: work items of two groups of sixteen outputs shared among the threads,
 // bias added, rounded once. panel(first, count, room) gives the A tiles of the `count` outputs from `first`
 // (fewer than 16 only in a short last group), widening or copying them into `room` [in / 32][16][32] bf16
-// where they do not lie as tiles.
+// where they do not lie as tiles. A short group's A rows past `count` are left as they are: each A row makes
+// only its own C row, and store_group stores the first `count`.
 template <class MakePanel>
 void tile_outputs(const uint16_t *x, const uint16_t *bias, uint16_t *y, int n, int64_t out, int64_t in, int threads, MakePanel panel) {
     const int64_t steps = in / PAIRS, items = (out + 2 * TILE - 1) / (2 * TILE);
@@ -437,7 +438,6 @@ int specstack_linear_rows_bf16_tiles(const uint16_t *w, const uint16_t *x, const
     const int64_t steps = in / PAIRS;
     tile_outputs(x, bias, y, n, out, in, threads, [&](int64_t first, int count, uint16_t *room) {
         if (count == TILE) return Panel{w + first * in, PAIRS, in * 2};  // sixteen weight rows as they lie
-        memset(room, 0, sizeof(uint16_t) * steps * TILE * PAIRS);  // a short last group: rows past `out` weigh nothing
         for (int o = 0; o < count; ++o)
             for (int64_t s = 0; s < steps; ++s) memcpy(room + (s * TILE + o) * PAIRS, w + (first + o) * in + s * PAIRS, 64);
         return Panel{room, TILE * PAIRS, 64};
@@ -457,7 +457,6 @@ int specstack_linear_rows_q4_1_bf16_tiles(const uint8_t *w, const uint16_t *x, c
     if (!bf16_shape_taken(n, out, in, threads, MAX_TILE_ROWS) || !amx_permitted()) return -1;
     const int64_t row_bytes = q4_row_bytes(in), scales = in / 32 * 16, steps = in / PAIRS;
     tile_outputs(x, bias, y, n, out, in, threads, [&](int64_t first, int count, uint16_t *room) {
-        if (count < TILE) memset(room, 0, sizeof(uint16_t) * steps * TILE * PAIRS);
         for (int o = 0; o < count; ++o) {
             const uint8_t *row = w + (first + o) * row_bytes;
             if (first + 2 * TILE + o < out)  // the same row of the next work item (two groups on): 1.25x faster from memory
