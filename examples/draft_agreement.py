@@ -22,7 +22,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging
 
 from specstack.data import load_book
-from specstack.models import copy_target_embedding, prepare_target
+from specstack.models import copy_target_weights, prepare_target
 from specstack_training.distill import argmax_predictions, greedy_agreement
 from specstack_training.medusa import continuations, text_chunks
 from specstack_training.shared import encode
@@ -31,10 +31,11 @@ PROMPTS, PROMPT_LEN, WRITTEN = 24, 64, 192
 
 
 def load_draft(path: str, target) -> torch.nn.Module:
-    """A draft saved by ``specstack train draft``: its tied embedding is the target's, rounded to bf16."""
-    logging.set_verbosity_error()  # the embedding is missing from the file on purpose
+    """A draft saved by ``specstack train draft``, with what its file leaves out copied from the target
+    (its embedding rounded to bf16, and any layers it shares)."""
+    logging.set_verbosity_error()  # what the file leaves out is reported missing: it is, on purpose
     draft = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    copy_target_embedding(draft, target)
+    copy_target_weights(draft, target)
     return draft
 
 

@@ -125,9 +125,15 @@ def load_target(*, dtype: torch.dtype = torch.float32, device: str | torch.devic
 
 
 def load_default_draft(target, *, dtype: torch.dtype = torch.float32, device: str | torch.device | None = None):
-    """The shipped distilled draft, on ``device`` (default: the target's). Its tied embedding is the
-    target's, rounded to bf16 and frozen during distillation (TRAINING.md), so the shipped file leaves
-    it out (57 MB) and it is copied from ``target`` here, bit for bit what was trained."""
+    """The shipped distilled draft (:func:`load_draft` of its directory; TRAINING.md there)."""
+    return load_draft(target, draft_dir(), dtype=dtype, device=device, name="smollm2-draft")
+
+
+def load_draft(target, directory: str | Path, *, dtype: torch.dtype = torch.float32, device: str | torch.device | None = None,
+               name: str | None = None):
+    """A draft saved by ``specstack train draft``, on ``device`` (default: the target's), with what its
+    file leaves out copied from ``target`` (:func:`copy_target_weights`): the frozen embedding (57 MB)
+    and any layers it shares with the target, bit for bit what was trained."""
     from transformers.utils import logging as hf_logging
 
     from .hf import load_model
@@ -135,19 +141,26 @@ def load_default_draft(target, *, dtype: torch.dtype = torch.float32, device: st
 
     device = check_device(target.device if device is None else device)
     verbosity = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()  # the embedding is reported missing from the file: it is, on purpose
+    hf_logging.set_verbosity_error()  # what the file leaves out is reported missing: it is, on purpose
     try:
-        draft = load_model(draft_dir(), dtype=dtype, device=device, name="smollm2-draft")[0]
+        draft = load_model(directory, dtype=dtype, device=device, name=name)[0]
     finally:
         hf_logging.set_verbosity(verbosity)
-    copy_target_embedding(draft.module, target.module)
+    copy_target_weights(draft.module, target.module)
     return draft
 
 
-def copy_target_embedding(draft: torch.nn.Module, target: torch.nn.Module) -> None:
-    """Give a distilled draft (a transformers module saved by ``specstack train draft``, which leaves
-    the embedding out) the target's embedding rounded to bf16, as it was frozen in training."""
+def copy_target_weights(draft: torch.nn.Module, target: torch.nn.Module) -> None:
+    """Give a distilled draft (a transformers module saved by ``specstack train draft``) what its file
+    leaves out, as its config says: the target's embedding rounded to bf16, as it was frozen in training
+    (``specstack_target_embedding``), and the target's own first ``specstack_shared_layers`` decoder
+    layers (``--set shared=K``), as the target runs them."""
     embedding = target.get_input_embeddings().weight  # [V, D] on the target's device
     weight = draft.get_input_embeddings().weight  # [V, D] on the draft's; tied: the LM head too
+    shared = getattr(draft.config, "specstack_shared_layers", 0)
     with torch.no_grad():
-        weight.copy_(embedding.to(torch.bfloat16).to(weight.device))
+        if getattr(draft.config, "specstack_target_embedding", False):
+            weight.copy_(embedding.to(torch.bfloat16).to(weight.device))
+        for mine, theirs in zip(draft.model.layers[:shared], target.model.layers):
+            for name, value in theirs.named_parameters():
+                mine.get_parameter(name).copy_(value)

@@ -60,12 +60,11 @@ class Session:
     @property
     def draft(self):
         if self._draft is None:
-            from .hf import load_model
-            from .models import load_default_draft
+            from .models import load_default_draft, load_draft
 
             status(f"loading the draft model on {self.draft_device}")
             if self.draft_path:
-                self._draft = load_model(self.draft_path, dtype=self.dtype, device=self.draft_device)[0]
+                self._draft = load_draft(self.target, self.draft_path, dtype=self.dtype, device=self.draft_device)
             else:
                 self._draft = load_default_draft(self.target, dtype=self.dtype, device=self.draft_device)
             use_cuda_graphs([self._draft], self.cuda_graphs)

@@ -12,6 +12,13 @@ Initialisation ("projected copy" of the target):
     reads or writes the residual stream projected through ``P``; attention
     heads / MLP channels beyond the student's sizes are dropped.
 
+Sharing (``shared=K``, after Kangaroo, Liu et al., 2024, "double early exiting"): the
+student starts with the target's own first K layers, unchanged and frozen, and trains the layers
+after them (an adapter from layer K's hidden state to the target's output). The shared layers are not
+saved: ``specstack.models.copy_target_weights`` copies them from the target at load time, as it
+copies the embedding. They need the target's widths (``hidden``, ``heads``, ``kv_heads``,
+``intermediate``).
+
 Growing (``grow_from``): the student may instead start as a smaller trained draft
 of the same widths. Its layers and final norm are copied in, and the student's
 extra layers (initialised as above) get zero output projections, so before
@@ -71,6 +78,8 @@ DEFAULTS = dict(
     autocast=True,  # bfloat16 autocast for the student's forward/backward
     threads=1,  # torch intra-op threads
     grow_from="",  # a draft directory (same widths) whose layers and final norm start the student; "" = none
+    shared=0,  # the target's first layers the student runs unchanged (frozen, full width; copied in at load, not saved)
+    scored=0,  # positions per chunk whose logits enter the loss, drawn at random each step (0 = all)
 )
 
 
@@ -94,7 +103,7 @@ def student_config(teacher_cfg: LlamaConfig, hp: dict) -> LlamaConfig:
     """Target config with the student's widths and depth."""
     cfg = copy.deepcopy(teacher_cfg)
     cfg.hidden_size = hp["hidden"]
-    cfg.num_hidden_layers = len(hp["layers"])
+    cfg.num_hidden_layers = hp["shared"] + len(hp["layers"])
     cfg.num_attention_heads = hp["heads"]
     cfg.num_key_value_heads = hp["kv_heads"]
     cfg.intermediate_size = hp["intermediate"]
@@ -102,7 +111,25 @@ def student_config(teacher_cfg: LlamaConfig, hp: dict) -> LlamaConfig:
     cfg.tie_word_embeddings = True
     cfg.dtype = "bfloat16"
     cfg.architectures = ["LlamaForCausalLM"]
+    # what the saved file leaves out, for specstack.models.copy_target_weights to copy from the target
+    cfg.specstack_shared_layers = hp["shared"]
+    cfg.specstack_target_embedding = hp["hidden"] == teacher_cfg.hidden_size and hp["emb_lr"] == 0  # frozen
     return cfg
+
+
+def check_shareable(teacher_cfg: LlamaConfig, cfg: LlamaConfig, shared: int) -> None:
+    """Sharing the target's first layers needs its widths and at least that many of its layers (one error line)."""
+    if shared == 0:
+        return
+    if shared > teacher_cfg.num_hidden_layers:
+        raise SpecstackError(f"shared={shared} is not allowed; the target has {teacher_cfg.num_hidden_layers} layers")
+    widths = dict(hidden=("hidden_size",), heads=("num_attention_heads",), kv_heads=("num_key_value_heads",),
+                  intermediate=("intermediate_size",))
+    for key, (attr,) in widths.items():
+        if getattr(cfg, attr) != getattr(teacher_cfg, attr):
+            needed = " ".join(f"{k}={getattr(teacher_cfg, a)}" for k, (a,) in widths.items())
+            raise SpecstackError(f"{key}={getattr(cfg, attr)} is not allowed with shared={shared}; "
+                                 f"shared layers need the target's widths: {needed}")
 
 
 def embedding_basis(emb: torch.Tensor, d: int) -> torch.Tensor:
@@ -148,7 +175,12 @@ def build_student(teacher: LlamaForCausalLM, hp: dict) -> LlamaForCausalLM:
         E = E.bfloat16().float()  # [V, D] what the loader copies in (models.load_default_draft): train on it
     P = embedding_basis(E, hp["hidden"])  # [D, d]
     student.model.embed_tokens.weight.copy_(E @ P)  # [V, d]
-    for dst, i in zip(student.model.layers, hp["layers"]):
+    shared = hp["shared"]
+    check_shareable(teacher.config, cfg, shared)
+    for dst, src in zip(student.model.layers[:shared], teacher.model.layers):
+        dst.load_state_dict(src.state_dict())
+        dst.requires_grad_(False)
+    for dst, i in zip(student.model.layers[shared:], hp["layers"]):
         project_layer(teacher.model.layers[i], dst, P, teacher.config.head_dim)
     g = teacher.model.norm.weight.float()  # [D]
     student.model.norm.weight.copy_((P * P * g[:, None]).sum(0) * math.sqrt(teacher.config.hidden_size / hp["hidden"]))
@@ -172,7 +204,7 @@ def grow(student: LlamaForCausalLM, draft_dir: str) -> None:
         if name not in own or own[name].shape != value.shape:
             raise SpecstackError(f"grow_from {draft_dir!r} is not allowed; its {name} does not fit the student's widths and depth")
         own[name].copy_(value)
-    depth = len({name.split(".")[2] for name in given if name.startswith("model.layers.")})
+    depth = 1 + max(int(name.split(".")[2]) for name in given if name.startswith("model.layers."))  # shared layers are not in the file
     for layer in student.model.layers[depth:]:
         layer.self_attn.o_proj.weight.zero_()
         layer.mlp.down_proj.weight.zero_()
@@ -192,15 +224,28 @@ def teacher_topk(teacher, ids: torch.Tensor, k: int) -> tuple[torch.Tensor, torc
     return vals.half(), idx.int()
 
 
-def distill_loss(student_logits, ids, t_vals, t_idx, ce_weight: float) -> torch.Tensor:
-    """Soft cross-entropy to the renormalised top-k teacher distribution (+ CE)."""
-    logp = torch.log_softmax(student_logits.float(), dim=-1)  # [B, T, V]
-    q = torch.softmax(t_vals.float(), dim=-1)  # [B, T, k] renormalised teacher probs
+def distill_loss(student_logits, next_ids, t_vals, t_idx, ce_weight: float) -> torch.Tensor:
+    """Soft cross-entropy to the renormalised top-k teacher distribution (+ CE to ``next_ids``,
+    the tokens that follow each scored position; -100 where none does)."""
+    logp = torch.log_softmax(student_logits.float(), dim=-1)  # [B, S, V]
+    q = torch.softmax(t_vals.float(), dim=-1)  # [B, S, k] renormalised teacher probs
     soft = -(q * logp.gather(-1, t_idx.long())).sum(-1).mean()
     if ce_weight == 0:
         return soft
-    ce = F.nll_loss(logp[:, :-1].reshape(-1, logp.size(-1)), ids[:, 1:].reshape(-1))
+    ce = F.nll_loss(logp.reshape(-1, logp.size(-1)), next_ids.reshape(-1), ignore_index=-100)
     return soft + ce_weight * ce
+
+
+def next_tokens(ids: torch.Tensor) -> torch.Tensor:
+    """The token after each position -> [B, T] (-100 after the last: nothing to predict)."""
+    return torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], -100)], dim=1)  # [B, T]
+
+
+def scored_columns(length: int, scored: int, gen: torch.Generator) -> torch.Tensor:
+    """The positions whose logits enter this step's loss -> [S] (all of them when ``scored`` is 0)."""
+    if scored == 0 or scored >= length:
+        return torch.arange(length)  # [T]
+    return torch.randperm(length, generator=gen)[:scored].sort().values  # [S]
 
 
 # ----------------------------------------------------------------------------
@@ -248,7 +293,7 @@ def calibrate_final_norm(student, ids, t_vals, t_idx, scales=(1.0, 0.5, 0.35, 0.
     losses = []
     for s in scales:
         student.model.norm.weight.copy_(w * s)
-        losses.append(distill_loss(student(input_ids=ids).logits, ids, t_vals, t_idx, 0.0).item())
+        losses.append(distill_loss(student(input_ids=ids).logits, next_tokens(ids), t_vals, t_idx, 0.0).item())
     best = scales[int(np.argmin(losses))]
     student.model.norm.weight.copy_(w * best)
     return best
@@ -257,17 +302,19 @@ def calibrate_final_norm(student, ids, t_vals, t_idx, scales=(1.0, 0.5, 0.35, 0.
 def make_optimizer(student, hp: dict) -> torch.optim.Optimizer:
     emb = student.model.embed_tokens.weight
     emb.requires_grad_(hp["emb_lr"] > 0)
-    rest = [p for n, p in student.named_parameters() if p is not emb]
+    rest = [p for n, p in student.named_parameters() if p is not emb and p.requires_grad]  # shared layers are frozen
     groups = [dict(params=rest, lr=hp["lr"], base_lr=hp["lr"])]
     if hp["emb_lr"] > 0:
         groups.append(dict(params=[emb], lr=hp["emb_lr"], base_lr=hp["emb_lr"]))
     return torch.optim.AdamW(groups, betas=(0.9, 0.98), weight_decay=hp["weight_decay"])
 
 
-def train_step(student, opt, ids, t_vals, t_idx, hp) -> float:
+def train_step(student, opt, ids, t_vals, t_idx, hp, gen: torch.Generator) -> float:
+    cols = scored_columns(ids.shape[1], hp["scored"], gen)  # [S]
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=hp["autocast"]):
-        logits = student(input_ids=ids).logits  # [B, T, V]
-    loss = distill_loss(logits, ids, t_vals, t_idx, hp["ce_weight"])
+        hidden = student.model(input_ids=ids).last_hidden_state  # [B, T, D]
+        logits = student.lm_head(hidden[:, cols])  # [B, S, V]: the LM head only where the loss looks
+    loss = distill_loss(logits, next_tokens(ids)[:, cols], t_vals[:, cols], t_idx[:, cols], hp["ce_weight"])
     opt.zero_grad(set_to_none=True)
     loss.backward()
     torch.nn.utils.clip_grad_norm_(student.parameters(), 1.0)
@@ -313,7 +360,7 @@ def train(student, teacher, chunks: torch.Tensor, hp: dict, seconds: float, eval
             f = lr_factor(elapsed / seconds, hp["warmup"])
             for g in opt.param_groups:
                 g["lr"] = g["base_lr"] * f
-            losses.append(train_step(student, opt, *b, hp))
+            losses.append(train_step(student, opt, *b, hp, gen))
             step += 1
         if time.time() - start >= next_eval or time.time() - start >= seconds:
             next_eval += hp["eval_every"] * 60
@@ -336,12 +383,16 @@ def train(student, teacher, chunks: torch.Tensor, hp: dict, seconds: float, eval
 
 
 def save_student(student: LlamaForCausalLM, target_dir: str, out_dir: str) -> None:
-    """Write config.json, bf16 model.safetensors and the target's tokenizer files."""
+    """Write config.json, bf16 model.safetensors and the target's tokenizer files. The file leaves out
+    what ``specstack.models.load_draft`` copies from the target, as the config says: the shared layers,
+    and the embedding where it is the target's, frozen."""
     os.makedirs(out_dir, exist_ok=True)
     student.config.dtype = "bfloat16"
     student.config.save_pretrained(out_dir)
+    left_out = {f"model.layers.{i}." for i in range(getattr(student.config, "specstack_shared_layers", 0))}
+    left_out |= {"lm_head.weight"} | ({"model.embed_tokens.weight"} if student.config.specstack_target_embedding else set())  # the LM head is tied to it
     state = {k: v.detach().to(torch.bfloat16).contiguous() for k, v in student.state_dict().items()
-             if k != "lm_head.weight"}  # tied to model.embed_tokens.weight
+             if not any(k.startswith(prefix) for prefix in left_out)}
     save_file(state, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
     for name in os.listdir(target_dir):
         src, dst = os.path.join(target_dir, name), os.path.join(out_dir, name)
@@ -362,9 +413,22 @@ def check_hyperparameters(hyperparams: dict) -> None:
     check_names(hyperparams, DEFAULTS)
     if "layers" in hyperparams:
         hyperparams["layers"] = target_layers(hyperparams["layers"])
+    check_counts(hyperparams)
     grown = str(hyperparams.get("grow_from", ""))
     if grown and not os.path.isfile(os.path.join(grown, "model.safetensors")):
         raise SpecstackError(f"grow_from {grown!r} is not allowed; name a draft directory holding model.safetensors")
+
+
+def check_counts(hyperparams: dict) -> None:
+    """``shared`` and ``scored`` must be whole numbers >= 0 (one error line); the widths sharing needs
+    are checked against the target in :func:`build_student`."""
+    examples = dict(shared="shared=2 (target layers)", scored="scored=64 (positions per chunk)")
+    for key, example in examples.items():
+        if key not in hyperparams:
+            continue
+        value = hyperparams[key]
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise SpecstackError(f"{key} {value!r} is not allowed; use a whole number >= 0, e.g. {example}")
 
 
 def target_layers(value) -> tuple[int, ...]:
