@@ -123,11 +123,11 @@ def check_shareable(teacher_cfg: LlamaConfig, cfg: LlamaConfig, shared: int) -> 
         return
     if shared > teacher_cfg.num_hidden_layers:
         raise SpecstackError(f"shared={shared} is not allowed; the target has {teacher_cfg.num_hidden_layers} layers")
-    widths = dict(hidden=("hidden_size",), heads=("num_attention_heads",), kv_heads=("num_key_value_heads",),
-                  intermediate=("intermediate_size",))
-    for key, (attr,) in widths.items():
+    widths = dict(hidden="hidden_size", heads="num_attention_heads", kv_heads="num_key_value_heads",
+                  intermediate="intermediate_size")
+    for key, attr in widths.items():
         if getattr(cfg, attr) != getattr(teacher_cfg, attr):
-            needed = " ".join(f"{k}={getattr(teacher_cfg, a)}" for k, (a,) in widths.items())
+            needed = " ".join(f"{k}={getattr(teacher_cfg, a)}" for k, a in widths.items())
             raise SpecstackError(f"{key}={getattr(cfg, attr)} is not allowed with shared={shared}; "
                                  f"shared layers need the target's widths: {needed}")
 
@@ -172,7 +172,7 @@ def build_student(teacher: LlamaForCausalLM, hp: dict) -> LlamaForCausalLM:
     student = LlamaForCausalLM(cfg).float()
     E = teacher.model.embed_tokens.weight.float()  # [V, D]
     if hp["hidden"] == E.shape[1] and hp["emb_lr"] == 0:
-        E = E.bfloat16().float()  # [V, D] what the loader copies in (models.load_default_draft): train on it
+        E = E.bfloat16().float()  # [V, D] what the loader copies in (models.copy_target_weights): train on it
     P = embedding_basis(E, hp["hidden"])  # [D, d]
     student.model.embed_tokens.weight.copy_(E @ P)  # [V, d]
     shared = hp["shared"]
