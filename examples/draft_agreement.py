@@ -24,7 +24,7 @@ from transformers.utils import logging
 from specstack.data import load_book
 from specstack.models import copy_target_weights, prepare_target
 from specstack_training.distill import argmax_predictions, greedy_agreement
-from specstack_training.medusa import continuations, text_chunks
+from specstack_training.shared import continuations, text_chunks
 from specstack_training.shared import encode
 
 PROMPTS, PROMPT_LEN, WRITTEN = 24, 64, 192

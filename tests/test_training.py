@@ -45,7 +45,13 @@ def error_line(capsys) -> str:
     (["train", "draft", "--text", "emma", "--out", "unused", "--set", "learning_rate=1"],
      "specstack train: error: hyperparameter 'learning_rate' is not allowed; use hidden, layers, heads, kv_heads, intermediate, "
      "seq_len, batch, top_k, replay, lr, emb_lr, ce_weight, warmup, weight_decay, eval_positions, eval_every, teacher_bf16, autocast, threads, "
-     "grow_from, shared, scored"),
+     "grow_from, shared, scored, generations, prompt_len, gen_temperature, gen_batch"),
+    (["train", "draft", "--text", "emma", "--out", "unused", "--set", "generations=-1"],
+     "specstack train: error: generations -1 is not allowed; use a whole number >= 0"),
+    (["train", "draft", "--text", "emma", "--out", "unused", "--set", "gen_temperature=0"],
+     "specstack train: error: gen_temperature 0 is not allowed; use a number > 0, e.g. 0.7"),
+    (["train", "draft", "--text", "emma", "--out", "unused", "--set", "prompt_len=256"],
+     "specstack train: error: prompt_len 256 is not allowed; use fewer than seq_len=256 tokens (a continuation adds seq_len - prompt_len)"),
     (["train", "draft", "--text", "emma", "--out", "unused", "--set", "shared=-1"],
      "specstack train: error: shared -1 is not allowed; use a whole number >= 0, e.g. shared=2 (target layers)"),
     (["train", "draft", "--text", "emma", "--out", "unused", "--set", "scored=half"],
@@ -82,6 +88,33 @@ def test_a_smoke_distillation_trains_a_draft_that_a_lossless_stack_runs(tmp_path
     registry = Registry.create()
     reference = registry.stack("autoregressive", target=target).generate(prompt, 12)
     assert registry.stack("speculative", target=target, draft=draft).generate(prompt, 12).tokens == reference.tokens
+
+
+@pytest.mark.real_model
+def test_self_distillation_rows_are_text_prompts_and_the_targets_own_continuations() -> None:
+    """``generations``: each row is a prompt cut from the texts and the target's continuation of it, the
+    first half greedy (each written token is the target's argmax after the row's prefix), the second
+    sampled (not all argmaxes)."""
+    import numpy as np
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from specstack.data import book_tokens
+    from specstack.models import prepare_target
+    from specstack_training.distill import DEFAULTS, written_rows
+
+    teacher = AutoModelForCausalLM.from_pretrained(str(prepare_target()), dtype=torch.float32).eval()
+    text = np.asarray(book_tokens(AutoTokenizer.from_pretrained(str(prepare_target())), 640, name="emma"))  # [L]
+    torch.manual_seed(0)
+    hyperparams = {**DEFAULTS, "generations": 4, "prompt_len": 16, "seq_len": 40, "gen_batch": 2, "seed": 0}
+    rows = written_rows(teacher, [text], hyperparams, log=lambda line: None)  # [4, 40]
+    assert rows.shape == (4, 40)
+    pieces = {tuple(text[i : i + 16].tolist()) for i in range(0, len(text) - 15, 16)}
+    assert all(tuple(row[:16].tolist()) in pieces for row in rows)
+    with torch.no_grad():
+        argmaxes = teacher(input_ids=rows).logits[:, 15:-1].argmax(-1)  # [4, 24]: the target's choice for tokens 16..39
+    assert torch.equal(argmaxes[:2], rows[:2, 16:])
+    assert not torch.equal(argmaxes[2:], rows[2:, 16:])
 
 
 @pytest.mark.real_model

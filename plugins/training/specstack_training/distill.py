@@ -24,7 +24,11 @@ of the same widths. Its layers and final norm are copied in, and the student's
 extra layers (initialised as above) get zero output projections, so before
 training the grown student computes exactly the smaller draft's function.
 
-Training: knowledge distillation on the given texts. The target runs (in
+Data: the given texts cut into chunks, plus with ``generations=G`` the target's own continuations of G
+prompts drawn from them (self-distillation, as the Medusa trainer does: half greedy, half sampled),
+because in a stack the draft drafts for what the target writes.
+
+Training: knowledge distillation on those chunks. The target runs (in
 bfloat16, for speed) over fresh chunks and its top-k log-probabilities are
 kept in a replay buffer; the student minimises the cross-entropy to the
 renormalised top-k teacher distribution (temperature 1), optionally plus a
@@ -55,7 +59,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Llama
 
 from specstack import SpecstackError
 
-from .shared import check_names, encode, lr_factor
+from .shared import check_names, encode, lr_factor, self_distillation, text_chunks
 
 DEFAULTS = dict(
     hidden=576,  # student residual width d (576 = the target's: embedding copied exactly)
@@ -80,6 +84,10 @@ DEFAULTS = dict(
     grow_from="",  # a draft directory (same widths) whose layers and final norm start the student; "" = none
     shared=0,  # the target's first layers the student runs unchanged (frozen, full width; copied in at load, not saved)
     scored=0,  # positions per chunk whose logits enter the loss, drawn at random each step (0 = all)
+    generations=0,  # self-distillation: continuations of prompts from the texts the target writes (half greedy, half sampled)
+    prompt_len=64,  # tokens of text each continuation starts from (it adds seq_len - prompt_len)
+    gen_temperature=0.7,  # temperature of the sampled half
+    gen_batch=32,  # continuations written at once
 )
 
 
@@ -92,6 +100,16 @@ def chunk(token_arrays: list[np.ndarray], seq_len: int) -> torch.Tensor:
     """Cut every array into non-overlapping chunks of seq_len tokens -> [N, T]."""
     rows = [a[: len(a) // seq_len * seq_len].reshape(-1, seq_len) for a in token_arrays]
     return torch.from_numpy(np.concatenate(rows))  # [N, T]
+
+
+def written_rows(teacher, token_arrays: list[np.ndarray], hp: dict, log) -> torch.Tensor:
+    """``generations`` rows of ``seq_len`` tokens, each a prompt of ``prompt_len`` tokens from the texts
+    and the teacher's continuation of it (half greedy, half sampled) -> [G, T]."""
+    began = time.time()
+    prompts = text_chunks(token_arrays, hp["prompt_len"], hp["generations"], np.random.default_rng(hp["seed"]))  # [G, P]
+    rows = self_distillation(teacher, prompts, hp["seq_len"], hp["gen_temperature"], hp["gen_batch"])  # [G, T]
+    log(f"the target wrote {rows.shape[0] * (hp['seq_len'] - hp['prompt_len']):,} tokens of continuations in {time.time() - began:.0f} s")
+    return rows
 
 
 # ----------------------------------------------------------------------------
@@ -414,6 +432,7 @@ def check_hyperparameters(hyperparams: dict) -> None:
     if "layers" in hyperparams:
         hyperparams["layers"] = target_layers(hyperparams["layers"])
     check_counts(hyperparams)
+    check_generation(hyperparams)
     grown = str(hyperparams.get("grow_from", ""))
     if grown and not os.path.isfile(os.path.join(grown, "model.safetensors")):
         raise SpecstackError(f"grow_from {grown!r} is not allowed; name a draft directory holding model.safetensors")
@@ -429,6 +448,21 @@ def check_counts(hyperparams: dict) -> None:
         value = hyperparams[key]
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise SpecstackError(f"{key} {value!r} is not allowed; use a whole number >= 0, e.g. {example}")
+
+
+def check_generation(hyperparams: dict) -> None:
+    """The self-distillation settings (one error line): whole counts, a temperature > 0, and prompts
+    shorter than the rows they start."""
+    for key in ("generations", "prompt_len", "gen_batch"):
+        value = hyperparams.get(key, DEFAULTS[key])
+        if isinstance(value, bool) or not isinstance(value, int) or value < (0 if key == "generations" else 1):
+            raise SpecstackError(f"{key} {value!r} is not allowed; use a whole number >= {0 if key == 'generations' else 1}")
+    temperature = hyperparams.get("gen_temperature", DEFAULTS["gen_temperature"])
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature > 0:
+        raise SpecstackError(f"gen_temperature {temperature!r} is not allowed; use a number > 0, e.g. 0.7")
+    prompt, row = hyperparams.get("prompt_len", DEFAULTS["prompt_len"]), hyperparams.get("seq_len", DEFAULTS["seq_len"])
+    if prompt >= row:
+        raise SpecstackError(f"prompt_len {prompt} is not allowed; use fewer than seq_len={row} tokens (a continuation adds seq_len - prompt_len)")
 
 
 def target_layers(value) -> tuple[int, ...]:
@@ -466,10 +500,13 @@ def distill(*, target_dir: str, texts: list[str], out_dir: str, minutes: float, 
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
     teacher = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
     student = build_student(teacher, hp).train()
-    chunks = chunk(encode(tokenizer, texts), hp["seq_len"])  # [N, T]
+    token_arrays = encode(tokenizer, texts)
+    chunks = chunk(token_arrays, hp["seq_len"])  # [N, T]
     evaluate = held_out_agreement(teacher, tokenizer, eval_texts or {}, hp["eval_positions"])
     if hp["teacher_bf16"]:
         teacher = teacher.to(torch.bfloat16)
+    if hp["generations"]:
+        chunks = torch.cat([chunks, written_rows(teacher, token_arrays, hp, log)])  # [N + G, T]
     t0 = time.time()
     metrics = train(student, teacher, chunks, hp, minutes * 60, evaluate, log)
     metrics.update(train_minutes=(time.time() - t0) / 60, train_tokens=int(chunks.numel()),

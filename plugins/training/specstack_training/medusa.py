@@ -42,7 +42,7 @@ import torch.nn.functional as F
 
 from specstack import SpecstackError
 
-from .shared import check_names, encode, lr_factor
+from .shared import check_names, continuations, encode, lr_factor, self_distillation, text_chunks
 
 DEFAULTS = dict(
     heads=4,  # K: head k predicts the token k + 1 positions ahead of the state it reads
@@ -93,28 +93,6 @@ def check_hyperparameters(hyperparams: dict) -> None:
 # -- data ------------------------------------------------------------------------------------------
 
 
-def text_chunks(token_arrays: list[np.ndarray], seq_len: int, count: int, generator: np.random.Generator) -> torch.Tensor:
-    """``count`` chunks of ``seq_len`` tokens at random non-overlapping places in the texts -> [N, T]."""
-    pieces = [a[i : i + seq_len] for a in token_arrays for i in range(0, len(a) - seq_len + 1, seq_len)]
-    if not pieces:
-        raise SpecstackError(f"the texts hold fewer than seq_len={seq_len} tokens; give longer texts or a smaller seq_len")
-    order = generator.permutation(len(pieces))[:count]
-    return torch.from_numpy(np.stack([pieces[i] for i in order]))  # [N, T]
-
-
-@torch.inference_mode()
-def continuations(target, prompts: torch.Tensor, gen_len: int, temperature: float | None, batch: int) -> torch.Tensor:
-    """The target's continuations of ``prompts`` [N, P]: greedy when ``temperature`` is None -> [N, P + gen_len]."""
-    out = []
-    for first in range(0, prompts.shape[0], batch):
-        ids = prompts[first : first + batch]
-        sampling = {"do_sample": False} if temperature is None else {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0}
-        written = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=gen_len, min_new_tokens=gen_len,
-                                   pad_token_id=0, **sampling)  # [b, P + gen_len]
-        out.append(written[:, : prompts.shape[1] + gen_len])
-    return torch.cat(out)
-
-
 @torch.inference_mode()
 def label(target, chunks: torch.Tensor, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The target's last hidden states [N, T, H] (in its dtype) and greedy tokens [N, T] over ``chunks`` [N, T]."""
@@ -135,11 +113,8 @@ def prepare(target, token_arrays: list[np.ndarray], hp: dict, seed: int, log) ->
     chunks = text_chunks(token_arrays, hp["seq_len"], hp["chunks"], rng)  # [N, T]
     if hp["generations"]:
         prompts = text_chunks(token_arrays, hp["prompt_len"], hp["generations"], rng)  # [G, P]
-        half = prompts.shape[0] // 2
-        written = hp["seq_len"] - hp["prompt_len"]
-        chunks = torch.cat([chunks, continuations(target, prompts[:half], written, None, hp["gen_batch"]),
-                            continuations(target, prompts[half:], written, hp["gen_temperature"], hp["gen_batch"])])
-        log(f"the target wrote {prompts.shape[0] * written:,} tokens of continuations in {time.time() - began:.0f} s")
+        chunks = torch.cat([chunks, self_distillation(target, prompts, hp["seq_len"], hp["gen_temperature"], hp["gen_batch"])])
+        log(f"the target wrote {prompts.shape[0] * (hp['seq_len'] - hp['prompt_len']):,} tokens of continuations in {time.time() - began:.0f} s")
     states, greedy = label(target, chunks, hp["label_batch"])
     log(f"labelled {chunks.numel():,} tokens in {time.time() - began:.0f} s")
     return chunks, states, greedy

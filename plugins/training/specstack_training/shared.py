@@ -1,4 +1,5 @@
-"""What every trainer of this package uses: tokenising texts, the learning-rate schedule over a
+"""What every trainer of this package uses: tokenising texts, chunks of them, the target's own
+continuations of prompts drawn from them (self-distillation data), the learning-rate schedule over a
 wall-clock budget, and the check of hyperparameter names."""
 
 from __future__ import annotations
@@ -6,6 +7,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import torch
 
 from specstack import SpecstackError
 
@@ -13,6 +15,36 @@ from specstack import SpecstackError
 def encode(tokenizer, texts: list[str]) -> list[np.ndarray]:
     """Tokenise each text without special tokens -> list of int64 arrays."""
     return [np.asarray(tokenizer(t, add_special_tokens=False)["input_ids"], dtype=np.int64) for t in texts]
+
+
+def text_chunks(token_arrays: list[np.ndarray], seq_len: int, count: int, generator: np.random.Generator) -> torch.Tensor:
+    """``count`` chunks of ``seq_len`` tokens at random non-overlapping places in the texts -> [N, T]."""
+    pieces = [a[i : i + seq_len] for a in token_arrays for i in range(0, len(a) - seq_len + 1, seq_len)]
+    if not pieces:
+        raise SpecstackError(f"the texts hold fewer than seq_len={seq_len} tokens; give longer texts or a smaller seq_len")
+    order = generator.permutation(len(pieces))[:count]
+    return torch.from_numpy(np.stack([pieces[i] for i in order]))  # [N, T]
+
+
+@torch.inference_mode()
+def continuations(target, prompts: torch.Tensor, gen_len: int, temperature: float | None, batch: int) -> torch.Tensor:
+    """The target's continuations of ``prompts`` [N, P]: greedy when ``temperature`` is None -> [N, P + gen_len]."""
+    out = []
+    for first in range(0, prompts.shape[0], batch):
+        ids = prompts[first : first + batch]
+        sampling = {"do_sample": False} if temperature is None else {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0}
+        written = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=gen_len, min_new_tokens=gen_len,
+                                   pad_token_id=0, **sampling)  # [b, P + gen_len]
+        out.append(written[:, : prompts.shape[1] + gen_len])
+    return torch.cat(out)
+
+
+def self_distillation(target, prompts: torch.Tensor, seq_len: int, temperature: float, batch: int) -> torch.Tensor:
+    """Rows of ``seq_len`` tokens: each of ``prompts`` [G, P] and the target's continuation of it, the
+    first half greedy, the second sampled at ``temperature`` -> [G, T]."""
+    half, written = prompts.shape[0] // 2, seq_len - prompts.shape[1]
+    return torch.cat([continuations(target, prompts[:half], written, None, batch),
+                      continuations(target, prompts[half:], written, temperature, batch)])  # [G, T]
 
 
 def lr_factor(frac: float, warmup: float) -> float:
