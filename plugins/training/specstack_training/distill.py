@@ -451,8 +451,8 @@ def check_counts(hyperparams: dict) -> None:
 
 
 def check_generation(hyperparams: dict) -> None:
-    """The self-distillation settings (one error line): whole counts, a temperature > 0, and prompts
-    shorter than the rows they start."""
+    """The self-distillation settings (one error line): whole counts, a temperature > 0, and, when
+    there are generations, prompts shorter than the rows they start."""
     for key in ("generations", "prompt_len", "gen_batch"):
         value = hyperparams.get(key, DEFAULTS[key])
         if isinstance(value, bool) or not isinstance(value, int) or value < (0 if key == "generations" else 1):
@@ -461,7 +461,7 @@ def check_generation(hyperparams: dict) -> None:
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature > 0:
         raise SpecstackError(f"gen_temperature {temperature!r} is not allowed; use a number > 0, e.g. 0.7")
     prompt, row = hyperparams.get("prompt_len", DEFAULTS["prompt_len"]), hyperparams.get("seq_len", DEFAULTS["seq_len"])
-    if prompt >= row:
+    if hyperparams.get("generations", DEFAULTS["generations"]) and prompt >= row:
         raise SpecstackError(f"prompt_len {prompt} is not allowed; use fewer than seq_len={row} tokens (a continuation adds seq_len - prompt_len)")
 
 
