@@ -57,6 +57,7 @@ class SyntheticLM:
     device: torch.device = attrs.field(default="cpu", converter=torch.device)  # where its KV cache and logits live
     _embeddings: torch.Tensor = attrs.field(init=False)  # [2, V, D]: key and query embedding of each token
     _head: torch.Tensor = attrs.field(init=False)  # [V, H]: the output head hidden states are read through
+    _drawn: dict = attrs.field(init=False, factory=dict)  # (what, context) -> its logits [V] or hidden state [H], drawn once: tests ask again and again
 
     def __attrs_post_init__(self) -> None:
         generator = torch.Generator(device="cpu").manual_seed(self.seed)
@@ -64,7 +65,15 @@ class SyntheticLM:
         self._head = torch.randn(self.vocab_size, self.hidden_size, generator=generator, device="cpu")  # [V, H]
 
     def hidden_for(self, context: Sequence[int]) -> torch.Tensor:
-        """[H] the hidden state after ``context``: hash-seeded, like the logits."""
+        """[H] the hidden state after ``context``: hash-seeded, like the logits (a copy: the caller may change it)."""
+        return self._once("hidden", tuple(context), self._draw_hidden)
+
+    def _once(self, what: str, context: tuple[int, ...], draw) -> torch.Tensor:
+        if (what, context) not in self._drawn:
+            self._drawn[what, context] = draw(context)
+        return self._drawn[what, context].clone()
+
+    def _draw_hidden(self, context: tuple[int, ...]) -> torch.Tensor:
         generator = torch.Generator(device="cpu").manual_seed(hash((HIDDEN_STREAM, self.seed, *context)) & 0x7FFF_FFFF_FFFF_FFFF)
         return torch.randn(self.hidden_size, generator=generator, device="cpu")  # [H]
 
@@ -82,6 +91,10 @@ class SyntheticLM:
         return self._head[tokens.cpu()]  # [n, H]
 
     def logits_for(self, context: Sequence[int]) -> torch.Tensor:
+        """[V] the logits after ``context`` (a copy: the caller may change it)."""
+        return self._once("logits", tuple(context), self._draw_logits)
+
+    def _draw_logits(self, context: tuple[int, ...]) -> torch.Tensor:
         generator = torch.Generator(device="cpu").manual_seed(hash((self.seed, *context)) & 0x7FFF_FFFF_FFFF_FFFF)
         logits = self.sharpness * torch.randn(self.vocab_size, generator=generator, device="cpu")  # [V]; computed on the host
         if self.base is not None:

@@ -46,13 +46,23 @@ def registry():
 @pytest.fixture(autouse=True)
 def _one_thread_for_tiny_tensors(request):
     """Synthetic models work on tensors of a few elements, where a second intra-op thread only adds
-    synchronisation (and on a busy 2-core machine costs 20x); real-model tests keep every core."""
+    synchronisation (and on a busy 2-core machine costs 20x); real-model tests keep the worker's share
+    of the cores. Either way the test leaves the worker as it found it: a command run in-process with
+    ``--threads N`` (demo, training) sets torch's threads for the whole process, and a worker left at
+    every core beside another worker oversubscribes the CPU for every test after it."""
     import torch
 
-    if request.node.get_closest_marker("real_model"):
-        yield
-        return
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+    if not request.node.get_closest_marker("real_model"):
+        torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def threads() -> str:
+    """This worker's share of the cores, as a command-line value: what a test passes to ``--threads``
+    (or ``--set threads=``) so that the command it runs does not take the other workers' cores."""
+    import torch
+
+    return str(torch.get_num_threads())

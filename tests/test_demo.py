@@ -12,13 +12,13 @@ from specstack.cli import main
 pytestmark = pytest.mark.real_model
 
 
-def _demo_json(capsys, *extra: str) -> dict:
-    assert main(["demo", "--prompt-tokens", "500", "--max-new-tokens", "12", "--threads", "2", "--json", *extra]) == 0
+def _demo_json(capsys, threads: str, *extra: str) -> dict:
+    assert main(["demo", "--prompt-tokens", "500", "--max-new-tokens", "12", "--threads", threads, "--json", *extra]) == 0
     return json.loads(capsys.readouterr().out)
 
 
-def test_demo_compares_triforce_and_the_fastest_stack_with_tuned_gammas(capsys) -> None:
-    record = _demo_json(capsys)
+def test_demo_compares_triforce_and_the_fastest_stack_with_tuned_gammas(capsys, threads) -> None:
+    record = _demo_json(capsys, threads)
     assert record["dtype"] == "float32" and record["prompt_tokens"] > 500
     assert [row["stack"] for row in record["stacks"]] == ["triforce", "medusa-lookup"]
     for row in record["stacks"]:
@@ -33,16 +33,22 @@ def test_demo_compares_triforce_and_the_fastest_stack_with_tuned_gammas(capsys) 
     assert record["text"].strip()
 
 
-def test_demo_reads_a_prompt_file_and_keeps_default_gammas_without_tuning(capsys, tmp_path) -> None:
+def test_demo_reads_a_prompt_file_and_keeps_default_gammas_without_tuning(capsys, tmp_path, threads) -> None:
     path = tmp_path / "prompt.txt"
     path.write_text("The quick brown fox jumps over the lazy dog. " * 40, encoding="utf-8")
-    record = _demo_json(capsys, "--prompt-file", str(path), "--stacks", "prompt-lookup", "--no-tune")
+    record = _demo_json(capsys, threads, "--prompt-file", str(path), "--stacks", "prompt-lookup", "--no-tune")
     assert record["prompt"] == str(path)
     (row,) = record["stacks"]
     assert row["stack"] == "prompt-lookup" and row["tuning"] is None and row["identical"] is True
 
 
 def test_demo_names_an_unknown_stack_in_one_line(capsys) -> None:
-    assert main(["demo", "--prompt-tokens", "300", "--max-new-tokens", "4", "--stacks", "no-such-stack", "--no-tune"]) == 2
+    """... after it has set torch's threads (``--threads``), which ``main`` gives back as it found them."""
+    import torch
+
+    before = torch.get_num_threads()
+    other = str(before % 2 + 1)
+    assert main(["demo", "--prompt-tokens", "300", "--max-new-tokens", "4", "--stacks", "no-such-stack", "--no-tune", "--threads", other]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("specstack demo: error:") and "no-such-stack" in err[-1]
+    assert torch.get_num_threads() == before

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -51,3 +52,18 @@ def test_speculation_saves_target_forward_passes(device: str) -> None:
     assert target_stats.acceptance_rate > 0.5
     assert target_stats.forward_calls < 40 / 2
     assert target_stats.emitted == target_stats.accepted + target_stats.rounds
+
+
+def test_a_synthetic_models_logits_and_states_are_fixed_by_the_context_whatever_a_caller_does_with_them() -> None:
+    """The model draws each context's logits and hidden state once and hands out copies: changing one
+    changes nothing it returns later, and a fresh model with the same seed draws the same numbers."""
+    model = SyntheticLM(vocab_size=5, seed=3, base=SyntheticLM(vocab_size=5, seed=4), noise=0.5)
+    logits, state = model.logits_for([1, 2]), model.hidden_for([1, 2])
+    want_logits, want_state = logits.clone(), state.clone()
+    logits += 100.0
+    state.zero_()
+    fresh = SyntheticLM(vocab_size=5, seed=3, base=SyntheticLM(vocab_size=5, seed=4), noise=0.5)
+    for got, want in ((model.logits_for([1, 2]), want_logits), (model.hidden_for((1, 2)), want_state),
+                      (fresh.logits_for((1, 2)), want_logits), (fresh.hidden_for([1, 2]), want_state)):
+        assert torch.equal(got, want)
+    assert not torch.equal(model.logits_for([2, 1]), want_logits)

@@ -181,15 +181,20 @@ def test_a_context_beyond_the_trained_window_needs_a_scaling_method_on_the_comma
 
 @pytest.mark.real_model
 def test_greedy_triforce_beyond_8k_equals_autoregressive_decoding() -> None:
-    """fp32, YaRN to a 10K window, an 8.4K-token prompt: TriForce's output is the target's greedy output."""
+    """fp32, YaRN to a 10K window, an 8.4K-token prompt: TriForce's output is the target's greedy output.
+    TriForce takes the target's prefill from the reference (``share_prefill``, tested below to fill the
+    cache a prefill does): its draft and retrieval levels prefill, the 8.4K-token target prefill runs once."""
     from specstack.data import book_tokens
     from specstack.models import load_default
 
     target, draft, tokenizer = load_default(context=10240, rope_scaling="yarn")
     prompt = book_tokens(tokenizer, 8400, name="persuasion")
     registry = Registry.create()
-    reference = registry.stack("autoregressive", target=target).generate(prompt, 24)
-    result = registry.stack("triforce", target=target, draft=draft).generate(prompt, 24)
+    autoregressive = registry.stack("autoregressive", target=target)
+    reference = autoregressive.generate(prompt, 24)
+    triforce = registry.stack("triforce", target=target, draft=draft)
+    assert triforce.share_prefill(autoregressive, prompt)
+    result = triforce.generate(prompt, 24, reuse_cache=True)
     assert result.tokens == reference.tokens
     assert result.levels[-1].forward_calls < reference.levels[-1].forward_calls  # it did speculate
 

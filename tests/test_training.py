@@ -68,14 +68,14 @@ def test_a_target_that_is_not_a_model_directory_is_one_line(capsys, tmp_path) ->
 
 
 @pytest.mark.real_model
-def test_a_smoke_distillation_trains_a_draft_that_a_lossless_stack_runs(tmp_path, capsys) -> None:
+def test_a_smoke_distillation_trains_a_draft_that_a_lossless_stack_runs(tmp_path, capsys, threads) -> None:
     from specstack import Registry
     from specstack.data import book_tokens
     from specstack.models import load_default, load_draft
 
     out = tmp_path / "draft"
     argv = ["train", "draft", "--text", "emma", "--eval-text", "persuasion", "--eval-text", "kjv", "--out", str(out),
-            "--minutes", "0.05", "--set", "layers=0,29", "--set", "seq_len=64", "--set", "batch=1", "--set", "top_k=8", "--set", "eval_positions=128", "--set", "threads=2",
+            "--minutes", "0.05", "--set", "layers=0,29", "--set", "seq_len=64", "--set", "batch=1", "--set", "top_k=8", "--set", "eval_positions=128", "--set", f"threads={threads}",
             "--set", "teacher_bf16=false", "--set", "autocast=false"]  # fp32: a CPU without bf16 instructions runs it several times faster
     assert main(argv) == 0
     metrics = json.loads((out / "distill_metrics.json").read_text())
@@ -219,7 +219,7 @@ def test_sharing_needs_the_targets_widths() -> None:
 
 
 @pytest.mark.real_model
-def test_a_smoke_medusa_training_gives_heads_that_a_lossless_stack_runs(tmp_path, capsys) -> None:
+def test_a_smoke_medusa_training_gives_heads_that_a_lossless_stack_runs(tmp_path, capsys, threads) -> None:
     from specstack import Registry
     from specstack.data import book_tokens
     from specstack.models import load_default
@@ -228,7 +228,7 @@ def test_a_smoke_medusa_training_gives_heads_that_a_lossless_stack_runs(tmp_path
     out = tmp_path / "heads.safetensors"
     argv = ["train", "medusa", "--text", "emma", "--eval-text", "persuasion", "--out", str(out), "--minutes", "0.05",
             "--set", "seq_len=48", "--set", "prompt_len=16", "--set", "chunks=4", "--set", "generations=2", "--set", "gen_batch=2",
-            "--set", "eval_chunks=2", "--set", "positions=32", "--set", "heads=2", "--set", "threads=2"]
+            "--set", "eval_chunks=2", "--set", "positions=32", "--set", "heads=2", "--set", f"threads={threads}"]
     assert main(argv + ["--data", str(tmp_path / "data.pt")]) == 0
     assert "labelled" in capsys.readouterr().out
     chained = tmp_path / "chained.safetensors"
