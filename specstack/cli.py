@@ -8,13 +8,12 @@ import os
 import sys
 from typing import Sequence
 
-import torch
-
 from .bench.cli import add_bench_parser
 from .bench.floor import add_floor_parser
 from .bench.quality import add_quality_parser
 from .errors import SpecstackError
 from .registry import Kind, Registry
+from .run import torch_threads
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -24,9 +23,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not hasattr(args, "run"):
         parser.print_help()
         return 0
-    threads = torch.get_num_threads()
     try:
-        return args.run(args) or 0
+        with torch_threads():  # a command's --threads is its own
+            return args.run(args) or 0
     except SpecstackError as error:
         print(f"specstack {args.command}: error: {error}", file=sys.stderr)
         return 2
@@ -35,8 +34,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:  # the reader went away (`specstack plugins | head`): stop quietly
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
-    finally:  # a command's --threads is its own: main() may run inside a longer process (a test, a notebook)
-        torch.set_num_threads(threads)
 
 
 def _parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import re
 import sys
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Iterable, Iterator, Sequence
 
 import attrs
 import torch
@@ -159,6 +160,20 @@ def _value(text: str) -> object:
 
 def status(message: str) -> None:
     print(f"[specstack] {message}", file=sys.stderr, flush=True)
+
+
+@contextlib.contextmanager
+def torch_threads(threads: int | None = None) -> Iterator[None]:
+    """torch's intra-op threads at ``threads`` (None: as they are) for the body, then as they were
+    before it: the count is process-wide, and a command may run inside a longer process (a test, a
+    notebook, a benchmark's other groups)."""
+    before = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def progress_printer(label: str, *, long_only: bool = False):

@@ -13,10 +13,10 @@ import contextlib
 from typing import Callable, ClassVar, Iterator
 
 import attrs
-import torch
 
 from ..errors import SpecstackError
 from ..registry import Registry
+from ..run import torch_threads
 from .grid import Point
 from .runner import Job, Runner, run_groups
 
@@ -35,22 +35,11 @@ class LocalExecutor:
         return cls()
 
     def run(self, job: Job, groups: list[list[Point]], pending: set[str], sink: Sink, registry: Registry | None = None) -> None:
-        with _threads(job.threads):
+        with torch_threads(job.threads):
             runner = Runner.open(job, registry)
             for group in groups:
                 for record in runner.run_group(group, pending):
                     sink(record)
-
-
-@contextlib.contextmanager
-def _threads(threads: int | None) -> Iterator[None]:
-    before = torch.get_num_threads()
-    if threads:
-        torch.set_num_threads(threads)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 @attrs.frozen(kw_only=True)

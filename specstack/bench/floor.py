@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from typing import Callable, Sequence
 
@@ -28,6 +27,7 @@ import attrs
 import torch
 
 from ..errors import SpecstackError
+from ..run import status, torch_threads
 from ..floor import DTYPES, Floor, Machine, ModelShape, dtype_name, forward_floor, measure_machine
 
 LEVELS = {"full": "L2 target+full", "retrieval": "L1 target+retrieval", "draft": "L0 draft+streaming"}
@@ -263,25 +263,16 @@ def default_levels(opts: Options) -> list[Level]:
     return levels
 
 
-def status(message: str) -> None:
-    print(f"[specstack] {message}", file=sys.stderr, flush=True)
-
-
 def run_floor(args: argparse.Namespace, levels: Sequence[Level] | None = None) -> int:
     """``specstack floor``; ``levels`` replaces the embedded default (tests pass random-weight models)."""
     opts = options(args)  # before any weights are read
-    threads = torch.get_num_threads()
-    if opts.threads:
-        torch.set_num_threads(opts.threads)
-    try:
+    with torch_threads(opts.threads):
         status("loading the models" if levels is None else "using the given models")
         levels = default_levels(opts) if levels is None else levels
         shapes = {level.role: level.shape for level in levels}
         status("measuring read bandwidth and GEMM throughput")
         machine = measure_machine(shapes, opts.tokens)
         rows = measure(levels, machine, tokens=opts.tokens, tree=opts.tree, repeats=opts.repeats, progress=status)
-    finally:
-        torch.set_num_threads(threads)
     if args.json:
         print(json.dumps({"dtype": opts.dtype, "repeats": opts.repeats, "machine": machine.as_dict(),
                           "models": {name: attrs.asdict(shape) for name, shape in shapes.items()},

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from ..data import BOOKS
 from ..errors import SpecstackError
+from ..run import torch_threads
 
 CHUNK = 2048  # tokens per forward: at most one [CHUNK, V] block of logits is held at a time
 PASSKEY_TOKENS = 12  # greedy tokens decoded after the passkey question
@@ -234,13 +235,8 @@ def options(args: argparse.Namespace) -> Options:
 def run_quality(args: argparse.Namespace, loaded=None) -> int:
     """``specstack quality``; ``loaded`` = (model, tokenizer) replaces the embedded default (tests)."""
     opts = options(args)  # before any weights are read
-    threads = torch.get_num_threads()
-    if opts.threads:
-        torch.set_num_threads(opts.threads)
-    try:
+    with torch_threads(opts.threads):
         record = _measure(opts, loaded)
-    finally:
-        torch.set_num_threads(threads)
     print(json.dumps(record) if args.json else "\n".join(report(record)))
     return 0
 
