@@ -60,7 +60,8 @@ class DemoRow:
 
 def task_prompt(tokenizer, *, book: str, length: int) -> list[int]:
     """``length`` tokens of ``book`` followed by a request to summarise them, in the model's chat
-    format: a task the 135M model answers with readable prose instead of looping."""
+    format: a task the 135M model begins with readable prose (decoding greedily, it repeats a sentence
+    after a few dozen tokens, as it did on every other request tried; README)."""
     from .data import book_tokens
 
     passage = tokenizer.decode(book_tokens(tokenizer, length, name=book))
