@@ -57,7 +57,7 @@ class SyntheticLM:
     device: torch.device = attrs.field(default="cpu", converter=torch.device)  # where its KV cache and logits live
     _embeddings: torch.Tensor = attrs.field(init=False)  # [2, V, D]: key and query embedding of each token
     _head: torch.Tensor = attrs.field(init=False)  # [V, H]: the output head hidden states are read through
-    _drawn: dict = attrs.field(init=False, factory=dict)  # (what, context) -> its logits [V] or hidden state [H], drawn once: tests ask again and again
+    _drawn: dict[tuple, torch.Tensor] = attrs.field(init=False, factory=dict)  # (what, context) -> its logits [V] or hidden state [H], drawn once: tests ask again and again
 
     def __attrs_post_init__(self) -> None:
         generator = torch.Generator(device="cpu").manual_seed(self.seed)

@@ -27,8 +27,8 @@ import attrs
 import torch
 
 from ..errors import SpecstackError
-from ..run import status, torch_threads
 from ..floor import DTYPES, Floor, Machine, ModelShape, dtype_name, forward_floor, measure_machine
+from ..run import status, torch_threads
 
 LEVELS = {"full": "L2 target+full", "retrieval": "L1 target+retrieval", "draft": "L0 draft+streaming"}
 CACHES = (1024, 4096, 7500)
