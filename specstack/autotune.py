@@ -14,6 +14,13 @@ hierarchy; Sequoia (Chen et al., 2024) does the same for tree sizes against a ha
 Acceptance is assumed independent of γ (the i.i.d. model behind Leviathan et al.'s Eq. 1). Token
 trees keep their planned shape: a level verifying a tree keeps its γ (the tree's depth), and only the
 levels verifying chains are tuned.
+
+Acceptance also changes along a generation (a greedy text that falls into a repeated sentence is
+drafted almost perfectly), so a choice made from the first tokens can be wrong for the rest.
+:class:`Retuner` re-chooses γ during decoding from the acceptance of the rounds just run, with the
+costs measured once by :func:`tune` (``gamma=adaptive``). Each round's γ is fixed from earlier rounds
+before its draft is drawn, and verification is exact for any γ, so the output distribution stays the
+target's (Leviathan et al., 2023, Theorem 1, round by round).
 """
 
 from __future__ import annotations
@@ -44,6 +51,12 @@ class Tuning:
     verify_costs: tuple[dict[int, float], ...]  # per verifying level: T -> seconds of a T-token forward
     predicted_speedup: float
     calibration_tokens: int
+    max_gamma: int  # the longest chain γ priced (verify_costs hold forwards up to max_gamma + 1 tokens)
+    fixed: tuple[int | None, ...]  # per verifying level: a tree's depth, kept; None: a chain, tuned
+
+    def choose(self, acceptances: Sequence[float]) -> tuple[tuple[int, ...], float]:
+        """The best γ per level for ``acceptances`` at the measured costs, and its predicted speedup."""
+        return best_gammas(self.draft_cost, self.verify_costs, acceptances, self.verify_costs[-1][1], self.max_gamma, self.fixed)
 
     def describe(self) -> str:
         gammas = ", ".join(f"γ{i + 1}={g}" for i, g in enumerate(self.gammas))
@@ -55,10 +68,27 @@ class Tuning:
                 "predicted_speedup": self.predicted_speedup, "calibration_tokens": self.calibration_tokens}
 
 
-def auto_options(options: Sequence[str]) -> tuple[list[str], bool]:
-    """Split ``-o`` options into the others and whether any γ option (``gamma``, ``gamma1``, …) asked for ``auto``."""
-    auto = [o for o in options if o.partition("=")[0].replace("-", "_").startswith("gamma") and o.partition("=")[2] == "auto"]
-    return [o for o in options if o not in auto], bool(auto)
+TUNINGS = ("auto", "adaptive")  # gamma=auto: tuned once before decoding; gamma=adaptive: then re-tuned during it
+
+
+def auto_options(options: Sequence[str]) -> tuple[list[str], str | None]:
+    """Split ``-o`` options into the others and the tuning that γ options (``gamma``, ``gamma1``, …)
+    ask for: ``"adaptive"`` if any says so, else ``"auto"`` if any says so, else None."""
+    def tuning(option: str) -> str | None:
+        key, _, value = option.partition("=")
+        return value if key.replace("-", "_").startswith("gamma") and value in TUNINGS else None
+
+    asked = {tuning(o) for o in options} - {None}
+    return [o for o in options if tuning(o) is None], next((mode for mode in reversed(TUNINGS) if mode in asked), None)
+
+
+def tuned(stack: SpeculationStack, prompt: Sequence[int], mode: str, **calibration) -> tuple[Tuning, "Retuner | None"]:
+    """``mode`` ``"auto"``: :func:`tune` ``stack`` on ``prompt``; ``"adaptive"``: that, and a
+    :class:`Retuner` to pass to the generation that follows (``after_round=``)."""
+    if mode not in TUNINGS:
+        raise SpecstackError(f"gamma={mode!r} is not allowed; use an integer >= 1, auto or adaptive")
+    tuning = tune(stack, prompt, **calibration)
+    return tuning, Retuner.follow(stack, tuning) if mode == "adaptive" else None
 
 
 def verifying_levels(stack: SpeculationStack) -> list[SpeculativeLevel]:
@@ -101,11 +131,92 @@ def tune(stack: SpeculationStack, prompt: Sequence[int], *, calibration_tokens: 
     fixed = tuple(level.gamma if level.drafter.draft_kind is not DraftKind.CHAIN else None for level in levels)  # a tree's depth stays
     most = max([max_gamma, *(g for g in fixed if g is not None)]) + 1
     costs = tuple(_verify_costs(level, len(prompt), most, repeats, seed) for level in levels)
-    gammas, speedup = best_gammas(draft_cost, costs, acceptances, costs[-1][1], max_gamma, fixed)
+    tuning = Tuning(gammas=before, before=before, acceptances=acceptances, draft_cost=draft_cost, verify_costs=costs,
+                    predicted_speedup=0.0, calibration_tokens=len(calibration.tokens), max_gamma=max_gamma, fixed=fixed)
+    gammas, speedup = tuning.choose(acceptances)
+    _set_gammas(levels, gammas)
+    return attrs.evolve(tuning, gammas=gammas, predicted_speedup=speedup)
+
+
+def _set_gammas(levels: Sequence[SpeculativeLevel], gammas: Sequence[int]) -> None:
     for level, gamma in zip(levels, gammas):
         level.gamma = gamma
-    return Tuning(gammas=gammas, before=before, acceptances=acceptances, draft_cost=draft_cost, verify_costs=costs,
-                  predicted_speedup=speedup, calibration_tokens=len(calibration.tokens))
+
+
+def _positive(instance, attribute, value: int) -> None:
+    if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+        raise SpecstackError(f"{attribute.name} {value!r} is not allowed; use an integer >= 1")
+
+
+def _weight(instance, attribute, value: float) -> None:
+    if not (isinstance(value, (int, float)) and 0 <= value < 1):
+        raise SpecstackError(f"{attribute.name} {value!r} is not allowed; use a weight in [0, 1)")
+
+
+@attrs.define(eq=False, kw_only=True)
+class Retuner:
+    """Re-chooses γ during one generation: ``SpeculationStack.generate(..., after_round=retuner)``.
+
+    Every ``every`` emitted tokens it estimates each verifying level's acceptance α_i from the tokens
+    its verifier examined since the last choice, plus ``memory`` times what it counted before (an
+    exponentially weighted count that starts from the calibration's α with the weight of ``every``
+    examined tokens), and sets :meth:`Tuning.choose`'s γ on the levels. ``history`` records each
+    change as (tokens emitted, γ per level). Start one per generation with :meth:`follow`."""
+
+    tuning: Tuning
+    levels: tuple[SpeculativeLevel, ...] = attrs.field(converter=tuple)
+    every: int = attrs.field(default=16, validator=_positive)
+    memory: float = attrs.field(default=0.5, validator=_weight)
+    history: list[tuple[int, tuple[int, ...]]] = attrs.field(factory=list)
+    _weighted: list[tuple[float, float]] = attrs.field(init=False)  # per level: (accepted, examined)
+    _counted: list[tuple[int, int]] = attrs.field(init=False)  # per level: the counters at the last choice
+    _next: int = attrs.field(init=False)
+
+    def __attrs_post_init__(self) -> None:
+        self._weighted = [(a * self.every, float(self.every)) for a in self.tuning.acceptances]
+        self._counted = [_examined(level) for level in self.levels]
+        self._next = self.every
+
+    @classmethod
+    def follow(cls, stack: SpeculationStack, tuning: Tuning, *, every: int = 16, memory: float = 0.5) -> "Retuner":
+        """A retuner for ``stack``'s next generation, from the costs and acceptance ``tuning`` measured."""
+        levels = verifying_levels(stack)
+        if len(levels) != len(tuning.gammas):
+            raise SpecstackError(f"this tuning has {len(tuning.gammas)} verifying levels but the stack has {len(levels)}")
+        return cls(tuning=tuning, levels=levels, every=every, memory=memory)
+
+    def describe(self) -> str:
+        if not self.history:
+            return "gamma=adaptive kept them during decoding"
+        changes = "; ".join(f"{', '.join(map(str, gammas))} at token {emitted}" for emitted, gammas in self.history)
+        return f"gamma=adaptive re-chose them {len(self.history)} time{'s' * (len(self.history) != 1)} during decoding: {changes}"
+
+    def __call__(self, emitted: int) -> None:
+        """After a top-level round that brought the generation to ``emitted`` tokens."""
+        if emitted < self._next:
+            return
+        self._next = emitted + self.every
+        gammas, _ = self.tuning.choose(self._update())
+        if gammas != tuple(level.gamma for level in self.levels):
+            _set_gammas(self.levels, gammas)
+            self.history.append((emitted, gammas))
+
+    def _update(self) -> tuple[float, ...]:
+        """Fold each level's counts since the last choice into its weighted ones; α_i per level."""
+        for i, level in enumerate(self.levels):
+            now = _examined(level)
+            accepted, examined = now[0] - self._counted[i][0], now[1] - self._counted[i][1]
+            self._counted[i] = now
+            if examined:  # a level that examined nothing since keeps its estimate
+                weighted = self._weighted[i]
+                self._weighted[i] = (self.memory * weighted[0] + accepted, self.memory * weighted[1] + examined)
+        return tuple(accepted / examined for accepted, examined in self._weighted)
+
+
+def _examined(level: SpeculativeLevel) -> tuple[int, int]:
+    """A level's accepted and examined drafted tokens so far (``LevelStats.token_acceptance_rate``'s counts)."""
+    stats = level.lm.stats
+    return stats.accepted, stats.accepted + stats.rejected
 
 
 def _draft_cost(drafter, stats) -> float:

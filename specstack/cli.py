@@ -61,7 +61,7 @@ def _parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
                       help="tokens of Pride and Prejudice before the summary request (default: 7000, or what fills --context)")
     demo.add_argument("--prompt-file", help="use this file's text as the prompt instead ('-' for stdin)")
     demo.add_argument("--stacks", nargs="+", default=["triforce", "medusa-lookup"], metavar="NAME", help="stacks to compare (default: triforce medusa-lookup)")
-    demo.add_argument("--no-tune", dest="tune", action="store_false", help="keep each stack's default γ instead of tuning it (gamma=auto)")
+    demo.add_argument("--no-tune", dest="tune", action="store_false", help="keep each stack's default γ instead of tuning it (gamma=auto; -o gamma=adaptive also re-tunes it during decoding)")
     demo.add_argument("--json", action="store_true", help="print one JSON record instead of the table")
     demo.add_argument("--synthetic", action="store_true", help="use synthetic models (no weights needed)")
     _add_stack_options(demo, default_stack=None, max_new_tokens=128)
@@ -150,16 +150,20 @@ def _prepare(args: argparse.Namespace) -> int:
 def _generate(args: argparse.Namespace) -> int:
     from . import run
 
-    from .autotune import auto_options, tune
+    from .autotune import auto_options, tuned
 
     session = run.Session.open(args)
     prompt = session.prompt_tokens(prompt=args.prompt, prompt_file=args.prompt_file, book=args.book, length=args.prompt_tokens)
-    options, auto = auto_options(args.option)
+    options, mode = auto_options(args.option)
     stack = session.stack(args.stack, options)
-    if auto:
-        run.status(tune(stack, prompt, seed=args.seed, prefill_progress=run.progress_printer("prefill", long_only=True)).describe())
-    result = stack.generate(prompt, args.max_new_tokens, progress=run.progress_printer("decoding"), reuse_cache=auto,
-                            prefill_progress=run.progress_printer("prefill", long_only=True))
+    retuner = None
+    if mode:
+        tuning, retuner = tuned(stack, prompt, mode, seed=args.seed, prefill_progress=run.progress_printer("prefill", long_only=True))
+        run.status(tuning.describe())
+    result = stack.generate(prompt, args.max_new_tokens, progress=run.progress_printer("decoding"), reuse_cache=mode is not None,
+                            prefill_progress=run.progress_printer("prefill", long_only=True), after_round=retuner)
+    if retuner is not None:
+        run.status(retuner.describe())
     text = session.tokenizer.decode(list(result.tokens))
     if args.json:
         print(json.dumps({"stack": args.stack, "device": str(session.target.device), "text": text, **result.as_dict()}))

@@ -94,7 +94,7 @@ def triforce_demo(args) -> int:
     sampling = session.sampling
     run.status(f"prompt: {source}, {len(prompt)} tokens; {args.max_new_tokens} new tokens; temperature {sampling.temperature}; "
                f"{session.dtype}; torch threads {torch.get_num_threads()}; device {session.target.device}")
-    options, auto = autotune.auto_options(args.option)
+    options, mode = autotune.auto_options(args.option)
     stacks = {name: session.stack(name, options) for name in args.stacks}  # bad names and options fail before any decoding
     autoregressive = session.stack("autoregressive", [])
     reference = autoregressive.generate(prompt, args.max_new_tokens, seed=args.seed, progress=run.progress_printer("autoregressive"),
@@ -102,7 +102,7 @@ def triforce_demo(args) -> int:
     rows = []
     for name, stack in stacks.items():
         shared = stack.share_prefill(autoregressive, prompt)  # the target's prefill, paid once
-        rows.append(_demo_row(session, name, stack, args.tune or auto, args, prompt, reference, shared))
+        rows.append(_demo_row(session, name, stack, mode or ("auto" if args.tune else None), args, prompt, reference, shared))
     text = session.tokenizer.decode(list(reference.tokens))
     if args.json:
         print(json.dumps({"prompt": source, "prompt_tokens": len(prompt), "new_tokens": args.max_new_tokens, "dtype": str(session.dtype).removeprefix("torch."),
@@ -121,17 +121,18 @@ def triforce_demo(args) -> int:
     return 0
 
 
-def _demo_row(session, name: str, stack, tune: bool, args, prompt: list[int], reference, shared: bool) -> DemoRow:
+def _demo_row(session, name: str, stack, tuning_mode: str | None, args, prompt: list[int], reference, shared: bool) -> DemoRow:
     from . import autotune, run
     from .speedup import measured_speedup
 
-    tuning = None
-    if tune:
+    tuning = retuner = None
+    if tuning_mode:
         run.status(f"{name}: tuning γ (calibration run and forward timings)")
-        tuning = autotune.tune(stack, prompt, seed=args.seed, prefill_progress=run.progress_printer(f"{name}: prefill", long_only=True), reuse_cache=shared)
+        tuning, retuner = autotune.tuned(stack, prompt, tuning_mode, seed=args.seed, reuse_cache=shared,
+                                         prefill_progress=run.progress_printer(f"{name}: prefill", long_only=True))
         run.status(tuning.describe())
     result = stack.generate(prompt, args.max_new_tokens, seed=args.seed, progress=run.progress_printer(name), reuse_cache=shared or tuning is not None,
-                            prefill_progress=run.progress_printer(f"{name}: prefill", long_only=True))
+                            prefill_progress=run.progress_printer(f"{name}: prefill", long_only=True), after_round=retuner)
     target = result.levels[-1]
     identical = list(result.tokens) == list(reference.tokens) if session.sampling.greedy else None
     return DemoRow(
@@ -140,8 +141,16 @@ def _demo_row(session, name: str, stack, tune: bool, args, prompt: list[int], re
         acceptance={level.name: level.acceptance_rate for level in result.levels[1:]},
         tokens_per_target_forward=len(result.tokens) / max(target.forward_calls, 1),
         exactness=_exactness(session, prompt, reference, result, identical), identical=identical,
-        tuning=None if tuning is None else {**tuning.as_dict(), "description": tuning.describe()},
+        tuning=None if tuning is None else _tuning_record(tuning, retuner),
     )
+
+
+def _tuning_record(tuning, retuner) -> dict:
+    """What the demo prints and records of a stack's γ: the tuner's choice and any changes during decoding."""
+    record = {**tuning.as_dict(), "description": tuning.describe()}
+    if retuner is not None:
+        record |= {"retuned": [[emitted, list(gammas)] for emitted, gammas in retuner.history], "description": f"{tuning.describe()}; {retuner.describe()}"}
+    return record
 
 
 def _exactness(session, prompt, reference, result, identical: bool | None) -> str:

@@ -212,11 +212,12 @@ class SpeculationStack:
         return cls(top=drafter, target=levels[-1].model, sampling=sampling, generators=generators, stop_tokens=stops, depth=len(levels))
 
     def generate(self, prompt: Sequence[int], max_new_tokens: int, *, seed: int | None = None, progress=None,
-                 reuse_cache: bool = False, prefill_progress=None) -> GenerationResult:
+                 reuse_cache: bool = False, prefill_progress=None, after_round: Callable[[int], None] | None = None) -> GenerationResult:
         """Decode up to ``max_new_tokens`` tokens after ``prompt``, stopping after a stop token.
 
         ``progress(done, total)`` is called after each top-level round, ``prefill_progress(done, total)``
-        after each chunk of ``prefill_chunk`` prompt tokens. Each call starts from empty
+        after each chunk of ``prefill_chunk`` prompt tokens, and ``after_round(emitted)`` after each
+        top-level round, before the next is drafted (``specstack.autotune.Retuner`` sets γ there). Each call starts from empty
         caches, so equal seeds give equal outputs; ``reuse_cache=True`` keeps whatever the caches hold
         of this prompt from the previous call (much faster for many samples of one long prompt; still
         lossless, but an evicting cache then starts from a history-dependent view)."""
@@ -242,6 +243,8 @@ class SpeculationStack:
             tokens += emitted
             if progress is not None:
                 progress(min(len(tokens), max_new_tokens), max_new_tokens)
+            if after_round is not None:
+                after_round(len(tokens))
         self.generators.synchronize()
         seconds = time.perf_counter() - began
         tokens = tokens[:max_new_tokens]

@@ -107,3 +107,101 @@ def test_a_level_verifying_a_tree_keeps_its_depth() -> None:
     tuning = autotune.tune(stack, list(range(1, 12)), calibration_tokens=8, max_gamma=2, repeats=1)
     assert tuning.gammas == (depth,) == tuple(level.gamma for level in autotune.verifying_levels(stack)) and depth > 2
     assert autotune.best_gammas(1e-6, [{t: 1.0 for t in range(1, 8)}] * 2, (0.9, 0.9), 1.0, 3, fixed=(None, 6))[0][1] == 6
+
+
+def _tuning(levels: int, *, acceptances: tuple[float, ...], max_gamma: int = 6) -> autotune.Tuning:
+    """Costs that make γ follow acceptance: every forward costs 1, whatever its width, and drafting is cheap."""
+    flat = {t: 1.0 for t in range(1, max_gamma + 2)}
+    return autotune.Tuning(gammas=(1,) * levels, before=(1,) * levels, acceptances=acceptances, draft_cost=0.01,
+                           verify_costs=(flat,) * levels, predicted_speedup=1.0, calibration_tokens=8, max_gamma=max_gamma,
+                           fixed=(None,) * levels)
+
+
+def _two_levels(sampling=None, seed: int = 1) -> tuple[SpeculationStack, SyntheticLM]:
+    from specstack import SamplingConfig
+
+    target = SyntheticLM(vocab_size=4, seed=seed, sharpness=1.5)
+    draft = SyntheticLM(vocab_size=4, seed=seed + 1, base=target, noise=1.0)
+    stack = SpeculationStack.build([Level(model=draft), Level(model=target, gamma=1)], sampling=sampling or SamplingConfig(), seed=seed)
+    return stack, target
+
+
+def test_the_retuner_follows_the_acceptance_of_the_last_rounds() -> None:
+    """Counts written into the level's stats stand for rounds: a run of accepted tokens lengthens γ,
+    a run of rejections shortens it, and the calibration's estimate weighs like ``every`` tokens."""
+    stack, _ = _two_levels()
+    retuner = autotune.Retuner.follow(stack, _tuning(1, acceptances=(0.3,)), every=4, memory=0.5)
+    (level,) = autotune.verifying_levels(stack)
+    stats = level.lm.stats
+    retuner(3)  # before `every` tokens: nothing is chosen
+    assert level.gamma == 1 and retuner.history == []
+    stats.accepted += 40  # 40 tokens examined, all accepted: α = (0.5 · 1.2 + 40) / (0.5 · 4 + 40) = 0.97
+    retuner(4)
+    high = level.gamma
+    assert high == autotune.best_gammas(0.01, [{t: 1.0 for t in range(1, 8)}], [40.6 / 42], 1.0, 6)[0][0] > 1
+    assert retuner.history == [(4, (high,))]
+    stats.rejected += 40  # 40 rejections: α falls to 20.3 / 61 = 0.33
+    retuner(6)  # the next choice is due at 8 tokens
+    assert level.gamma == high
+    retuner(8)
+    assert level.gamma < high and retuner.history[-1] == (8, (level.gamma,))
+
+
+def test_a_retuned_stack_decodes_greedily_as_the_target() -> None:
+    """γ changes between the rounds of one generation (every round, no memory) and the output is
+    still the target's greedy decoding, over three levels with a StreamingLLM draft."""
+    stack, target = _three_levels()
+    prompt = list(range(1, 12))
+    retuner = autotune.Retuner.follow(stack, _tuning(2, acceptances=(0.5, 0.5)), every=1, memory=0.0)
+    result = stack.generate(prompt, 40, after_round=retuner)
+    assert len({gammas for _, gammas in retuner.history}) >= 2  # γ really moved
+    assert list(result.tokens) == greedy_decode(target, prompt, 40)
+
+
+def test_a_retuned_stack_samples_from_the_target() -> None:
+    """Sampled at T = 1 with γ re-chosen after every round: chi-square against the exact distribution
+    of 3-token continuations (the method of test_distribution.py)."""
+    from specstack import SamplingConfig
+    from specstack.synthetic import sequence_probabilities
+    from specstack.testing import ALPHA, SAMPLES, chi_square_pvalue
+
+    sampling = SamplingConfig(temperature=1.0)
+    stack, target = _two_levels(sampling, seed=3)
+    drawn, moved = [], set()
+    for _ in range(SAMPLES):
+        retuner = autotune.Retuner.follow(stack, _tuning(1, acceptances=(0.5,), max_gamma=3), every=1, memory=0.0)
+        drawn.append(stack.generate([1, 2], 3, after_round=retuner).tokens)
+        moved.update(gammas for _, gammas in retuner.history)
+    assert len(moved) >= 2
+    assert chi_square_pvalue(drawn, sequence_probabilities(target, [1, 2], 3, sampling)) > ALPHA
+
+
+@pytest.mark.parametrize("bad, message", [({"every": 0}, "every 0 is not allowed"), ({"memory": 1.0}, "memory 1.0 is not allowed")])
+def test_retuner_settings_are_checked(bad: dict, message: str) -> None:
+    stack, _ = _two_levels()
+    with pytest.raises(SpecstackError, match=message):
+        autotune.Retuner.follow(stack, _tuning(1, acceptances=(0.5,)), **bad)
+    with pytest.raises(SpecstackError, match="this tuning has 2 verifying levels but the stack has 1"):
+        autotune.Retuner.follow(stack, _tuning(2, acceptances=(0.5, 0.5)))
+
+
+@pytest.mark.parametrize("options, rest, mode", [
+    (["budget=512", "gamma=auto"], ["budget=512"], "auto"),
+    (["gamma1=adaptive", "gamma2=auto"], [], "adaptive"),
+    (["gamma-2=adaptive", "gamma1=3"], ["gamma1=3"], "adaptive"),
+    (["gamma=4"], ["gamma=4"], None),
+])
+def test_gamma_options_ask_for_a_tuning(options: list[str], rest: list[str], mode: str | None) -> None:
+    assert autotune.auto_options(options) == (rest, mode)
+
+
+def test_adaptive_tuning_hands_back_a_retuner_and_auto_does_not(monkeypatch) -> None:
+    monkeypatch.setattr(autotune, "_verify_costs", lambda level, context, most, repeats, seed: {t: 1.0 for t in range(1, most + 1)})
+    stack, _ = _three_levels()
+    prompt = list(range(1, 12))
+    assert autotune.tuned(stack, prompt, "auto", calibration_tokens=8)[1] is None
+    tuning, retuner = autotune.tuned(stack, prompt, "adaptive", calibration_tokens=8)
+    assert isinstance(retuner, autotune.Retuner) and retuner.tuning is tuning
+    assert retuner.describe() == "gamma=adaptive kept them during decoding"
+    with pytest.raises(SpecstackError, match="gamma='sometimes' is not allowed; use an integer >= 1, auto or adaptive"):
+        autotune.tuned(stack, prompt, "sometimes")

@@ -52,3 +52,11 @@ def test_demo_names_an_unknown_stack_in_one_line(capsys) -> None:
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("specstack demo: error:") and "no-such-stack" in err[-1]
     assert torch.get_num_threads() == before
+
+
+def test_demo_retunes_gamma_during_decoding_when_asked(capsys, threads) -> None:
+    record = _demo_json(capsys, threads, "--stacks", "triforce-lookup", "-o", "gamma=adaptive")
+    (row,) = record["stacks"]
+    assert row["identical"] is True
+    assert isinstance(row["tuning"]["retuned"], list) and "gamma=adaptive" in row["tuning"]["description"]
+    assert all(len(gammas) == 2 for _, gammas in row["tuning"]["retuned"])
