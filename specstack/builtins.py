@@ -5,7 +5,7 @@ from __future__ import annotations
 from .drafters import PromptLookupDrafter
 from .hookspecs import hookimpl
 from .policies import FullCache, StreamingLLM
-from .retrieval import AUTO, Retrieval
+from .retrieval import AUTO, STRIDE, Retrieval
 from .recipes import StackRecipe
 from .stack import Level
 from .verify import GreedyVerifier, SequoiaVerifier, SpecInferVerifier, SpeculativeSamplingVerifier, TokenTreeVerifier
@@ -60,19 +60,19 @@ def _streaming_draft(draft, sinks: int, draft_window: int) -> Level:
 
 
 def _triforce(registry, *, target, draft, gamma1: int = 2, gamma2: int = 6, budget: int | str = AUTO, chunk_size: int = 8,
-              stride: int = 64, draft_window: int = 256, sinks: int = 16) -> list[Level]:
+              stride: int = STRIDE, draft_window: int = 256, sinks: int = 16) -> list[Level]:
     retrieval = Retrieval(budget=budget, chunk_size=chunk_size, stride=stride)
     return [_streaming_draft(draft, sinks, draft_window), _view(target, retrieval, gamma1), _full(target, gamma2)]
 
 
 def _triforce_lookup(registry, *, target, gamma1: int = 4, gamma2: int = 6, budget: int | str = AUTO, chunk_size: int = 8,
-                     stride: int = 64, max_ngram: int = 3) -> list[Level]:
+                     stride: int = STRIDE, max_ngram: int = 3) -> list[Level]:
     lookup = registry.drafter("prompt-lookup", vocab=target.vocab_size, max_ngram=max_ngram)
     retrieval = Retrieval(budget=budget, chunk_size=chunk_size, stride=stride)
     return [Level(drafter=lookup), _view(target, retrieval, gamma1), _full(target, gamma2)]
 
 
-def _retrieval_flat(registry, *, target, gamma: int = 6, budget: int | str = AUTO, chunk_size: int = 8, stride: int = 64,
+def _retrieval_flat(registry, *, target, gamma: int = 6, budget: int | str = AUTO, chunk_size: int = 8, stride: int = STRIDE,
                     refresh_below: float = 0.0) -> list[Level]:
     retrieval = Retrieval(budget=budget, chunk_size=chunk_size, stride=stride, refresh_below=refresh_below)
     return [_view(target, retrieval), _full(target, gamma)]

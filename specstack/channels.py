@@ -136,6 +136,11 @@ class FullCacheChannel:
             horizon = self._source.fed_prefix(context)
         return horizon
 
+    def caught_up(self, context: Sequence[int]) -> bool:
+        """Whether the full cache holds ``context`` but for its last token at most, so that a gather now
+        costs the full-cache level no forward of its own: at the start of each of its rounds."""
+        return self._source.fed_prefix(context) >= len(context) - 1
+
     def keys(self, horizon: int) -> torch.Tensor:
         """[L, H, horizon, D] the committed keys."""
         return self._source.cache.keys_before(horizon)

@@ -237,7 +237,8 @@ class CachedModel:
         appended = min(seen, len(context)) - self.cache.horizon
         stale = self.cache.horizon == 0 or appended < 0
         out_of_room = len(self.cache) + len(tokens) - seen + incoming > self.capacity
-        if not (stale or out_of_room or self.policy.needs_refresh(appended, self._acceptance)):
+        refresh = self.policy.needs_refresh(appended, self._acceptance) and self.channel.caught_up(context)
+        if not (stale or out_of_room or refresh):
             return
         horizon = self.channel.horizon(context)
         slots = self.channel.gather(self.policy, horizon)

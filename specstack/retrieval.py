@@ -12,6 +12,7 @@ from .policies import GatheringPolicy, _positive_int
 
 AUTO = "auto"  # a budget that scales with the context
 AUTO_SHARE = 16  # with budget="auto": gather about 1/16 of the context (the paper: 4K of 120K; here 512 of ~8K)
+STRIDE = 8  # appended tokens after which the view is gathered again, at the next round of the full-cache level
 
 
 class Retrieval(GatheringPolicy):
@@ -26,8 +27,13 @@ class Retrieval(GatheringPolicy):
     the query heads that share KV head h (grouped-query attention). The first chunk (attention sinks)
     and the incomplete last chunk are always kept; the best-scoring chunks fill the rest of
     ``budget`` positions. Tokens after the gather are appended behind the gathered ones; the view is
-    gathered again after ``stride`` appended tokens, when the rolling acceptance of this level's
-    drafts falls below ``refresh_below``, or when the ``reserve`` of speculative slots runs out.
+    gathered again after ``stride`` appended tokens or when the rolling acceptance of this level's
+    drafts falls below ``refresh_below`` (either at the next point where the full cache holds the
+    context, the start of a round of its level, so that a gather never makes that level run a forward
+    of its own), or when the ``reserve`` of speculative slots runs out. Scoring with the query of
+    the latest token matters: on 7,000-token prompts, re-gathering every 8 tokens instead of every 64
+    raised the acceptance of the view's 6-token drafts from 0.77 to 0.85 (Austen) and from 0.91 to 0.96
+    (KJV), docs/results.md.
 
     ``budget="auto"`` (the default) scales the budget with the context at every gather: about
     1/16 of it in whole chunks, at least two chunks; a context shorter than two chunks is kept whole.
@@ -38,7 +44,7 @@ class Retrieval(GatheringPolicy):
 
     name = "retrieval"
 
-    def __init__(self, *, budget: int | str = AUTO, chunk_size: int = 8, stride: int = 64, reserve: int = 32, refresh_below: float = 0.0) -> None:
+    def __init__(self, *, budget: int | str = AUTO, chunk_size: int = 8, stride: int = STRIDE, reserve: int = 32, refresh_below: float = 0.0) -> None:
         self.chunk_size = _positive_int("chunk_size", chunk_size)
         self.budget = _budget(budget, self.chunk_size)
         self.stride = _positive_int("stride", stride)

@@ -17,7 +17,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from specstack import FullCache, Level, Registry, Retrieval, SpecstackError, SpeculationStack, StreamingLLM
-from specstack.channels import chunk_means
+from specstack.channels import FullCacheChannel, chunk_means
 from specstack.cli import main
 from specstack.model import CachedModel
 from specstack.run import parse_options
@@ -73,8 +73,8 @@ def test_auto_gathers_about_a_sixteenth_of_the_context_in_whole_chunks() -> None
     policy = Retrieval()
     assert policy.budget == "auto"
     assert [policy.budget_for(n) for n in (4, 15, 16, 300, 2047, 7000, 8192)] == [4, 15, 16, 16, 128, 440, 512]
-    assert policy.capacity(8192) == 512 + 64 + 32  # the 8K window bounds every gather
-    assert Retrieval(budget=256, chunk_size=8).capacity(8192) == 256 + 64 + 32
+    assert policy.capacity(8192) == 512 + 8 + 32  # the 8K window bounds every gather; stride 8, reserve 32
+    assert Retrieval(budget=256, chunk_size=8).capacity(8192) == 256 + 8 + 32
 
 
 @given(
@@ -184,6 +184,27 @@ def test_running_means_compute_only_new_chunks_and_follow_rollbacks_and_new_prom
     assert torch.equal(channel.chunk_means(4, 150), chunk_means(channel.keys(150), 4))
 
 
+def test_a_gather_due_to_the_stride_waits_for_the_full_level_to_hold_the_context(monkeypatch) -> None:
+    """With room to spare, the view is gathered again only at the start of a round of the full level,
+    so no gather makes that level run a forward of its own; the output stays the target's."""
+    target = SyntheticLM(vocab_size=8, seed=5, sharpness=2.0)
+    draft = SyntheticLM(vocab_size=8, seed=6, base=target, noise=1.0)
+    policy = Retrieval(budget=8, chunk_size=2, stride=2, reserve=32)  # stride 2 < γ2 = 4: due in mid-round
+    stack = SpeculationStack.build([Level(model=draft), Level(model=target, policy=policy, gamma=2), Level(model=target, gamma=4)])
+    behind = []
+    horizon = FullCacheChannel.horizon
+
+    def watched(channel, context):
+        behind.append(len(context) - 1 - stack.top.lm.fed_prefix(context))
+        return horizon(channel, context)
+
+    monkeypatch.setattr(FullCacheChannel, "horizon", watched)
+    prompt = list(range(1, 8)) * 3
+    result = stack.generate(prompt, 40)
+    assert list(result.tokens) == greedy_decode(target, prompt, 40)
+    assert result.levels[1].gathers >= 5 and max(behind) <= 0
+
+
 # -- the embedded default -------------------------------------------------------------------------
 
 
@@ -207,17 +228,27 @@ class _CheckedRetrieval(Retrieval):
 
 
 @pytest.mark.real_model
-def test_running_means_select_as_before_over_a_real_gather_sequence(models, prompt) -> None:  # noqa: F811
+def test_running_means_select_as_before_over_a_real_gather_sequence(models, prompt, monkeypatch) -> None:  # noqa: F811
     """TriForce on the embedded default: rejections roll the full cache back below gathered horizons,
-    the channel's catch-up feeds speculative tokens into it, and a second prompt replaces the first."""
+    the channel's catch-up feeds speculative tokens into it (a small reserve runs out in mid-round:
+    a gather due to the stride alone waits for the next round), and a second prompt replaces the first."""
     target, draft, _ = models
-    policy = _CheckedRetrieval(stride=8)
+    policy = _CheckedRetrieval(budget=64, stride=8, reserve=2)
     levels = [Level(model=draft, policy=StreamingLLM(sinks=16, window=256)), Level(model=target, policy=policy, gamma=2), Level(model=target, gamma=6)]
     stack = SpeculationStack.build(levels)
     policy.channel = stack.top.drafter.lm.channel
+    behind = []  # per gather: how many tokens before the context's last one the full cache lacked
+    horizon = FullCacheChannel.horizon
+
+    def watched(channel, context):
+        behind.append(len(context) - 1 - stack.top.lm.fed_prefix(context))
+        return horizon(channel, context)
+
+    monkeypatch.setattr(FullCacheChannel, "horizon", watched)
     for text in (prompt[-400:], prompt[-300:]):
         stack.generate(text, 12)
     assert policy.checked >= 4
+    assert max(behind) > 0  # a gather made the full level catch up
 
 
 @pytest.mark.real_model

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from specstack import MergedDrafter, Retrieval, StackRecipe
 from specstack.builtins import _full, _view
-from specstack.retrieval import AUTO
+from specstack.retrieval import AUTO, STRIDE
 from specstack.stack import Level
 
 from .drafter import MIN_PROB
@@ -37,7 +37,7 @@ def _medusa_chain(registry, *, target, heads: str | MedusaHeads | None = "chaine
 
 
 def _triforce_medusa(registry, *, target, heads: str | MedusaHeads | None = None, tree_size: int = 4, top_k: int = 8, draft_vocab: int | None = None, min_prob: float = MIN_PROB, gamma2: int = 6,
-                     budget: int | str = AUTO, chunk_size: int = 8, stride: int = 64) -> list[Level]:
+                     budget: int | str = AUTO, chunk_size: int = 8, stride: int = STRIDE) -> list[Level]:
     level0 = _heads(registry, target, heads, tree_size, top_k, draft_vocab, min_prob)
     retrieval = Retrieval(budget=budget, chunk_size=chunk_size, stride=stride)
     return [level0, _view(target, retrieval, level0.drafter.step), _full(target, gamma2)]

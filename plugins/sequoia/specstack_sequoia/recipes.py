@@ -11,7 +11,7 @@ import attrs
 
 from specstack import Retrieval, StackRecipe
 from specstack.builtins import _full, _streaming_draft, _view
-from specstack.retrieval import AUTO
+from specstack.retrieval import AUTO, STRIDE
 from specstack.stack import Level
 
 from .drafters import DEFAULT_TREE, SequoiaDrafter
@@ -31,7 +31,7 @@ def _sequoia(registry, *, target, draft, tree: TreeShape | str = DEFAULT_TREE, d
 
 
 def _triforce_tree(registry, *, target, draft, tree: TreeShape | str = "binary:2", gamma2: int = 6, budget: int | str = AUTO, chunk_size: int = 8,
-                   stride: int = 64, draft_window: int = 256, sinks: int = 16) -> list[Level]:
+                   stride: int = STRIDE, draft_window: int = 256, sinks: int = 16) -> list[Level]:
     shape = TreeShape.parse(tree)
     retrieval = Retrieval(budget=budget, chunk_size=chunk_size, stride=stride)
     return [_tree_draft(draft, shape, sinks, draft_window), _view(target, retrieval, shape.depth), _full(target, gamma2)]
@@ -43,7 +43,7 @@ def _lookup_tree(registry, *, target, gamma: int = 4, max_ngram: int = 3, branch
 
 
 def _triforce_lookup_tree(registry, *, target, gamma1: int = 4, gamma2: int = 6, budget: int | str = AUTO, chunk_size: int = 8,
-                          stride: int = 64, max_ngram: int = 3, branches: int = 3) -> list[Level]:
+                          stride: int = STRIDE, max_ngram: int = 3, branches: int = 3) -> list[Level]:
     lookup = registry.drafter("lookup-tree", vocab=target.vocab_size, max_ngram=max_ngram, branches=branches)
     retrieval = Retrieval(budget=budget, chunk_size=chunk_size, stride=stride)
     return [Level(drafter=lookup), _view(target, retrieval, gamma1), _full(target, gamma2)]
