@@ -33,7 +33,7 @@ import torch
 
 from .drafters import ModelLevel
 from .errors import SpecstackError
-from .speedup import LevelCost, StackCost
+from .speedup import LevelCost, StackCost, at_least_one
 from .stack import SpeculationStack, SpeculativeLevel
 from .types import DraftKind
 
@@ -143,11 +143,6 @@ def _set_gammas(levels: Sequence[SpeculativeLevel], gammas: Sequence[int]) -> No
         level.gamma = gamma
 
 
-def _positive(instance, attribute, value: int) -> None:
-    if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
-        raise SpecstackError(f"{attribute.name} {value!r} is not allowed; use an integer >= 1")
-
-
 def _weight(instance, attribute, value: float) -> None:
     if not (isinstance(value, (int, float)) and 0 <= value < 1):
         raise SpecstackError(f"{attribute.name} {value!r} is not allowed; use a weight in [0, 1)")
@@ -165,7 +160,7 @@ class Retuner:
 
     tuning: Tuning
     levels: tuple[SpeculativeLevel, ...] = attrs.field(converter=tuple)
-    every: int = attrs.field(default=16, validator=_positive)
+    every: int = attrs.field(default=16, validator=at_least_one)
     memory: float = attrs.field(default=0.5, validator=_weight)
     history: list[tuple[int, tuple[int, ...]]] = attrs.field(factory=list)
     _weighted: list[tuple[float, float]] = attrs.field(init=False)  # per level: (accepted, examined)
@@ -214,9 +209,8 @@ class Retuner:
 
 
 def _examined(level: SpeculativeLevel) -> tuple[int, int]:
-    """A level's accepted and examined drafted tokens so far (``LevelStats.token_acceptance_rate``'s counts)."""
-    stats = level.lm.stats
-    return stats.accepted, stats.accepted + stats.rejected
+    """A level's accepted and examined drafted tokens so far."""
+    return level.lm.stats.accepted, level.lm.stats.examined
 
 
 def _draft_cost(drafter, stats) -> float:

@@ -31,9 +31,9 @@ class Retrieval(GatheringPolicy):
     drafts falls below ``refresh_below`` (either at the next point where the full cache holds the
     context, the start of a round of its level, so that a gather never makes that level run a forward
     of its own), or when the ``reserve`` of speculative slots runs out. Scoring with the query of
-    the latest token matters: on 7,000-token prompts, re-gathering every 8 tokens instead of every 64
-    raised the acceptance of the view's 6-token drafts from 0.77 to 0.85 (Austen) and from 0.91 to 0.96
-    (KJV), docs/results.md.
+    the latest token matters: at 448 slots of 7,000 tokens, re-gathering every 8 tokens instead of
+    every 64 raised the acceptance of the view's 6-token drafts from 0.748 to 0.823 (Austen) and from
+    0.691 to 0.833 (KJV) (``examples/paper/view_freshness.toml``, docs/results.md).
 
     ``budget="auto"`` (the default) scales the budget with the context at every gather: about
     1/16 of it in whole chunks, at least two chunks; a context shorter than two chunks is kept whole.

@@ -31,7 +31,8 @@ def _acceptance(instance, attribute, value: float) -> None:
         raise SpecstackError(f"{attribute.name} {value!r} is not allowed; use a rate in [0, 1]")
 
 
-def _gamma(instance, attribute, value: int) -> None:
+def at_least_one(instance, attribute, value: int) -> None:
+    """attrs validator: an integer >= 1 (γ, a count)."""
     if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
         raise SpecstackError(f"{attribute.name} {value!r} is not allowed; use an integer >= 1")
 
@@ -53,7 +54,7 @@ class LevelCost:
     """One verifying level: the acceptance of its drafter's tokens, γ, and its forward of γ+1 tokens."""
 
     acceptance: float = attrs.field(validator=_acceptance)
-    gamma: int = attrs.field(validator=_gamma)
+    gamma: int = attrs.field(validator=at_least_one)
     verify_cost: float = attrs.field(validator=_cost)  # c_v, seconds (or any unit, used consistently)
 
     def time_per_token(self, draft_cost: float) -> float:

@@ -208,12 +208,16 @@ class LevelStats:
         return self.accepted / self.drafted if self.drafted else 0.0
 
     @property
+    def examined(self) -> int:
+        """Drafted tokens the verifier looked at: the accepted ones and each round's first rejected one
+        (a drafted token after the first rejection of its round is never examined)."""
+        return self.accepted + self.rejected
+
+    @property
     def token_acceptance_rate(self) -> float:
-        """Accepted / examined tokens: a drafted token after the first rejection of its round is never
-        examined. This estimates α, the probability that a draft token is accepted (Leviathan et al.,
-        2023), which is what the TriForce paper reports as acceptance rate."""
-        examined = self.accepted + self.rejected
-        return self.accepted / examined if examined else 0.0
+        """Accepted / examined tokens. This estimates α, the probability that a draft token is accepted
+        (Leviathan et al., 2023), which is what the TriForce paper reports as acceptance rate."""
+        return self.accepted / self.examined if self.examined else 0.0
 
     @property
     def mean_accepted_per_round(self) -> float:
