@@ -44,12 +44,14 @@ def error_line(capsys) -> str:
      "specstack train: error: grow_from '/nonexistent-draft' is not allowed; name a draft directory holding model.safetensors"),
     (["train", "draft", "--text", "emma", "--out", "unused", "--set", "learning_rate=1"],
      "specstack train: error: hyperparameter 'learning_rate' is not allowed; use hidden, layers, heads, kv_heads, intermediate, "
-     "seq_len, batch, top_k, replay, lr, emb_lr, ce_weight, warmup, weight_decay, eval_positions, eval_every, teacher_bf16, autocast, threads, "
+     "seq_len, batch, top_k, replay, lr, emb_lr, ce_weight, teacher_temperature, warmup, weight_decay, eval_positions, eval_every, teacher_bf16, autocast, threads, "
      "grow_from, shared, scored, generations, prompt_len, gen_temperature, gen_batch"),
     (["train", "draft", "--text", "emma", "--out", "unused", "--set", "generations=-1"],
      "specstack train: error: generations -1 is not allowed; use a whole number >= 0"),
     (["train", "draft", "--text", "emma", "--out", "unused", "--set", "gen_temperature=0"],
      "specstack train: error: gen_temperature 0 is not allowed; use a number > 0, e.g. 0.7"),
+    (["train", "draft", "--text", "emma", "--out", "unused", "--set", "teacher_temperature=-0.5"],
+     "specstack train: error: teacher_temperature -0.5 is not allowed; use a number > 0, e.g. 0.5"),
     (["train", "draft", "--text", "emma", "--out", "unused", "--set", "prompt_len=256", "--set", "generations=8"],
      "specstack train: error: prompt_len 256 is not allowed; use fewer than seq_len=256 tokens (a continuation adds seq_len - prompt_len)"),
     (["train", "draft", "--text", "emma", "--out", "unused", "--set", "shared=-1"],
@@ -166,6 +168,26 @@ def test_the_loss_scores_a_subset_of_positions_as_it_scores_all() -> None:
     expected = -(logp[:, cols].gather(-1, picked.clamp(min=0)[..., None])[..., 0][valid]).mean()
     soft = -(torch.softmax(vals[:, cols], -1) * logp[:, cols].gather(-1, idx[:, cols])).sum(-1).mean()
     assert torch.allclose(distill_loss(logits[:, cols], picked, vals[:, cols], idx[:, cols], 1.0), soft + expected)
+
+
+def test_a_cold_teacher_temperature_makes_the_loss_the_cross_entropy_to_the_teachers_argmax() -> None:
+    """At temperature 1 the soft target is the renormalised top-k; as it falls the loss tends to the
+    cross-entropy to the teacher's top token, and at 0.5 it equals the loss with doubled log-probs."""
+    import torch
+    import torch.nn.functional as F
+
+    from specstack_training.distill import distill_loss, next_tokens
+
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 50, (2, 9), generator=gen)  # [B, T]
+    logits = torch.randn(2, 9, 50, generator=gen)  # [B, T, V]
+    vals, idx = torch.randn(2, 9, 4, generator=gen), torch.randperm(50, generator=gen)[:4].expand(2, 9, 4)  # [B, T, k]
+    half = distill_loss(logits, next_tokens(ids), vals, idx, 0.0, 0.5)
+    assert torch.allclose(half, distill_loss(logits, next_tokens(ids), 2 * vals, idx, 0.0))
+    assert not torch.allclose(half, distill_loss(logits, next_tokens(ids), vals, idx, 0.0))
+    top = idx.gather(-1, vals.argmax(-1, keepdim=True))[..., 0]  # [B, T]: the teacher's argmax
+    argmax_ce = F.cross_entropy(logits.reshape(-1, 50), top.reshape(-1))
+    assert torch.allclose(distill_loss(logits, next_tokens(ids), vals, idx, 0.0, 1e-4), argmax_ce, atol=1e-4)
 
 
 @pytest.mark.real_model

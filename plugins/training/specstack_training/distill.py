@@ -74,6 +74,7 @@ DEFAULTS = dict(
     lr=3e-3,  # peak learning rate for decoder layers and norms
     emb_lr=0.0,  # learning rate for the tied embedding (0 = frozen)
     ce_weight=0.0,  # weight of the next-token cross-entropy term
+    teacher_temperature=1.0,  # divides the teacher's top-k log-probs (< 1 sharpens them toward its argmax, which greedy agreement counts)
     warmup=0.03,  # fraction of the budget spent warming up the LR
     weight_decay=0.0,
     eval_positions=20480,  # held-out positions for greedy agreement
@@ -242,11 +243,12 @@ def teacher_topk(teacher, ids: torch.Tensor, k: int) -> tuple[torch.Tensor, torc
     return vals.half(), idx.int()
 
 
-def distill_loss(student_logits, next_ids, t_vals, t_idx, ce_weight: float) -> torch.Tensor:
-    """Soft cross-entropy to the renormalised top-k teacher distribution (+ CE to ``next_ids``,
-    the tokens that follow each scored position; -100 where none does)."""
+def distill_loss(student_logits, next_ids, t_vals, t_idx, ce_weight: float, temperature: float = 1.0) -> torch.Tensor:
+    """Soft cross-entropy to the renormalised top-k teacher distribution at ``temperature`` (+ CE to
+    ``next_ids``, the tokens that follow each scored position; -100 where none does). A temperature
+    below 1 moves the target toward the teacher's argmax: at 0 it would be the cross-entropy to it."""
     logp = torch.log_softmax(student_logits.float(), dim=-1)  # [B, S, V]
-    q = torch.softmax(t_vals.float(), dim=-1)  # [B, S, k] renormalised teacher probs
+    q = torch.softmax(t_vals.float() / temperature, dim=-1)  # [B, S, k] renormalised teacher probs
     soft = -(q * logp.gather(-1, t_idx.long())).sum(-1).mean()
     if ce_weight == 0:
         return soft
@@ -332,7 +334,7 @@ def train_step(student, opt, ids, t_vals, t_idx, hp, gen: torch.Generator) -> fl
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=hp["autocast"]):
         hidden = student.model(input_ids=ids).last_hidden_state  # [B, T, D]
         logits = student.lm_head(hidden[:, cols])  # [B, S, V]: the LM head only where the loss looks
-    loss = distill_loss(logits, next_tokens(ids)[:, cols], t_vals[:, cols], t_idx[:, cols], hp["ce_weight"])
+    loss = distill_loss(logits, next_tokens(ids)[:, cols], t_vals[:, cols], t_idx[:, cols], hp["ce_weight"], hp["teacher_temperature"])
     opt.zero_grad(set_to_none=True)
     loss.backward()
     torch.nn.utils.clip_grad_norm_(student.parameters(), 1.0)
@@ -457,9 +459,10 @@ def check_generation(hyperparams: dict) -> None:
         value = hyperparams.get(key, DEFAULTS[key])
         if isinstance(value, bool) or not isinstance(value, int) or value < (0 if key == "generations" else 1):
             raise SpecstackError(f"{key} {value!r} is not allowed; use a whole number >= {0 if key == 'generations' else 1}")
-    temperature = hyperparams.get("gen_temperature", DEFAULTS["gen_temperature"])
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature > 0:
-        raise SpecstackError(f"gen_temperature {temperature!r} is not allowed; use a number > 0, e.g. 0.7")
+    for key, example in (("gen_temperature", "0.7"), ("teacher_temperature", "0.5")):
+        temperature = hyperparams.get(key, DEFAULTS[key])
+        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature > 0:
+            raise SpecstackError(f"{key} {temperature!r} is not allowed; use a number > 0, e.g. {example}")
     prompt, row = hyperparams.get("prompt_len", DEFAULTS["prompt_len"]), hyperparams.get("seq_len", DEFAULTS["seq_len"])
     if hyperparams.get("generations", DEFAULTS["generations"]) and prompt >= row:
         raise SpecstackError(f"prompt_len {prompt} is not allowed; use fewer than seq_len={row} tokens (a continuation adds seq_len - prompt_len)")
