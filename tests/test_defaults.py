@@ -184,13 +184,9 @@ def test_running_means_compute_only_new_chunks_and_follow_rollbacks_and_new_prom
     assert torch.equal(channel.chunk_means(4, 150), chunk_means(channel.keys(150), 4))
 
 
-def test_a_gather_due_to_the_stride_waits_for_the_full_level_to_hold_the_context(monkeypatch) -> None:
-    """With room to spare, the view is gathered again only at the start of a round of the full level,
-    so no gather makes that level run a forward of its own; the output stays the target's."""
-    target = SyntheticLM(vocab_size=8, seed=5, sharpness=2.0)
-    draft = SyntheticLM(vocab_size=8, seed=6, base=target, noise=1.0)
-    policy = Retrieval(budget=8, chunk_size=2, stride=2, reserve=32)  # stride 2 < γ2 = 4: due in mid-round
-    stack = SpeculationStack.build([Level(model=draft), Level(model=target, policy=policy, gamma=2), Level(model=target, gamma=4)])
+def _catch_ups(monkeypatch, stack: SpeculationStack) -> list[int]:
+    """Filled in as ``stack`` runs: at each gather, how many tokens before the context's last one the
+    full-cache level lacked (more than 0: the gather made it run a forward of its own)."""
     behind = []
     horizon = FullCacheChannel.horizon
 
@@ -199,6 +195,17 @@ def test_a_gather_due_to_the_stride_waits_for_the_full_level_to_hold_the_context
         return horizon(channel, context)
 
     monkeypatch.setattr(FullCacheChannel, "horizon", watched)
+    return behind
+
+
+def test_a_gather_due_to_the_stride_waits_for_the_full_level_to_hold_the_context(monkeypatch) -> None:
+    """With room to spare, the view is gathered again only at the start of a round of the full level,
+    so no gather makes that level run a forward of its own; the output stays the target's."""
+    target = SyntheticLM(vocab_size=8, seed=5, sharpness=2.0)
+    draft = SyntheticLM(vocab_size=8, seed=6, base=target, noise=1.0)
+    policy = Retrieval(budget=8, chunk_size=2, stride=2, reserve=32)  # stride 2 < γ2 = 4: due in mid-round
+    stack = SpeculationStack.build([Level(model=draft), Level(model=target, policy=policy, gamma=2), Level(model=target, gamma=4)])
+    behind = _catch_ups(monkeypatch, stack)
     prompt = list(range(1, 8)) * 3
     result = stack.generate(prompt, 40)
     assert list(result.tokens) == greedy_decode(target, prompt, 40)
@@ -237,14 +244,7 @@ def test_running_means_select_as_before_over_a_real_gather_sequence(models, prom
     levels = [Level(model=draft, policy=StreamingLLM(sinks=16, window=256)), Level(model=target, policy=policy, gamma=2), Level(model=target, gamma=6)]
     stack = SpeculationStack.build(levels)
     policy.channel = stack.top.drafter.lm.channel
-    behind = []  # per gather: how many tokens before the context's last one the full cache lacked
-    horizon = FullCacheChannel.horizon
-
-    def watched(channel, context):
-        behind.append(len(context) - 1 - stack.top.lm.fed_prefix(context))
-        return horizon(channel, context)
-
-    monkeypatch.setattr(FullCacheChannel, "horizon", watched)
+    behind = _catch_ups(monkeypatch, stack)
     for text in (prompt[-400:], prompt[-300:]):
         stack.generate(text, 12)
     assert policy.checked >= 4

@@ -435,6 +435,7 @@ def check_hyperparameters(hyperparams: dict) -> None:
         hyperparams["layers"] = target_layers(hyperparams["layers"])
     check_counts(hyperparams)
     check_generation(hyperparams)
+    check_temperatures(hyperparams)
     grown = str(hyperparams.get("grow_from", ""))
     if grown and not os.path.isfile(os.path.join(grown, "model.safetensors")):
         raise SpecstackError(f"grow_from {grown!r} is not allowed; name a draft directory holding model.safetensors")
@@ -453,19 +454,23 @@ def check_counts(hyperparams: dict) -> None:
 
 
 def check_generation(hyperparams: dict) -> None:
-    """The self-distillation settings (one error line): whole counts, a temperature > 0, and, when
-    there are generations, prompts shorter than the rows they start."""
+    """The self-distillation settings (one error line): whole counts and, when there are generations,
+    prompts shorter than the rows they start."""
     for key in ("generations", "prompt_len", "gen_batch"):
         value = hyperparams.get(key, DEFAULTS[key])
         if isinstance(value, bool) or not isinstance(value, int) or value < (0 if key == "generations" else 1):
             raise SpecstackError(f"{key} {value!r} is not allowed; use a whole number >= {0 if key == 'generations' else 1}")
+    prompt, row = hyperparams.get("prompt_len", DEFAULTS["prompt_len"]), hyperparams.get("seq_len", DEFAULTS["seq_len"])
+    if hyperparams.get("generations", DEFAULTS["generations"]) and prompt >= row:
+        raise SpecstackError(f"prompt_len {prompt} is not allowed; use fewer than seq_len={row} tokens (a continuation adds seq_len - prompt_len)")
+
+
+def check_temperatures(hyperparams: dict) -> None:
+    """The sampling temperature of the continuations and the teacher's in the loss: numbers > 0 (one error line)."""
     for key, example in (("gen_temperature", "0.7"), ("teacher_temperature", "0.5")):
         temperature = hyperparams.get(key, DEFAULTS[key])
         if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature > 0:
             raise SpecstackError(f"{key} {temperature!r} is not allowed; use a number > 0, e.g. {example}")
-    prompt, row = hyperparams.get("prompt_len", DEFAULTS["prompt_len"]), hyperparams.get("seq_len", DEFAULTS["seq_len"])
-    if hyperparams.get("generations", DEFAULTS["generations"]) and prompt >= row:
-        raise SpecstackError(f"prompt_len {prompt} is not allowed; use fewer than seq_len={row} tokens (a continuation adds seq_len - prompt_len)")
 
 
 def target_layers(value) -> tuple[int, ...]:
