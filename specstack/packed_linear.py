@@ -17,7 +17,7 @@ from ``F.linear``'s by rounding only.
 
 This module is the one place that choice is made. :func:`pack_linears` turns a model's ``nn.Linear``
 layers into :class:`PackedLinear` (the same module, parameters and state dict, another forward); each
-takes up to :data:`MAX_STREAMED_ROWS` rows (six) through the streaming kernel where it was built
+takes up to :data:`MAX_STREAMED_ROWS` rows (six; sixteen in fp32 on AVX2) through the streaming kernel where it was built
 (bf16: where the CPU has the instructions), packs its weight on its first wider CPU forward without
 autograd (fp32, and bf16 where oneDNN has bf16 kernels: there ``F.linear`` reordered the weight on every
 call and cost 25-33 ms for 1-16 rows through the target's matrices, the packed kernel 17), and keeps
@@ -43,6 +43,11 @@ ROWS_SOURCE = SOURCES / "linear_rows.cpp"
 # 1.04-1.06x at 5 and 6, 0.98-1.02x at 8 (docs/benchmarks.md, "Prefetching the weights"). The draft,
 # whose weights stay in cache, gains nothing from 5 rows on in either dtype.
 MAX_STREAMED_ROWS = {torch.float32: 6, torch.bfloat16: 6}
+# Where the kernel is built for narrower vectors than AVX-512 (AVX2), fp32 products of up to this many rows
+# take it: on the 2-core AMD Zen 3 host the target's 211 matrices took 30 / 38 / 48 ms for 8 / 12 / 16 rows
+# through it against oneDNN's packed kernel's 37 / 45 / 52, and the same at 24 (docs/benchmarks.md, "Up to
+# sixteen fp32 rows on AVX2").
+MAX_STREAMED_ROWS_AVX2 = 16
 # Where the CPU has AMX tiles (``RowsKernel.tiles``), bf16 products of TILES_FROM to MAX_TILE_ROWS rows take
 # them instead. The target's 120 layer products of 8-32 rows over their Q4_1 blocks measured 1.47-1.57x
 # faster than oneDNN's; whole target forwards over 7,500 cached slots 1.05x (5 tokens) to 1.18x (8, 16)
@@ -75,15 +80,19 @@ class RowsKernel:
     path: Path
     bf16: bool = False
     tiles: bool = False  # bf16 products of up to MAX_TILE_ROWS rows on AMX tiles (the CPU has them and Linux lends them)
+    avx512: bool = True  # built for AVX-512; False (AVX2): fp32 products of up to MAX_STREAMED_ROWS_AVX2 rows take it
 
     def __reduce__(self):
         """Pickled and copied (with a model) as a request to load it again where it lands."""
         return load_rows_kernel, ()
 
     def max_rows(self, dtype: torch.dtype) -> int:
-        """The most input rows of ``dtype`` the kernel takes: MAX_STREAMED_ROWS, or MAX_TILE_ROWS in bf16 on tiles."""
+        """The most input rows of ``dtype`` the kernel takes: MAX_STREAMED_ROWS, MAX_STREAMED_ROWS_AVX2 in fp32
+        without AVX-512, or MAX_TILE_ROWS in bf16 on tiles."""
         if dtype == torch.bfloat16 and not self.bf16:
             return 0
+        if dtype == torch.float32 and not self.avx512:
+            return MAX_STREAMED_ROWS_AVX2
         return MAX_TILE_ROWS if dtype == torch.bfloat16 and self.tiles else MAX_STREAMED_ROWS.get(dtype, 0)
 
     def applies(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
@@ -127,7 +136,8 @@ def load_rows_kernel(cache: Path | None = None) -> RowsKernel | None:
                   library.specstack_linear_rows_q4_1_bf16_tiles):
         entry.restype, entry.argtypes = ctypes.c_int, argtypes
     bf16 = library.specstack_linear_rows_bf16_supported() == 1
-    return RowsKernel(library=library, path=path, bf16=bf16, tiles=bf16 and library.specstack_linear_rows_tiles_supported() == 1)
+    return RowsKernel(library=library, path=path, bf16=bf16, tiles=bf16 and library.specstack_linear_rows_tiles_supported() == 1,
+                      avx512=library.specstack_linear_rows_avx512() == 1)
 
 
 class PackedLinear(torch.nn.Linear):

@@ -62,6 +62,9 @@ def random_tree_mask(t: int, generator: torch.Generator) -> torch.Tensor:
     (7, 133, 72, 1, 8),  # a head dimension that is not a multiple of 64
     (8, 300, 64, 1, 8),  # 64 query rows, the most it takes
     (4, 3_000, 64, 3, 3), (2, 200, 64, 3, 3),  # the few-row path and the GEMM path around GEMM_ROWS (8)
+    (11, 400, 64, 2, 1),  # 11 rows: the GEMM's blocks of six and four, then one row left over
+    (3, 300, 80, 1, 3),  # 9 rows of heads of 80: the three left over in two vectors of columns
+    (7, 250, 96, 1, 2),  # 14 rows of heads of 96: two left over in four vectors (AVX2)
 ])
 def test_the_kernel_is_attention_up_to_rounding(t, n, d, kv_heads, group, tree) -> None:
     query, keys, values, sees = attention_inputs(t, n, d, kv_heads, group, tree)

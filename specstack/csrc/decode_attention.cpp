@@ -12,8 +12,10 @@
 //
 // Two ways to score a block. Few rows (a one-token step: G rows) take each key row against each query
 // row (dot products along D, summed across lanes). Many rows (a verify) transpose the block's keys
-// once and run both products as a small GEMM, four rows by two vectors of columns in registers, in
-// vectors as wide as the machine has (16 floats with AVX-512). A bfloat16 block is widened to float32
+// once and run both products as a small GEMM, six rows by two vectors of columns in registers, in
+// vectors as wide as the machine has (16 floats with AVX-512): twelve sums in flight, where four rows
+// gave eight, just what two FMA units of four cycles' latency need, and stalled whenever a load was
+// late (AMD Zen 3, AVX2: attention over 7,500 keys 1.16x faster at 3 tokens, 1.37x at 8, 1.47x at 16). A bfloat16 block is widened to float32
 // as it is read (exact: a bf16 is the top half of a float), so the cache is read at half the bytes.
 //
 // On a CPU with AMX (Intel's tile registers and their bf16 products), a bfloat16 cache takes the tiles
@@ -183,34 +185,46 @@ void pair_values(const float *p0, const float *p1, float keep0, float keep1, int
     }
 }
 
-// c[r][0, cols) += sum_i a[r * lda + i] b[i * ldb + 0, cols) for r < rows (cols a multiple of 2W): four rows
-// by two vectors of columns at a time, then the rows left over one at a time.
-void small_gemm(const float *a, int lda, const float *b, int ldb, int inner, float *c, int ldc, int rows, int cols) {
-    int r = 0;
-    for (; r + 4 <= rows; r += 4) {
-        const float *a0 = a + r * lda, *a1 = a0 + lda, *a2 = a1 + lda, *a3 = a2 + lda;
-        float *c0 = c + r * ldc, *c1 = c0 + ldc, *c2 = c1 + ldc, *c3 = c2 + ldc;
-        for (int col = 0; col < cols; col += 2 * W) {
-            vw x0 = loadw(c0 + col), y0 = loadw(c0 + col + W), x1 = loadw(c1 + col), y1 = loadw(c1 + col + W);
-            vw x2 = loadw(c2 + col), y2 = loadw(c2 + col + W), x3 = loadw(c3 + col), y3 = loadw(c3 + col + W);
-            for (int i = 0; i < inner; ++i) {
-                const vw u = loadw(b + (int64_t)i * ldb + col), w = loadw(b + (int64_t)i * ldb + col + W);
-                x0 += a0[i] * u, y0 += a0[i] * w, x1 += a1[i] * u, y1 += a1[i] * w;
-                x2 += a2[i] * u, y2 += a2[i] * w, x3 += a3[i] * u, y3 += a3[i] * w;
+// c[r][0, cols) = c[r][0, cols) * keep[r] + sum_i a[r * lda + i] b[i * ldb + 0, cols) for R rows (keep null:
+// c starts from zero), V vectors of columns at a time held in registers (cols a multiple of V * W). Each
+// output is summed over i in order, whatever R and V.
+template <int R, int V>
+void gemm_rows(const float *a, int lda, const float *b, int ldb, int inner, float *c, int ldc, int cols, const float *keep) {
+    for (int col = 0; col < cols; col += V * W) {
+        vw x[R][V];
+        for (int r = 0; r < R; ++r)
+            for (int u = 0; u < V; ++u) x[r][u] = keep ? loadw(c + r * ldc + col + u * W) * keep[r] : vw{};
+        for (int i = 0; i < inner; ++i) {
+            vw y[V];
+            for (int u = 0; u < V; ++u) y[u] = loadw(b + (int64_t)i * ldb + col + u * W);
+            for (int r = 0; r < R; ++r) {
+                const float ar = a[r * lda + i];
+                for (int u = 0; u < V; ++u) x[r][u] += ar * y[u];
             }
-            storew(c0 + col, x0), storew(c0 + col + W, y0), storew(c1 + col, x1), storew(c1 + col + W, y1);
-            storew(c2 + col, x2), storew(c2 + col + W, y2), storew(c3 + col, x3), storew(c3 + col + W, y3);
         }
+        for (int r = 0; r < R; ++r)
+            for (int u = 0; u < V; ++u) storew(c + r * ldc + col + u * W, x[r][u]);
     }
-    for (; r < rows; ++r)
-        for (int col = 0; col < cols; col += 2 * W) {
-            vw x = loadw(c + r * ldc + col), y = loadw(c + r * ldc + col + W);
-            for (int i = 0; i < inner; ++i) {
-                const float ai = a[r * lda + i];
-                x += ai * loadw(b + (int64_t)i * ldb + col), y += ai * loadw(b + (int64_t)i * ldb + col + W);
-            }
-            storew(c + r * ldc + col, x), storew(c + r * ldc + col + W, y);
-        }
+}
+
+// The rows left after the blocks of six and four: as wide as cols allows, so that enough sums are in flight.
+template <int R>
+void gemm_tail(const float *a, int lda, const float *b, int ldb, int inner, float *c, int ldc, int cols, const float *keep) {
+    if (cols % (4 * W) == 0) gemm_rows<R, 4>(a, lda, b, ldb, inner, c, ldc, cols, keep);
+    else gemm_rows<R, 2>(a, lda, b, ldb, inner, c, ldc, cols, keep);
+}
+
+// The same for r < rows (cols a multiple of 2W): blocks of six rows, then of four, then the rest.
+void small_gemm(const float *a, int lda, const float *b, int ldb, int inner, float *c, int ldc, int rows, int cols, const float *keep) {
+    int r = 0;
+    for (; r + 6 <= rows; r += 6) gemm_rows<6, 2>(a + r * lda, lda, b, ldb, inner, c + r * ldc, ldc, cols, keep ? keep + r : nullptr);
+    if (r + 4 <= rows) gemm_rows<4, 2>(a + r * lda, lda, b, ldb, inner, c + r * ldc, ldc, cols, keep ? keep + r : nullptr), r += 4;
+    const float *k = keep ? keep + r : nullptr;
+    switch (rows - r) {
+        case 3: gemm_tail<3>(a + r * lda, lda, b, ldb, inner, c + r * ldc, ldc, cols, k); break;
+        case 2: gemm_tail<2>(a + r * lda, lda, b, ldb, inner, c + r * ldc, ldc, cols, k); break;
+        case 1: gemm_tail<1>(a + r * lda, lda, b, ldb, inner, c + r * ldc, ldc, cols, k); break;
+    }
 }
 
 // Eight floats of row j of a block: zeros past its len rows (the padding of a last block).
@@ -275,8 +289,7 @@ void accumulate_values(const float *p, const float *keep, int rows, int d, const
 void score_block(const float *q, int rows, int d, const void *k, bool bf16, int len, float *kt, float *s) {
     if (rows >= GEMM_ROWS && d % (2 * W) == 0) {
         transpose_keys(k, bf16, d, len, kt);  // [D, BLOCK]
-        for (int i = 0; i < rows * BLOCK; ++i) s[i] = 0.0f;
-        small_gemm(q, d, kt, BLOCK, d, s, BLOCK, rows, BLOCK);  // [rows, D] x [D, BLOCK]
+        small_gemm(q, d, kt, BLOCK, d, s, BLOCK, rows, BLOCK, nullptr);  // [rows, D] x [D, BLOCK]
     } else {
         block_scores(q, rows, d, widened(k, bf16, d, len, kt), len, s);  // kt as scratch for the widened keys
     }
@@ -286,9 +299,7 @@ void score_block(const float *q, int rows, int d, const void *k, bool bf16, int 
 // BLOCK * d floats.
 void accumulate_block(const float *p, const float *keep, int rows, int d, const void *v, bool bf16, int len, float *vw, float *acc) {
     if (rows >= GEMM_ROWS && d % (2 * W) == 0) {
-        for (int r = 0; r < rows; ++r)
-            for (int c = 0; c < d; ++c) acc[r * d + c] *= keep[r];
-        small_gemm(p, BLOCK, widened(v, bf16, d, len, vw), d, len, acc, d, rows, d);  // [rows, len] x [len, D]
+        small_gemm(p, BLOCK, widened(v, bf16, d, len, vw), d, len, acc, d, rows, d, keep);  // acc * keep + [rows, len] x [len, D]
     } else {
         accumulate_values(p, keep, rows, d, widened(v, bf16, d, len, vw), len, acc);
     }

@@ -4,11 +4,18 @@
 // A forward of a few tokens reads every weight once and does two flops per weight and token, so up
 // to a handful of tokens it is bound by how fast the weights stream from memory. Each thread takes its
 // own blocks of ROWS output rows, streams those weight rows from memory once, eight columns at a
-// time, and reuses them from L1 for every input row (two input rows at a time, then an odd last
-// one). While it computes one block it asks for the next block's weights (software prefetch), so the
-// stream from memory overlaps the arithmetic: measured on the 2-core Intel host, the target's 211
-// matrices took 1.08x (one row) to 1.2x (four rows) less time in fp32, and 1.3x (one row) to 1.8x
-// (four rows) less in bf16. Every output is one dot product summed in one fixed order, whatever the number of input rows
+// time, and reuses them from L1 for every input row. While it computes one block it asks for the next
+// block's weights (software prefetch), so the stream from memory overlaps the arithmetic: measured on
+// the 2-core Intel host, the target's 211 matrices took 1.08x (one row) to 1.2x (four rows) less time
+// in fp32, and 1.3x (one row) to 1.8x (four rows) less in bf16.
+//
+// fp32 takes the input rows three at a time (then a pair or a single row): twelve sums in flight, where
+// pairs had eight, which is just what two FMA units of four cycles' latency need and so left them idle
+// whenever a load was late. Each pass over the block asks for its share of the next block's lines,
+// rather than the first pass for all of them, so the stream goes on while later passes compute from
+// L1. On the 2-core AMD Zen 3 host (AVX2) the two changes took the target's 211 matrices 1.07x faster
+// at 3 rows, 1.18x at 6, 1.16x at 8 and 1.15x at 16 (docs/benchmarks.md, "Up to sixteen fp32 rows on
+// AVX2"). Every output is one dot product summed in one fixed order, whatever the number of input rows
 // or threads: a token's outputs are the same bits alone or in a verify of several. Built by
 // specstack/native.py; plain C++ with GCC vector types, no torch headers.
 //
@@ -57,35 +64,35 @@ inline void prefetch_next_block(const T *w0, int64_t in, int64_t c) {
 
 inline float hsum(v8 x) { return ((x[0] + x[4]) + (x[1] + x[5])) + ((x[2] + x[6]) + (x[3] + x[7])); }
 
-// y[j, r .. r+3] = w_{r .. r+3} . x_j for the n input rows: pairs of input rows, then an odd last one.
+// y[j, r .. r+3] = w_{r .. r+3} . x_j for input rows j0 .. j0+J-1, J of them at once (twelve sums in
+// flight for three rows: enough to keep both FMA units busy), each summed over the columns in order.
+template <int J>
+void four_outputs_of(const float *w, const float *x, int j0, int pass, int passes, int64_t in, int64_t out, int64_t r, float *y) {
+    const float *w0 = w + r * in;
+    v8 a[J][ROWS];
+    for (int j = 0; j < J; ++j)
+        for (int i = 0; i < ROWS; ++i) a[j][i] = v8{};
+    for (int64_t c = 0; c < in; c += 8) {
+        if (c % 16 == 0 && (c / 16) % passes == pass) prefetch_next_block(w0, in, c);  // this pass's share of the next block's lines
+        v8 p[J];
+        for (int j = 0; j < J; ++j) p[j] = load8(x + (j0 + j) * in + c);
+        for (int i = 0; i < ROWS; ++i) {
+            const v8 k = load8(w0 + i * in + c);
+            for (int j = 0; j < J; ++j) a[j][i] += k * p[j];
+        }
+    }
+    for (int j = 0; j < J; ++j)
+        for (int i = 0; i < ROWS; ++i) y[(j0 + j) * out + r + i] = hsum(a[j][i]);
+}
+
+// y[j, r .. r+3] for the n input rows: threes, then a pair or a single row left over. Each pass over the
+// block's weights asks for its share of the next block's.
 void four_outputs(const float *w, const float *x, int n, int64_t in, int64_t out, int64_t r, float *y) {
-    const float *w0 = w + r * in, *w1 = w0 + in, *w2 = w1 + in, *w3 = w2 + in;
-    int j = 0;
-    for (; j + 2 <= n; j += 2) {
-        const float *x0 = x + j * in, *x1 = x0 + in;
-        v8 a0{}, a1{}, a2{}, a3{}, b0{}, b1{}, b2{}, b3{};
-        for (int64_t c = 0; c < in; c += 8) {
-            if (j == 0 && c % 16 == 0) prefetch_next_block(w0, in, c);  // once per 64-byte line, on the first pass
-            const v8 k0 = load8(w0 + c), k1 = load8(w1 + c), k2 = load8(w2 + c), k3 = load8(w3 + c);
-            const v8 p = load8(x0 + c), q = load8(x1 + c);
-            a0 += k0 * p, a1 += k1 * p, a2 += k2 * p, a3 += k3 * p;
-            b0 += k0 * q, b1 += k1 * q, b2 += k2 * q, b3 += k3 * q;
-        }
-        float *y0 = y + j * out + r, *y1 = y0 + out;
-        y0[0] = hsum(a0), y0[1] = hsum(a1), y0[2] = hsum(a2), y0[3] = hsum(a3);
-        y1[0] = hsum(b0), y1[1] = hsum(b1), y1[2] = hsum(b2), y1[3] = hsum(b3);
-    }
-    if (j < n) {
-        const float *x0 = x + j * in;
-        v8 a0{}, a1{}, a2{}, a3{};
-        for (int64_t c = 0; c < in; c += 8) {
-            if (j == 0 && c % 16 == 0) prefetch_next_block(w0, in, c);  // a single row: its only pass
-            const v8 p = load8(x0 + c);
-            a0 += load8(w0 + c) * p, a1 += load8(w1 + c) * p, a2 += load8(w2 + c) * p, a3 += load8(w3 + c) * p;
-        }
-        float *y0 = y + j * out + r;
-        y0[0] = hsum(a0), y0[1] = hsum(a1), y0[2] = hsum(a2), y0[3] = hsum(a3);
-    }
+    const int passes = (n + 2) / 3;
+    int j = 0, pass = 0;
+    for (; j + 3 <= n; j += 3, ++pass) four_outputs_of<3>(w, x, j, pass, passes, in, out, r, y);
+    if (n - j == 2) four_outputs_of<2>(w, x, j, pass, passes, in, out, r, y);
+    if (n - j == 1) four_outputs_of<1>(w, x, j, pass, passes, in, out, r, y);
 }
 
 // y[j, r] = w_r . x_j for one output row (the last, short block), summed in the same order.
@@ -373,6 +380,16 @@ int specstack_linear_rows_f32(const float *w, const float *x, const float *bias,
                 for (int64_t r = first; r < last; ++r) y[j * out + r] += bias[r];
     }
     return 0;
+}
+
+// 1 where the kernel was compiled for AVX-512 (where oneDNN's packed fp32 kernel is close from five
+// rows on), 0 for narrower vectors (where this kernel beats it up to sixteen rows; packed_linear.py).
+int specstack_linear_rows_avx512() {
+#if defined(__AVX512F__)
+    return 1;
+#else
+    return 0;
+#endif
 }
 
 int specstack_linear_rows_bf16_supported() {
