@@ -22,6 +22,16 @@ def test_console_script_help_works() -> None:
     assert "usage: specstack" in out
 
 
+@pytest.mark.parametrize("argv", [["--help"], ["plugins"], ["bench", "--help"], ["train", "draft", "--help"]])
+def test_listing_commands_and_help_import_no_transformers(argv) -> None:
+    """`specstack --help`, `plugins` and a command's help build parsers and list registrations only: the
+    harness and the trainers import transformers (about 1-2.5 s here) where they run, not at import."""
+    script = ("import sys\nfrom specstack.cli import main\ntry:\n    main(sys.argv[1:])\nexcept SystemExit:\n    pass\n"
+              "print('heavy:', sorted(m for m in ('transformers', 'torch._dynamo') if m in sys.modules), file=sys.stderr)")
+    done = subprocess.run([sys.executable, "-c", script, *argv], capture_output=True, text=True, check=True)
+    assert "heavy: []" in done.stderr, done.stderr
+
+
 def test_plugins_lists_builtins_by_kind(capsys) -> None:
     assert main(["plugins"]) == 0
     out = capsys.readouterr().out

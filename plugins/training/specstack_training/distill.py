@@ -50,16 +50,19 @@ import math
 import os
 import shutil
 import time
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from specstack import SpecstackError
 
 from .shared import check_names, encode, lr_factor, self_distillation, text_chunks
+
+if TYPE_CHECKING:  # imported where they run: `specstack train`'s parser (and `specstack --help`) need no transformers
+    from transformers import LlamaConfig, LlamaForCausalLM
 
 DEFAULTS = dict(
     hidden=576,  # student residual width d (576 = the target's: embedding copied exactly)
@@ -187,6 +190,8 @@ def project_layer(src, dst, P: torch.Tensor, head_dim: int) -> None:
 @torch.no_grad()
 def build_student(teacher: LlamaForCausalLM, hp: dict) -> LlamaForCausalLM:
     """Projected copy of the target (see module docstring), fp32."""
+    from transformers import LlamaForCausalLM
+
     cfg = student_config(teacher.config, hp)
     student = LlamaForCausalLM(cfg).float()
     E = teacher.model.embed_tokens.weight.float()  # [V, D]
@@ -505,6 +510,8 @@ def distill(*, target_dir: str, texts: list[str], out_dir: str, minutes: float, 
     hp = {**DEFAULTS, **hyperparams, "seed": seed}
     torch.set_num_threads(hp["threads"])
     torch.manual_seed(seed)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
     teacher = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
     student = build_student(teacher, hp).train()
