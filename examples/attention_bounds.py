@@ -1,6 +1,6 @@
 """What bounds the decode-attention kernel: the cache streamed from memory, the same work from cache, one thread.
 
-For each number of new tokens T, the kernel's ``DecodeKernel.attend`` over a bf16 cache of N keys shaped as the
+For each number of new tokens T, the kernel's ``DecodeKernel.attend`` over a cache of N keys (bf16, or ``--dtype``) shaped as the
 embedded target's (its layers, KV heads, head width and query heads per KV head, read from its config), summed
 over its layers, in three settings alternated in one process (best of seven):
 
@@ -16,6 +16,8 @@ change in one process; their outputs are checked against the shipped kernel's.
 
     python examples/attention_bounds.py --tokens 1 8 16 --keys 7500 32000
     python examples/attention_bounds.py --tokens 1 8 --keys 7500 --source /tmp/variant.cpp
+    git show eb3bf99:specstack/csrc/decode_attention.cpp > /tmp/before.cpp   # docs/benchmarks.md, fp32 on AVX2
+    python examples/attention_bounds.py --dtype float32 --tokens 1 2 3 4 6 8 12 16 --source /tmp/before.cpp
 """
 
 from __future__ import annotations
@@ -58,8 +60,10 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 16])
     parser.add_argument("--keys", type=int, nargs="+", default=[7500])
     parser.add_argument("--source", type=Path, nargs="*", default=[], help="other versions of decode_attention.cpp to time beside the shipped one")
+    parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="the cache's and queries' dtype")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    dtype = getattr(torch, args.dtype)
     shape = ModelShape.from_config(AutoConfig.from_pretrained(prepare_target()))
     layers, kv_heads, group, dim = shape.layers, shape.kv_heads, shape.heads // shape.kv_heads, shape.head_dim
     shipped = built()
@@ -68,11 +72,11 @@ def main() -> None:
     print(f"read bandwidth {bandwidth / 1e9:.1f} GB/s; kernel paths here: tiles={shipped.amx}, dot products={shipped.dot_products}")
     generator = torch.Generator().manual_seed(0)
     for n in args.keys:
-        keys = [torch.randn(1, kv_heads, n + max(args.tokens), dim, generator=generator).bfloat16() for _ in range(layers)]  # [1, Hkv, n + T, D] each
-        values = [torch.randn(1, kv_heads, n + max(args.tokens), dim, generator=generator).bfloat16() for _ in range(layers)]
-        floor = shape.kv_elements(n) * torch.bfloat16.itemsize / bandwidth  # the cache read once
+        keys = [torch.randn(1, kv_heads, n + max(args.tokens), dim, generator=generator).to(dtype) for _ in range(layers)]  # [1, Hkv, n + T, D] each
+        values = [torch.randn(1, kv_heads, n + max(args.tokens), dim, generator=generator).to(dtype) for _ in range(layers)]
+        floor = shape.kv_elements(n) * dtype.itemsize / bandwidth  # the cache read once
         for t in args.tokens:
-            query = torch.randn(1, kv_heads * group, t, dim, generator=generator).bfloat16()  # [1, Hq, T, D]
+            query = torch.randn(1, kv_heads * group, t, dim, generator=generator).to(dtype)  # [1, Hq, T, D]
             k, v = [x[:, :, : n + t] for x in keys], [x[:, :, : n + t] for x in values]
 
             def every_layer(kernel, same: bool):
@@ -88,7 +92,7 @@ def main() -> None:
             best = best_seconds(calls)
             torch.set_num_threads(args.threads)
             line = "  ".join(f"{name} {1e3 * s:.2f} ms ({s / floor:.2f}x)" for name, s in best.items())
-            print(f"N={n} T={t:2d} tiles={shipped.tiles(torch.bfloat16, dim, t, n)} floor {1e3 * floor:.2f} ms | {line}")
+            print(f"N={n} T={t:2d} tiles={shipped.tiles(dtype, dim, t, n)} floor {1e3 * floor:.2f} ms | {line}")
 
 
 if __name__ == "__main__":

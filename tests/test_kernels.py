@@ -81,7 +81,6 @@ def test_a_rows_outputs_are_the_same_bits_alone_or_among_others() -> None:
             assert torch.equal(layer(hidden[count - 1 : count]), together[count - 1 : count])
 
 
-
 @needs_compiler
 def test_fp32_takes_up_to_sixteen_rows_where_the_kernel_is_built_without_avx512() -> None:
     """The one place the row limit is chosen: six fp32 rows where the kernel has AVX-512 (oneDNN is

@@ -15,8 +15,9 @@
 // once and run both products as a small GEMM, six rows by two vectors of columns in registers, in
 // vectors as wide as the machine has (16 floats with AVX-512): twelve sums in flight, where four rows
 // gave eight, just what two FMA units of four cycles' latency need, and stalled whenever a load was
-// late (AMD Zen 3, AVX2: attention over 7,500 keys 1.16x faster at 3 tokens, 1.37x at 8, 1.47x at 16). A bfloat16 block is widened to float32
-// as it is read (exact: a bf16 is the top half of a float), so the cache is read at half the bytes.
+// late (AMD Zen 3, AVX2: attention over 7,500 keys 1.16x faster at 3 tokens, 1.37x at 8, 1.47x at 16).
+// A bfloat16 block is widened to float32 as it is read (exact: a bf16 is the top half of a float), so
+// the cache is read at half the bytes.
 //
 // On a CPU with AMX (Intel's tile registers and their bf16 products), a bfloat16 cache takes the tiles
 // instead, for any number of rows: sixteen keys by sixteen query rows are scored per tile product
