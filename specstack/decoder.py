@@ -80,11 +80,12 @@ class FusedProducts:
         return product
 
     def attach_part_blocks(self) -> None:
-        """Give the fused product its parts' Q4_1 blocks (:mod:`specstack.gguf_weights`), rows in the parts'
-        order, where every part holds them."""
+        """Give the fused product its parts' stored weights (:mod:`specstack.weight_formats`), rows in the
+        parts' order, where every part holds them in one format."""
         parts = list(dict.fromkeys(part for part, *_ in self.views))  # in order, each once
         if isinstance(self.linear, PackedLinear) and all(getattr(p, "_blocks", None) is not None for p in parts):
-            self.linear.attach_blocks(torch.cat([p._blocks for p in parts]))
+            if len({p._format for p in parts}) == 1:
+                self.linear.attach_blocks(torch.cat([p._blocks for p in parts]), parts[0]._format)
 
     def current(self) -> bool:
         """Whether every part's weight (and bias) is still the same parameter viewing the fused matrix
@@ -179,7 +180,7 @@ class LeanDecoder:
             return cls(model=module.model, layers=[LeanLayer.of(layer) for layer in module.model.layers], ops=load_decoder_ops())
 
     def attach_part_blocks(self) -> None:
-        """Each layer's fused q/k/v and gate/up products take their parts' Q4_1 blocks (given to the parts after fusing)."""
+        """Each layer's fused q/k/v and gate/up products take their parts' stored weights (given to the parts after fusing)."""
         for layer in self.layers:
             layer.qkv.attach_part_blocks()
             layer.gate_up.attach_part_blocks()

@@ -3,11 +3,12 @@
 A forward of T new tokens over a KV view of n cached slots must at least read every weight it uses
 once and the cached keys and values once, and at least do the multiply-adds of its matrix products:
 
-    bytes = b · P_linear + e · (P_head + P_embed) + e · 2 · n · L · H_kv · D
+    bytes = b · P_linear + h · P_head + e · P_embed + e · 2 · n · L · H_kv · D
     flops = 2 · P_linear · T + 2 · 2 · T · n · H_q · D · L + 2 · r · V · d
 
 with e the element size of the dtype (4 for float32, 2 for bfloat16), b the bytes the linear maps read
-per weight (e, or 0.75 where a few bf16 rows read the GGUF's Q4_1 blocks: specstack.gguf_weights), L layers, d the hidden size,
+per weight (e, or 0.75 where a few rows read the GGUF's Q4_1 blocks: specstack.weight_formats), h the bytes the
+LM head reads per weight (e, or 1.125 where a few fp32 rows read a Q8_0 embedding), L layers, d the hidden size,
 H_q / H_kv the query and KV heads of width D, V the vocabulary, r the logits rows computed,
 P_linear the parameters of every layer's linear maps (q, k, v, o, gate, up, down),
 P_head = V · d when logits are computed (r > 0), and P_embed = T · d, the embedding rows of the T
@@ -151,10 +152,10 @@ class Floor:
 
 
 def forward_floor(shape: ModelShape, dtype: torch.dtype | str, tokens: int, cached: int, logits_rows: int, machine: Machine,
-                  linear_bytes: float | None = None) -> Floor:
+                  linear_bytes: float | None = None, head_bytes: float | None = None) -> Floor:
     """The floor of a forward of ``tokens`` new tokens over ``cached`` KV slots returning
-    ``logits_rows`` rows of logits, its linear maps reading ``linear_bytes`` per weight (default: the
-    dtype's element size); the module docstring has the formula."""
+    ``logits_rows`` rows of logits, its linear maps reading ``linear_bytes`` per weight and its LM head
+    ``head_bytes`` (default, each: the dtype's element size); the module docstring has the formula."""
     if not (isinstance(tokens, int) and tokens >= 1):
         raise SpecstackError(f"tokens {tokens!r} is not allowed; use an integer >= 1")
     if not (isinstance(cached, int) and cached >= 0):
@@ -165,9 +166,11 @@ def forward_floor(shape: ModelShape, dtype: torch.dtype | str, tokens: int, cach
     head = shape.head_params if logits_rows else 0
     embed = 0 if (shape.tied and logits_rows) else tokens * shape.hidden  # tied: those rows are in the head, read anyway
     kv = shape.kv_elements(cached)
-    if linear_bytes is not None and not linear_bytes > 0:
-        raise SpecstackError(f"linear_bytes {linear_bytes!r} is not allowed; use a number of bytes per weight > 0")
-    weights_bytes = (e if linear_bytes is None else linear_bytes) * shape.linear_params + e * (head + embed)
+    for name, value in (("linear_bytes", linear_bytes), ("head_bytes", head_bytes)):
+        if value is not None and not value > 0:
+            raise SpecstackError(f"{name} {value!r} is not allowed; use a number of bytes per weight > 0")
+    weights_bytes = ((e if linear_bytes is None else linear_bytes) * shape.linear_params + (e if head_bytes is None else head_bytes) * head
+                     + e * embed)
     flops = (2 * shape.linear_params * tokens
              + 2 * 2 * tokens * cached * shape.heads * shape.head_dim * shape.layers  # QKᵀ and PV
              + 2 * logits_rows * shape.vocab * shape.hidden)

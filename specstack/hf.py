@@ -29,8 +29,8 @@ from .decoder import LeanDecoder
 from .decoder_ops import rotate_half
 from .graphs import ForwardGraphs, StaticView
 from .kvstore import KVStore
-from .gguf_weights import attach_q4_1
-from .packed_linear import PackedLinear, pack_linears
+from .gguf_weights import attach_gguf_blocks
+from .packed_linear import PackedLinear, pack_linears, read_bf16_numbers
 from .types import Capability
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
@@ -220,12 +220,22 @@ class HFCausalLM:
         self.graphs = ForwardGraphs(self._static_forward, config.num_attention_heads // config.num_key_value_heads)
 
     def read_weights_from(self, gguf: str | Path) -> int:
-        """Let products of a few bf16 rows read the Q4_1 blocks of the GGUF at ``gguf`` instead of the
-        bf16 weights those blocks widen to, bit for bit (:mod:`specstack.gguf_weights`): the same outputs
-        from 0.75 bytes a weight instead of 2. Returns how many matrices took them (none where the weights differ)."""
-        taken = attach_q4_1(self.module, gguf)
+        """Let products of a few rows read the blocks of the GGUF at ``gguf`` (Q4_1 layer matrices; a Q8_0
+        embedding for a tied LM head) instead of the weights those blocks widen to, bit for bit
+        (:mod:`specstack.gguf_weights`): the same outputs from fewer bytes. Returns how many matrices took
+        them (none where the weights differ)."""
+        taken = attach_gguf_blocks(self.module, gguf)
         if taken and self.decoder is not None:
             self.decoder.attach_part_blocks()  # the fused products take their parts' blocks
+        return taken
+
+    def read_bf16_numbers(self) -> int:
+        """Let products of a few fp32 rows read as bf16 the weights that are bf16 numbers (a draft's embedding
+        frozen in bf16 and the LM head tied to it): the same outputs from half the bytes. Returns how many
+        matrices do."""
+        taken = read_bf16_numbers(self.module)
+        if taken and self.decoder is not None:
+            self.decoder.attach_part_blocks()  # the fused products take their parts' rows
         return taken
 
     def linear_bytes_per_weight(self, rows: int) -> float:
@@ -234,6 +244,11 @@ class HFCausalLM:
         linears = [m for m in self.module.model.layers.modules() if isinstance(m, torch.nn.Linear)]
         each = [m.bytes_per_weight(rows) if isinstance(m, PackedLinear) else m.weight.element_size() for m in linears]
         return sum(b * m.weight.numel() for b, m in zip(each, linears)) / sum(m.weight.numel() for m in linears)
+
+    def head_bytes_per_weight(self, rows: int) -> float:
+        """Bytes a forward computing ``rows`` rows of logits reads per weight of the LM head (the floor's head term)."""
+        head = self.module.get_output_embeddings()
+        return head.bytes_per_weight(rows) if isinstance(head, PackedLinear) else head.weight.element_size()
 
     @property
     def dtype(self) -> torch.dtype:

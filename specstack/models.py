@@ -113,13 +113,13 @@ def load_default(*, dtype: torch.dtype = torch.float32, with_draft: bool = True,
 
 def load_target(*, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", context: int | None = None,
                 rope_scaling: str | None = None):
-    """``(target, tokenizer)``: the embedded default target (see :func:`specstack.hf.load_model`). In bf16 on
-    the CPU its products of a few rows read the GGUF's Q4_1 blocks, which widen to its weights bit for
-    bit (:mod:`specstack.gguf_weights`)."""
+    """``(target, tokenizer)``: the embedded default target (see :func:`specstack.hf.load_model`). On the CPU
+    its products of a few rows (fp32 or bf16) read the GGUF's Q4_1 blocks, which widen to its weights bit
+    for bit (:mod:`specstack.gguf_weights`)."""
     from .hf import load_model
 
     target, tokenizer = load_model(prepare_target(), dtype=dtype, device=device, name=TARGET_NAME, context=context, rope_scaling=rope_scaling)
-    if target.dtype == torch.bfloat16 and target.device.type == "cpu":
+    if target.device.type == "cpu":
         target.read_weights_from(find_gguf())
     return target, tokenizer
 
@@ -147,6 +147,7 @@ def load_draft(target, directory: str | Path, *, dtype: torch.dtype = torch.floa
     finally:
         hf_logging.set_verbosity(verbosity)
     copy_target_weights(draft.module, target.module)
+    draft.read_bf16_numbers()  # the embedding frozen in bf16, and the LM head tied to it
     return draft
 
 

@@ -24,7 +24,9 @@ call and cost 25-33 ms for 1-16 rows through the target's matrices, the packed k
 ``F.linear`` for every other case (another dtype or device, a forward that records gradients, a build
 without oneDNN). Where the CPU has AMX tiles, bf16 products of :data:`TILES_FROM` to :data:`MAX_TILE_ROWS`
 rows (verifies of five to 32 tokens) take the kernel's tile path instead of the streaming kernel or
-oneDNN, reading the layer's Q4_1 blocks where it has them."""
+oneDNN, reading the layer's Q4_1 blocks where it has them. A layer can be given its weight in a narrower
+format that widens to it bit for bit (:mod:`specstack.weight_formats`: the GGUF's Q4_1 or Q8_0 blocks, or
+bf16 numbers held as fp32); the streaming kernel then reads that instead, with the same outputs."""
 
 from __future__ import annotations
 
@@ -35,6 +37,7 @@ import attrs
 import torch
 
 from .native import SOURCES, load
+from .weight_formats import BF16, Q4_1, WeightFormat, bf16_rows
 
 ROWS_SOURCE = SOURCES / "linear_rows.cpp"
 # The most input rows the streaming kernel takes, per dtype; wider forwards take oneDNN's packed kernel
@@ -103,9 +106,10 @@ class RowsKernel:
         return (shape and 0 < x.numel() <= self.max_rows(dtype) * width and x.dtype == dtype and x.device.type == weight.device.type == "cpu"
                 and weight.is_contiguous() and (bias is None or (bias.dtype == dtype and bias.is_contiguous())))
 
-    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, blocks: torch.Tensor | None = None) -> torch.Tensor:
-        """x [..., in] -> [..., out]; bf16 reads ``blocks`` [out, in / 32 * 24] (the weight as Q4_1 blocks,
-        :mod:`specstack.gguf_weights`) instead of the weight where given: the same bits out. bf16 products
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, blocks: torch.Tensor | None = None,
+                 format: WeightFormat = Q4_1) -> torch.Tensor:
+        """x [..., in] -> [..., out], reading ``blocks`` (the weight stored in ``format``, one that reads
+        for x's dtype: :mod:`specstack.weight_formats`) instead of the weight where given: the same bits out. bf16 products
         of TILES_FROM rows or more run on the tiles where there are tiles (each row's outputs the same bits
         at any of those row counts)."""
         out, inp = weight.shape
@@ -113,7 +117,7 @@ class RowsKernel:
         y = x.new_empty((*x.shape[:-1], out))  # [..., out]
         n, lib = x.numel() // inp, self.library
         if x.dtype == torch.float32:
-            entry, stored = lib.specstack_linear_rows_f32, weight
+            entry, stored = (lib.specstack_linear_rows_f32, weight) if blocks is None else (getattr(lib, format.entries[torch.float32]), blocks)
         elif n < TILES_FROM or not self.tiles:
             entry, stored = (lib.specstack_linear_rows_bf16, weight) if blocks is None else (lib.specstack_linear_rows_q4_1_bf16, blocks)
         else:
@@ -132,8 +136,9 @@ def load_rows_kernel(cache: Path | None = None) -> RowsKernel | None:
     if loaded is None:
         return None
     library, path = loaded
-    for entry in (library.specstack_linear_rows_bf16, library.specstack_linear_rows_q4_1_bf16, library.specstack_linear_rows_bf16_tiles,
-                  library.specstack_linear_rows_q4_1_bf16_tiles):
+    for name in ("specstack_linear_rows_q4_1_f32", "specstack_linear_rows_q8_0_f32", "specstack_linear_rows_bf16_f32", "specstack_linear_rows_bf16",
+                 "specstack_linear_rows_q4_1_bf16", "specstack_linear_rows_bf16_tiles", "specstack_linear_rows_q4_1_bf16_tiles"):
+        entry = getattr(library, name)
         entry.restype, entry.argtypes = ctypes.c_int, argtypes
     bf16 = library.specstack_linear_rows_bf16_supported() == 1
     return RowsKernel(library=library, path=path, bf16=bf16, tiles=bf16 and library.specstack_linear_rows_tiles_supported() == 1,
@@ -153,21 +158,22 @@ class PackedLinear(torch.nn.Linear):
     _packed_from: tuple | None
     _rows: RowsKernel | None  # a few rows; None: where it could not be built
     _bf16_packs: bool  # whether wider bf16 forwards take oneDNN's packed kernel (it has bf16 kernels here)
-    _blocks: torch.Tensor | None  # the weight as Q4_1 blocks [out, in / 32 * 24], read by a few bf16 rows instead of it
+    _blocks: torch.Tensor | None  # the weight stored narrower [out, in / 32 * block_bytes], read by a few rows instead of it
+    _format: WeightFormat  # how _blocks stores it
     _blocks_for: tuple | None  # the weight the blocks were last found to widen to, bit for bit
 
-    def attach_blocks(self, blocks: torch.Tensor) -> None:
-        """Let a few bf16 rows read ``blocks`` [out, in / 32 * 24] uint8 (Q4_1, :mod:`specstack.gguf_weights`)
-        instead of the weight, for as long as they widen to it bit for bit (checked on the next forward
-        and whenever the weight changes)."""
-        self._blocks, self._blocks_for = blocks.contiguous(), None
+    def attach_blocks(self, blocks: torch.Tensor, format: WeightFormat = Q4_1) -> None:
+        """Let a few rows read ``blocks`` [out, in / 32 * block_bytes] uint8, the weight stored in ``format``
+        (:mod:`specstack.weight_formats`), instead of the weight, for as long as they widen to it bit for bit
+        (checked on the next forward and whenever the weight changes), where the format reads for the weight's dtype."""
+        self._blocks, self._format, self._blocks_for = blocks.contiguous(), format, None
 
     @classmethod
     def adopt(cls, linear: torch.nn.Linear, rows: RowsKernel | None = None) -> None:
         """Give ``linear`` (exactly an ``nn.Linear``) this forward, in place."""
         linear.__class__ = cls
         linear._packed, linear._packed_from, linear._rows = None, None, rows
-        linear._blocks, linear._blocks_for = None, None
+        linear._blocks, linear._format, linear._blocks_for = None, Q4_1, None
         linear._bf16_packs = onednn_bf16_available()
 
     def __getstate__(self) -> dict:
@@ -180,7 +186,7 @@ class PackedLinear(torch.nn.Linear):
         weight, bias = params["weight"], params["bias"]
         if self._takes(x, weight):
             if self._rows is not None and self._rows.applies(x, weight, bias):
-                return self._rows(x, weight, bias, None if self._blocks is None else self._current_blocks(weight))  # [..., out]
+                return self._rows(x, weight, bias, None if self._blocks is None else self._current_blocks(weight), self._format)  # [..., out]
             if x.dtype == torch.float32 or (x.dtype == torch.bfloat16 and self._bf16_packs):
                 return torch.ops.mkldnn._linear_pointwise(x, self._packed_weight(), bias, "none", [], "")  # [..., out]
         return torch.nn.functional.linear(x, weight, bias)  # [..., out]
@@ -191,24 +197,22 @@ class PackedLinear(torch.nn.Linear):
         return x.device.type == "cpu" and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
 
     def bytes_per_weight(self, rows: int) -> float:
-        """Bytes this layer reads per weight in a product of ``rows`` rows: its Q4_1 blocks' where a few
-        bf16 rows read them (0.75), else the weight's element size."""
+        """Bytes this layer reads per weight in a product of ``rows`` rows: its stored format's where a few
+        rows read it (0.75 for Q4_1 blocks), else the weight's element size."""
         weight = self._parameters["weight"]
-        if self._blocks is not None and self._rows is not None and rows <= self._rows.max_rows(weight.dtype) and weight.dtype == torch.bfloat16:
-            return self._blocks.shape[1] / weight.shape[1]
+        if self._blocks is not None and self._rows is not None and rows <= self._rows.max_rows(weight.dtype) and self._format.reads(weight.dtype):
+            return self._format.bytes_per_weight
         return weight.element_size()
 
     def _current_blocks(self, weight: torch.Tensor) -> torch.Tensor | None:
-        """The Q4_1 blocks if they still widen to ``weight`` bit for bit (checked again after any change
-        to it; dropped for good where they do not), for bf16 rows only (the forward asks only where the
-        few-row kernel takes them); else None."""
-        if weight.dtype != torch.bfloat16:
+        """The stored weight if it still widens to ``weight`` bit for bit (checked again after any change
+        to it; dropped for good where it does not) and its format reads for the weight's dtype (the forward
+        asks only where the few-row kernel takes the rows); else None."""
+        if not self._format.reads(weight.dtype):
             return None
         source = self._weight_source(weight)
         if self._blocks_for != source:
-            from .gguf_weights import q4_1_weights
-
-            if self._blocks.shape[0] != weight.shape[0] or not torch.equal(q4_1_weights(self._blocks, weight.dtype), weight.detach()):
+            if self._blocks.shape[0] != weight.shape[0] or not torch.equal(self._format.weights(self._blocks, weight.dtype), weight.detach()):
                 self._blocks = None
                 return None
             self._blocks_for = source
@@ -228,6 +232,21 @@ class PackedLinear(torch.nn.Linear):
                 self._packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACKED_FOR_ROWS)  # [out, in], oneDNN layout
             self._packed_from = source
         return self._packed
+
+
+def read_bf16_numbers(module: torch.nn.Module) -> int:
+    """Let each fp32 :class:`PackedLinear` of ``module`` on the CPU whose weight is made of bf16 numbers (a
+    draft's embedding frozen in bf16, and the LM head tied to it) read them as bf16: the same bits from half
+    the bytes (:data:`~specstack.weight_formats.BF16`). Returns how many."""
+    taken = 0
+    for linear in module.modules():
+        weight = linear.weight if isinstance(linear, PackedLinear) else None
+        if weight is not None and linear._blocks is None and weight.dtype == torch.float32 and weight.device.type == "cpu":
+            rows = bf16_rows(weight)  # [out, in * 2] uint8, or None
+            if rows is not None:
+                linear.attach_blocks(rows, BF16)
+                taken += 1
+    return taken
 
 
 def pack_linears(module: torch.nn.Module, *, streamed_rows: bool = True) -> int:

@@ -1,4 +1,5 @@
-"""Linear weights read as the GGUF's Q4_1 blocks (specstack.gguf_weights): the same bits as the bf16 weights."""
+"""Linear weights read in a narrower format (specstack.weight_formats: the GGUF's Q4_1 and Q8_0 blocks, bf16
+numbers): the same bits as the weights themselves, in fp32 and (Q4_1) bf16."""
 
 from __future__ import annotations
 
@@ -6,10 +7,12 @@ import numpy as np
 import pytest
 import torch
 
-from specstack.gguf_weights import BLOCK_BYTES, attach_q4_1, from_gguf_blocks, q4_1_weights
-from specstack.packed_linear import PackedLinear, load_rows_kernel
+from specstack.gguf_weights import attach_gguf_blocks
+from specstack.packed_linear import PackedLinear, load_rows_kernel, read_bf16_numbers
+from specstack.weight_formats import BF16, Q4_1, Q4_1_GGUF_BYTES, Q8_0, Q8_0_GGUF_BYTES, bf16_rows, q4_1_rows, q4_1_weights, q8_0_rows
 
 ROWS_KERNEL = load_rows_kernel()
+needs_kernel = pytest.mark.skipif(ROWS_KERNEL is None, reason="no C++ compiler here: the few-row kernel cannot be built")
 needs_bf16_dots = pytest.mark.skipif(ROWS_KERNEL is None or not ROWS_KERNEL.bf16, reason="no AVX-512 bf16 dot products here: bf16 rows keep F.linear")
 
 
@@ -18,11 +21,29 @@ def random_blocks(out: int, inp: int, seed: int = 0) -> torch.Tensor:
     sizes a trained layer has (|d| ~ 0.01, |m| ~ 0.1)."""
     rng = np.random.default_rng(seed)
     n = out * inp // 32
-    blocks = np.empty((n, BLOCK_BYTES), dtype=np.uint8)
+    blocks = np.empty((n, Q4_1_GGUF_BYTES), dtype=np.uint8)
     blocks[:, 0:2] = (rng.standard_normal(n) * 0.01).astype(np.float16).view(np.uint8).reshape(n, 2)
     blocks[:, 2:4] = (rng.standard_normal(n) * 0.1).astype(np.float16).view(np.uint8).reshape(n, 2)
     blocks[:, 4:] = rng.integers(0, 256, size=(n, 16), dtype=np.uint8)
-    return from_gguf_blocks(torch.from_numpy(blocks.reshape(out, -1)))
+    return q4_1_rows(torch.from_numpy(blocks.reshape(out, -1)))
+
+
+def random_q8_0(out: int, inp: int, seed: int = 0) -> torch.Tensor:
+    """[out, inp / 32 * 36] uint8 from GGUF's Q8_0 blocks with random signed codes and float16 scales (|d| ~ 0.001)."""
+    rng = np.random.default_rng(seed)
+    n = out * inp // 32
+    blocks = np.empty((n, Q8_0_GGUF_BYTES), dtype=np.uint8)
+    blocks[:, 0:2] = (rng.standard_normal(n) * 0.001).astype(np.float16).view(np.uint8).reshape(n, 2)
+    blocks[:, 2:] = rng.integers(0, 256, size=(n, 32), dtype=np.uint8)
+    return q8_0_rows(torch.from_numpy(blocks.reshape(out, -1)))
+
+
+def random_bf16(out: int, inp: int, seed: int = 0) -> torch.Tensor:
+    """[out, inp * 2] uint8: random bf16 numbers, as the kernel reads a float32 weight made of them."""
+    return torch.randn(out, inp, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16).view(torch.uint8)
+
+
+STORED = {"q4_1": (Q4_1, random_blocks), "q8_0": (Q8_0, random_q8_0), "bf16": (BF16, random_bf16)}
 
 
 def bf16_layer(blocks: torch.Tensor, bias: bool) -> PackedLinear:
@@ -40,8 +61,65 @@ def test_blocks_widen_as_the_gguf_reader_widens_them() -> None:
     weights = (rng.standard_normal((6, 96)) * 0.05).astype(np.float32)
     blocks = gguf.quants.quantize(weights, gguf.GGMLQuantizationType.Q4_1)  # [6, 3 * 20]
     theirs = gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType.Q4_1).reshape(6, 96)  # [6, 96]
-    ours = q4_1_weights(from_gguf_blocks(torch.from_numpy(blocks)))  # [6, 96]
+    ours = q4_1_weights(q4_1_rows(torch.from_numpy(blocks)))  # [6, 96]
     assert np.array_equal(ours.numpy().view(np.uint32), theirs.astype(np.float32).view(np.uint32))
+
+
+def test_q8_0_blocks_widen_as_the_gguf_reader_widens_them() -> None:
+    gguf = pytest.importorskip("gguf")
+    rng = np.random.default_rng(6)
+    weights = (rng.standard_normal((5, 64)) * 0.05).astype(np.float32)
+    blocks = gguf.quants.quantize(weights, gguf.GGMLQuantizationType.Q8_0)  # [5, 2 * 34]
+    theirs = gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType.Q8_0).reshape(5, 64)  # [5, 64]
+    ours = Q8_0.weights(q8_0_rows(torch.from_numpy(blocks)), torch.float32)  # [5, 64]
+    assert np.array_equal(ours.numpy().view(np.uint32), theirs.astype(np.float32).view(np.uint32))
+
+
+def fp32_layer(stored: torch.Tensor, format, bias: bool) -> PackedLinear:
+    weight = format.weights(stored, torch.float32)  # [out, in]
+    layer = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=bias)
+    with torch.no_grad():
+        layer.weight.copy_(weight)
+        if bias:
+            layer.bias.copy_(torch.randn(weight.shape[0], generator=torch.Generator().manual_seed(1)))
+    PackedLinear.adopt(layer, ROWS_KERNEL)
+    return layer
+
+
+@needs_kernel
+@pytest.mark.parametrize("format", sorted(STORED))
+@pytest.mark.parametrize("out_features", [8, 10, 1, 40])
+@pytest.mark.parametrize("bias", [False, True])
+def test_fp32_rows_reading_a_narrower_format_are_the_same_bits_as_rows_reading_the_weight(format, out_features, bias) -> None:
+    """Every row count the kernel takes in fp32 (up to six widened in registers, more from a group widened
+    into L1), output counts that leave a short last group of four, with a bias."""
+    kind, make = STORED[format]
+    stored = make(out_features, 160, seed=out_features)
+    layer = fp32_layer(stored, kind, bias)
+    rows = ROWS_KERNEL.max_rows(torch.float32)
+    x = torch.randn(rows, 160, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        for n in range(1, rows + 1):
+            plain = layer(x[:n])  # [n, out], the float32 weight
+            layer.attach_blocks(stored, kind)
+            read = layer(x[:n])  # [n, out], the narrower format
+            assert layer._blocks_for is not None, "the stored weight was not read"
+            assert torch.equal(read.view(torch.int32), plain.view(torch.int32)), n
+            layer._blocks = None
+
+
+@needs_kernel
+def test_only_float32_weights_made_of_bf16_numbers_are_read_as_bf16() -> None:
+    made_of = torch.nn.Linear(64, 8)
+    with torch.no_grad():
+        made_of.weight.copy_(made_of.weight.to(torch.bfloat16).float())
+    other = torch.nn.Linear(64, 8)
+    model = torch.nn.Sequential(made_of, other)
+    for layer in model:
+        PackedLinear.adopt(layer, ROWS_KERNEL)
+    assert bf16_rows(other.weight) is None
+    assert read_bf16_numbers(model) == 1
+    assert made_of._format is BF16 and made_of.bytes_per_weight(1) == 2 and other.bytes_per_weight(1) == 4
 
 
 @needs_bf16_dots
@@ -66,12 +144,14 @@ def test_rows_reading_blocks_are_the_same_bits_as_rows_reading_the_bf16_weight(o
             layer._blocks = None
 
 
-@needs_bf16_dots
-def test_blocks_that_do_not_widen_to_the_weight_are_dropped_and_the_weight_is_read() -> None:
-    layer = bf16_layer(random_blocks(8, 64), bias=False)
-    x = torch.randn(2, 64, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=needs_bf16_dots)])
+@needs_kernel
+def test_blocks_that_do_not_widen_to_the_weight_are_dropped_and_the_weight_is_read(dtype) -> None:
+    layer_of = (lambda blocks: fp32_layer(blocks, Q4_1, bias=False)) if dtype == torch.float32 else (lambda blocks: bf16_layer(blocks, bias=False))
+    layer = layer_of(random_blocks(8, 64))
+    x = torch.randn(2, 64, generator=torch.Generator().manual_seed(3)).to(dtype)
     with torch.no_grad():
-        plain = layer(x)  # [2, 8], the bf16 weight
+        plain = layer(x)  # [2, 8], the weight
         layer.attach_blocks(random_blocks(8, 64, seed=9))  # another matrix's blocks
         assert torch.equal(layer(x), plain)
         assert layer._blocks is None
@@ -79,7 +159,7 @@ def test_blocks_that_do_not_widen_to_the_weight_are_dropped_and_the_weight_is_re
         layer(x)
         assert layer._blocks is not None
         layer.weight.add_(1.0)  # an in-place update: the blocks no longer widen to it
-        expected = bf16_layer(random_blocks(8, 64), bias=False)
+        expected = layer_of(random_blocks(8, 64))
         with torch.no_grad():
             expected.weight.add_(1.0)
         assert torch.equal(layer(x), expected(x)) and layer._blocks is None
@@ -118,4 +198,43 @@ def test_the_embedded_targets_bf16_forward_reads_every_layer_matrix_as_blocks_wi
         if isinstance(m, PackedLinear):
             m._blocks = None
     assert torch.equal(read.view(torch.int16), logits().view(torch.int16))
-    assert attach_q4_1(target.module, find_gguf()) == 7 * layers
+    assert attach_gguf_blocks(target.module, find_gguf()) == 7 * layers
+
+
+@pytest.mark.real_model
+@needs_kernel
+def test_the_embedded_models_fp32_forwards_read_blocks_and_bf16_numbers_with_the_same_logits() -> None:
+    """In fp32 the target reads every layer matrix as Q4_1 blocks and its LM head as the GGUF's Q8_0 embedding,
+    and the draft reads its bf16 embedding (its LM head) as bf16: the logits of steps, verifies of three and 16
+    tokens (the widest the kernel takes on AVX2) and a 24-token prefill are the same bits as from the fp32 weights."""
+    from specstack.batch import TokenBatch
+    from specstack.models import find_gguf, load_default
+
+    target, draft, _ = load_default()
+    layers = target.module.config.num_hidden_layers
+    assert attach_gguf_blocks(target.module, find_gguf()) == 7 * layers + 1  # again: each still widens to its weight
+    assert target.module.lm_head._format is Q8_0 and target.head_bytes_per_weight(1) == 1.125 and target.linear_bytes_per_weight(1) == 0.75
+    assert draft.module.lm_head._format is BF16 and draft.head_bytes_per_weight(1) == 2
+    tokens = [1, 504, 3458, 314, 253, 1345, 2330, 30] * 3
+
+    def logits(model) -> torch.Tensor:
+        store = model.new_cache(32)
+        model.forward(TokenBatch.chain(tokens[:5], start=0, num_logits=1), store)
+        steps = [model.forward(TokenBatch.chain([t], start=5 + i, num_logits=1), store) for i, t in enumerate(tokens[5:8])]  # one row each
+        store.truncate(5)
+        verify = model.forward(TokenBatch.chain(tokens[5:8], start=5, num_logits=3), store)
+        store.truncate(4)
+        wide = model.forward(TokenBatch.chain(tokens[4:20], start=4, num_logits=16), store)
+        store.truncate(0)
+        prefill = model.forward(TokenBatch.chain(tokens, start=0, num_logits=24), store)  # wider than the kernel: oneDNN
+        return torch.cat([*steps, verify, wide, prefill])  # [46, V]
+
+    with torch.no_grad():
+        for model in (target, draft):
+            read = logits(model)
+            fused = [layer.qkv.linear for layer in model.decoder.layers] + [layer.gate_up.linear for layer in model.decoder.layers]
+            stored = [m for m in [*model.module.modules(), *fused] if isinstance(m, PackedLinear) and m._blocks is not None]
+            assert stored
+            for m in stored:
+                m._blocks = None
+            assert torch.equal(read.view(torch.int32), logits(model).view(torch.int32))

@@ -139,7 +139,8 @@ def measure(levels: Sequence[Level], machine: Machine, *, tokens: Sequence[int],
                 for is_tree in (False, True) if tree and t >= 2 else (False,):
                     seconds = time_forward(level.model, store, cached=cached, tokens=t, tree=is_tree, repeats=repeats, generator=generator)
                     rows.append(Row(level=level.name, cache=cached, tokens=t, tree=is_tree, seconds=seconds,
-                                    floor=forward_floor(shape, dtype, t, cached, t, machine, level.model.linear_bytes_per_weight(t))))
+                                    floor=forward_floor(shape, dtype, t, cached, t, machine, level.model.linear_bytes_per_weight(t),
+                                                        level.model.head_bytes_per_weight(t))))
             del store
     return rows
 

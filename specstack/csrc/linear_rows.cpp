@@ -28,7 +28,9 @@
 // codes q with a float16 scale d and offset m, w = d * q + m. The bf16 entry widens each block in
 // registers to the very bf16 numbers the model holds (d * q + m in float32, then rounded to nearest even,
 // as the GGUF reader and torch's cast do) and takes the same dot products in the same order as the bf16
-// kernel, so its outputs are the same bits while it reads 0.75 bytes a weight instead of 2.
+// kernel, so its outputs are the same bits while it reads 0.75 bytes a weight instead of 2. The fp32
+// entries do the same from Q4_1, Q8_0 (w = d * q, 8-bit codes) or bf16 numbers (the section "float32
+// products from weights stored narrower"): 0.75, 1.125 or 2 bytes a weight instead of 4.
 //
 // On a CPU with AMX tiles, wider bf16 products (up to 32 rows, from either kind of weight) run on the tiles
 // (the section "Up to 32 rows on AMX tiles" below); specstack_linear_rows_tiles_supported() says where.
@@ -36,9 +38,13 @@
 #include <stdint.h>
 #include <string.h>
 
+#include <memory>
+
 #include <omp.h>
-#if defined(__AVX512BF16__)
+#if defined(__AVX2__)
 #include <immintrin.h>
+#endif
+#if defined(__AVX512BF16__)
 #if defined(__AMX_BF16__)
 #define SPECSTACK_AMX 1  // and AMX tiles: wider products on them
 #include "amx_tiles.h"
@@ -50,6 +56,7 @@ namespace {
 typedef float v8 __attribute__((vector_size(32), aligned(4)));  // 8 floats, loads need no alignment
 
 constexpr int ROWS = 4;  // weight rows streamed side by side
+constexpr int MAX_FUSED_ROWS = 6;  // fp32 input rows over narrower weights widened in registers; more take a group widened into L1
 constexpr int MAX_Q4_ROWS = 6;  // bf16 input rows over Q4_1 weights, each block widened once for all of them
 constexpr int MAX_BF16_ROWS = 16;  // bf16 input rows taken (four at a time over each block); packed_linear.py sends up to six
 
@@ -65,15 +72,15 @@ inline void prefetch_next_block(const T *w0, int64_t in, int64_t c) {
 inline float hsum(v8 x) { return ((x[0] + x[4]) + (x[1] + x[5])) + ((x[2] + x[6]) + (x[3] + x[7])); }
 
 // y[j, r .. r+3] = w_{r .. r+3} . x_j for input rows j0 .. j0+J-1, J of them at once (twelve sums in
-// flight for three rows: enough to keep both FMA units busy), each summed over the columns in order.
+// flight for three rows: enough to keep both FMA units busy), each summed over the columns in order. w0
+// points at weight row r; where `prefetch`, each pass asks for its share of the next block's lines.
 template <int J>
-void four_outputs_of(const float *w, const float *x, int j0, int pass, int passes, int64_t in, int64_t out, int64_t r, float *y) {
-    const float *w0 = w + r * in;
+void four_outputs_of(const float *w0, bool prefetch, const float *x, int j0, int pass, int passes, int64_t in, int64_t out, int64_t r, float *y) {
     v8 a[J][ROWS];
     for (int j = 0; j < J; ++j)
         for (int i = 0; i < ROWS; ++i) a[j][i] = v8{};
     for (int64_t c = 0; c < in; c += 8) {
-        if (c % 16 == 0 && (c / 16) % passes == pass) prefetch_next_block(w0, in, c);  // this pass's share of the next block's lines
+        if (prefetch && c % 16 == 0 && (c / 16) % passes == pass) prefetch_next_block(w0, in, c);  // this pass's share of the next block's lines
         v8 p[J];
         for (int j = 0; j < J; ++j) p[j] = load8(x + (j0 + j) * in + c);
         for (int i = 0; i < ROWS; ++i) {
@@ -85,23 +92,173 @@ void four_outputs_of(const float *w, const float *x, int j0, int pass, int passe
         for (int i = 0; i < ROWS; ++i) y[(j0 + j) * out + r + i] = hsum(a[j][i]);
 }
 
-// y[j, r .. r+3] for the n input rows: threes, then a pair or a single row left over. Each pass over the
-// block's weights asks for its share of the next block's.
-void four_outputs(const float *w, const float *x, int n, int64_t in, int64_t out, int64_t r, float *y) {
+// y[j, r .. r+3] for the n input rows: threes, then a pair or a single row left over.
+void four_outputs(const float *w0, bool prefetch, const float *x, int n, int64_t in, int64_t out, int64_t r, float *y) {
     const int passes = (n + 2) / 3;
     int j = 0, pass = 0;
-    for (; j + 3 <= n; j += 3, ++pass) four_outputs_of<3>(w, x, j, pass, passes, in, out, r, y);
-    if (n - j == 2) four_outputs_of<2>(w, x, j, pass, passes, in, out, r, y);
-    if (n - j == 1) four_outputs_of<1>(w, x, j, pass, passes, in, out, r, y);
+    for (; j + 3 <= n; j += 3, ++pass) four_outputs_of<3>(w0, prefetch, x, j, pass, passes, in, out, r, y);
+    if (n - j == 2) four_outputs_of<2>(w0, prefetch, x, j, pass, passes, in, out, r, y);
+    if (n - j == 1) four_outputs_of<1>(w0, prefetch, x, j, pass, passes, in, out, r, y);
 }
 
-// y[j, r] = w_r . x_j for one output row (the last, short block), summed in the same order.
-void one_output(const float *w, const float *x, int n, int64_t in, int64_t out, int64_t r, float *y) {
+// y[j, r] = w_r . x_j for one output row (the last, short block; wr points at it), summed in the same order.
+void one_output(const float *wr, const float *x, int n, int64_t in, int64_t out, int64_t r, float *y) {
     for (int j = 0; j < n; ++j) {
         v8 a{};
-        for (int64_t c = 0; c < in; c += 8) a += load8(w + r * in + c) * load8(x + j * in + c);
+        for (int64_t c = 0; c < in; c += 8) a += load8(wr + c) * load8(x + j * in + c);
         y[j * out + r] = hsum(a);
     }
+}
+
+// ---- float32 products from weights stored narrower ------------------------------------------------------
+//
+// A model whose float32 weights are exactly the numbers of a narrower format (GGUF's Q4_1 and Q8_0 blocks,
+// or bf16) can be read in that format and widened in registers: the same float32 weights, the same
+// products in the same order as four_outputs_of, so the same bits, from fewer bytes. Each format says how
+// many bytes a row of `in` weights takes and widens one block of 32 weights of a row into q[0 .. 3].
+
+// GGUF's Q4_1 as this file reads it (specstack/gguf_weights.py writes it): in / 32 blocks of 16 code bytes
+// (byte i holds q_i in its low nibble and q_{i+16} in its high), then the blocks' scale and offset (d, m)
+// as float32 pairs, exact copies of GGUF's float16 numbers. w = d * q + m: the product is exact (an 11-bit
+// scale times a 4-bit code), so one rounding, as the GGUF reader's (d * q) + m.
+struct Q4_1 {
+    static constexpr int64_t BLOCK_BYTES = 24;
+    static inline void widen(const uint8_t *row, int64_t in, int64_t b, v8 q[4]) {
+        const uint8_t *codes = row + 16 * b;
+        const float d = ((const float *)(row + in / 2))[2 * b], m = ((const float *)(row + in / 2))[2 * b + 1];
+#if defined(__AVX2__)
+        const __m128i bytes = _mm_loadu_si128((const __m128i *)codes);
+        const __m256i lo = _mm256_cvtepu8_epi32(bytes), hi = _mm256_cvtepu8_epi32(_mm_unpackhi_epi64(bytes, bytes));  // bytes 0-7, 8-15
+        const __m256i low_nibble = _mm256_set1_epi32(15);
+        q[0] = (v8)_mm256_cvtepi32_ps(_mm256_and_si256(lo, low_nibble)), q[1] = (v8)_mm256_cvtepi32_ps(_mm256_and_si256(hi, low_nibble));
+        q[2] = (v8)_mm256_cvtepi32_ps(_mm256_srli_epi32(lo, 4)), q[3] = (v8)_mm256_cvtepi32_ps(_mm256_srli_epi32(hi, 4));
+#else
+        for (int i = 0; i < 16; ++i) q[i / 8][i % 8] = (float)(codes[i] & 15), q[2 + i / 8][i % 8] = (float)(codes[i] >> 4);
+#endif
+        for (int k = 0; k < 4; ++k) q[k] = q[k] * d + m;
+    }
+};
+
+// GGUF's Q8_0 as this file reads it: in / 32 blocks of 32 signed code bytes, then the blocks' scales d as
+// float32 (exact copies of GGUF's float16s). w = d * q, exact (an 11-bit scale times an 8-bit code).
+struct Q8_0 {
+    static constexpr int64_t BLOCK_BYTES = 36;
+    static inline void widen(const uint8_t *row, int64_t in, int64_t b, v8 q[4]) {
+        const int8_t *codes = (const int8_t *)row + 32 * b;
+        const float d = ((const float *)(row + in))[b];
+#if defined(__AVX2__)
+        for (int k = 0; k < 4; ++k) q[k] = (v8)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(codes + 8 * k))));
+#else
+        for (int i = 0; i < 32; ++i) q[i / 8][i % 8] = (float)codes[i];
+#endif
+        for (int k = 0; k < 4; ++k) q[k] = q[k] * d;
+    }
+};
+
+// bf16 numbers (the upper halves of float32s): widening is exact.
+struct BF16 {
+    static constexpr int64_t BLOCK_BYTES = 64;
+    static inline void widen(const uint8_t *row, int64_t, int64_t b, v8 q[4]) {
+        const uint16_t *h = (const uint16_t *)row + 32 * b;
+#if defined(__AVX2__)
+        for (int k = 0; k < 4; ++k)
+            q[k] = (v8)_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(h + 8 * k))), 16);
+#else
+        for (int i = 0; i < 32; ++i) {
+            const uint32_t bits = (uint32_t)h[i] << 16;
+            memcpy(&q[i / 8][i % 8], &bits, 4);
+        }
+#endif
+    }
+};
+
+template <class Format>
+inline int64_t row_bytes_of(int64_t in) { return in / 32 * Format::BLOCK_BYTES; }
+
+// The line of a row to ask for while its block b is read, or -1: one new line per 64 bytes, so that by the
+// row's last block all its lines have been asked for.
+template <class Format>
+inline int64_t line_due(int64_t b) {
+    const int64_t line = b * Format::BLOCK_BYTES / 64;
+    return b == 0 || line != (b - 1) * Format::BLOCK_BYTES / 64 ? line * 64 : -1;
+}
+
+// y[j, r .. r+3] = w_{r .. r+3} . x_j for J (one to six) input rows, each block widened in registers and
+// used at once: the same products in the same order as four_outputs_of, without writing the weights out.
+// Asks for the next group's rows (`next`) as it goes.
+template <class Format, int J>
+void widened_four_outputs(const uint8_t *rows, const uint8_t *next, const float *x, int64_t in, int64_t out, int64_t r, float *y) {
+    const int64_t row_bytes = row_bytes_of<Format>(in);
+    v8 a[J][ROWS];
+    for (int j = 0; j < J; ++j)
+        for (int i = 0; i < ROWS; ++i) a[j][i] = v8{};
+    for (int64_t b = 0; b < in / 32; ++b) {
+        if (const int64_t line = line_due<Format>(b); line >= 0)
+            for (int i = 0; i < ROWS; ++i) __builtin_prefetch(next + i * row_bytes + line, 0, 3);
+        for (int i = 0; i < ROWS; ++i) {
+            v8 w[4];
+            Format::widen(rows + i * row_bytes, in, b, w);
+            for (int k = 0; k < 4; ++k)
+                for (int j = 0; j < J; ++j) a[j][i] += w[k] * load8(x + j * in + 32 * b + 8 * k);
+        }
+    }
+    for (int j = 0; j < J; ++j)
+        for (int i = 0; i < ROWS; ++i) y[j * out + r + i] = hsum(a[j][i]);
+}
+
+// widened_four_outputs for n <= MAX_FUSED_ROWS input rows.
+template <class Format>
+void widened_rows(const uint8_t *rows, const uint8_t *next, const float *x, int n, int64_t in, int64_t out, int64_t r, float *y) {
+    typedef void (*Rows)(const uint8_t *, const uint8_t *, const float *, int64_t, int64_t, int64_t, float *);
+    static const Rows fused[] = {widened_four_outputs<Format, 1>, widened_four_outputs<Format, 2>, widened_four_outputs<Format, 3>,
+                                 widened_four_outputs<Format, 4>, widened_four_outputs<Format, 5>, widened_four_outputs<Format, 6>};
+    fused[n - 1](rows, next, x, in, out, r, y);
+}
+
+// The float32 weights of `count` rows (at most ROWS) into w [count, in], asking for the same rows of the
+// next group (`next`) as it goes.
+template <class Format>
+void widen_rows(const uint8_t *rows, const uint8_t *next, int64_t in, int64_t count, float *w) {
+    const int64_t row_bytes = row_bytes_of<Format>(in);
+    for (int64_t i = 0; i < count; ++i)
+        for (int64_t b = 0; b < in / 32; ++b) {
+            if (const int64_t line = line_due<Format>(b); line >= 0) __builtin_prefetch(next + i * row_bytes + line, 0, 3);
+            v8 q[4];
+            Format::widen(rows + i * row_bytes, in, b, q);
+            for (int k = 0; k < 4; ++k) *(v8 *)(w + i * in + 32 * b + 8 * k) = q[k];
+        }
+}
+
+// y [n, out] = x [n, in] W^T + bias, W [out, in] stored as Format: a few rows widen each block in
+// registers; more rows take a group of ROWS weight rows widened into L1 (this thread's `scratch`).
+template <class Format>
+int widened_linear(const uint8_t *w, const float *x, const float *bias, float *y, int n, int64_t out, int64_t in, int threads) {
+    if (in < 32 || in % 32 != 0 || out < 1 || n < 1 || threads < 1) return -1;
+    const int64_t groups = (out + ROWS - 1) / ROWS, row_bytes = row_bytes_of<Format>(in);
+#pragma omp parallel num_threads(threads)
+    {
+        std::unique_ptr<float[]> scratch;  // made when first needed
+        float *widened = nullptr;          // in it, from a cache line's start, as torch's tensors
+#pragma omp for schedule(static)
+        for (int64_t g = 0; g < groups; ++g) {
+            const int64_t first = g * ROWS, last = first + ROWS < out ? first + ROWS : out;
+            const uint8_t *rows = w + first * row_bytes, *next = w + last * row_bytes;
+            if (last - first == ROWS && n <= MAX_FUSED_ROWS) {
+                widened_rows<Format>(rows, next, x, n, in, out, first, y);
+            } else {
+                if (!widened) scratch.reset(new float[ROWS * in + 16]), widened = (float *)(((uintptr_t)scratch.get() + 63) & ~(uintptr_t)63);
+                widen_rows<Format>(rows, next, in, last - first, widened);
+                if (last - first == ROWS)
+                    four_outputs(widened, false, x, n, in, out, first, y);
+                else
+                    for (int64_t r = first; r < last; ++r) one_output(widened + (r - first) * in, x, n, in, out, r, y);
+            }
+            if (bias)
+                for (int j = 0; j < n; ++j)
+                    for (int64_t r = first; r < last; ++r) y[j * out + r] += bias[r];
+        }
+    }
+    return 0;
 }
 
 #if defined(__AVX512BF16__)
@@ -153,10 +310,7 @@ float bf16_one_output(const uint16_t *wr, const uint16_t *xj, int64_t in) {
     return _mm512_reduce_add_ps(a);
 }
 
-// A row of Q4_1 weights as this file reads it (specstack/gguf_weights.py writes it from GGUF's blocks):
-// in / 32 blocks of 16 code bytes (byte i holds q_i in its low nibble and q_{i+16} in its high), then the
-// blocks' scales and offsets (d, m) as float32 pairs, exact copies of GGUF's float16 numbers.
-inline int64_t q4_row_bytes(int64_t in) { return in / 32 * 24; }
+inline int64_t q4_row_bytes(int64_t in) { return row_bytes_of<Q4_1>(in); }
 
 // One Q4_1 block as the 32 bf16 weights it stands for, in order: the sixteen values d * q + m (q = 0..15)
 // in float32 (a product, then a sum: two roundings, as the GGUF reader's (d * q) + m), rounded to bf16,
@@ -372,14 +526,30 @@ int specstack_linear_rows_f32(const float *w, const float *x, const float *bias,
     for (int64_t b = 0; b < blocks; ++b) {
         const int64_t first = b * ROWS, last = first + ROWS < out ? first + ROWS : out;
         if (last - first == ROWS)
-            four_outputs(w, x, n, in, out, first, y);
+            four_outputs(w + first * in, true, x, n, in, out, first, y);
         else
-            for (int64_t r = first; r < last; ++r) one_output(w, x, n, in, out, r, y);
+            for (int64_t r = first; r < last; ++r) one_output(w + r * in, x, n, in, out, r, y);
         if (bias)
             for (int j = 0; j < n; ++j)
                 for (int64_t r = first; r < last; ++r) y[j * out + r] += bias[r];
     }
     return 0;
+}
+
+// The float32 product with W stored narrower: w [out, in / 32 * BLOCK_BYTES] (Q4_1, Q8_0: the rows
+// specstack/gguf_weights.py writes; bf16: [out, in] bit patterns), x [n, in], bias [out] or null, y [n, out]:
+// the same bits as specstack_linear_rows_f32 over the float32 weights they stand for, from 0.75, 1.125 or
+// 2 bytes a weight instead of 4. Returns 0, or -1 for shapes they do not take (in not a multiple of 32).
+int specstack_linear_rows_q4_1_f32(const uint8_t *w, const float *x, const float *bias, float *y, int n, int64_t out, int64_t in, int threads) {
+    return widened_linear<Q4_1>(w, x, bias, y, n, out, in, threads);
+}
+
+int specstack_linear_rows_q8_0_f32(const uint8_t *w, const float *x, const float *bias, float *y, int n, int64_t out, int64_t in, int threads) {
+    return widened_linear<Q8_0>(w, x, bias, y, n, out, in, threads);
+}
+
+int specstack_linear_rows_bf16_f32(const uint8_t *w, const float *x, const float *bias, float *y, int n, int64_t out, int64_t in, int threads) {
+    return widened_linear<BF16>(w, x, bias, y, n, out, in, threads);
 }
 
 // 1 where the kernel was compiled for AVX-512 (where oneDNN's packed fp32 kernel is close from five

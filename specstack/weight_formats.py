@@ -1,0 +1,103 @@
+"""The narrower formats a linear layer's weights can be read in instead, bit for bit.
+
+A forward of a few tokens is bound by reading the weights (docs/benchmarks.md). Where a layer's weights
+are exactly the numbers of a narrower format, the few-row kernel (``csrc/linear_rows.cpp``) reads that
+format and widens each block of 32 weights in registers to those very numbers, then takes the same
+products in the same order as over the weights themselves: the same bits from fewer bytes.
+
+- ``q4_1``: GGUF's Q4_1 blocks (each 32 weights of a row share a float16 scale ``d`` and offset ``m``,
+  each weight a four-bit code ``q``, ``w = d·q + m``), as rows of 16 code bytes per block followed by
+  the blocks' (d, m) as float32 pairs: 0.75 bytes a weight. Read by fp32 and bf16 rows.
+- ``q8_0``: GGUF's Q8_0 blocks (a float16 scale ``d`` per 32 signed 8-bit codes, ``w = d·q``), as rows
+  of 32 code bytes per block followed by the blocks' scales as float32: 1.125 bytes a weight. fp32 rows.
+- ``bf16``: float32 weights that are bf16 numbers (a draft's embedding frozen in bf16), as their upper
+  halves: 2 bytes a weight. fp32 rows.
+
+The float16 scales are kept as float32 (exact copies) to spare the kernel a conversion per block.
+:mod:`specstack.gguf_weights` reads the GGUF's blocks; :class:`~specstack.packed_linear.PackedLinear`
+reads a format only while it widens to the layer's weight bit for bit.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Mapping
+
+import attrs
+import torch
+
+Q4_1_GGUF_BYTES = 20  # a Q4_1 block in the file: float16 d, float16 m, 16 bytes of codes (q_i in byte i's low nibble, q_{i+16} in its high)
+Q8_0_GGUF_BYTES = 34  # a Q8_0 block in the file: float16 d, 32 signed code bytes
+
+
+@attrs.frozen(kw_only=True, eq=False)  # each format is one object, compared by identity
+class WeightFormat:
+    """How a layer's weights are stored for the kernel: ``block_bytes`` per 32 weights of a row, the
+    float32 weights ``widen`` makes of the stored rows [out, in / 32 * block_bytes] uint8, and the kernel
+    entry that reads them for rows of each activation dtype."""
+
+    name: str
+    block_bytes: int
+    widen: Callable[[torch.Tensor], torch.Tensor] = attrs.field(repr=False)
+    entries: Mapping[torch.dtype, str]
+
+    @property
+    def bytes_per_weight(self) -> float:
+        return self.block_bytes / 32
+
+    def weights(self, stored: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """stored [out, in / 32 * block_bytes] -> the weights [out, in] of ``dtype`` they stand for."""
+        return self.widen(stored).to(dtype)
+
+    def reads(self, dtype: torch.dtype) -> bool:
+        """Whether the kernel reads this format for rows of ``dtype``."""
+        return dtype in self.entries
+
+
+def q4_1_rows(blocks: torch.Tensor) -> torch.Tensor:
+    """GGUF's Q4_1 blocks [out, in / 32 * 20] -> the rows the kernel reads [out, in / 32 * 24]: each row's
+    16 code bytes per block, then its blocks' (d, m) as float32 pairs (exact copies of the float16s)."""
+    out = blocks.shape[0]
+    b = blocks.reshape(out, -1, Q4_1_GGUF_BYTES)  # [out, in / 32, 20]
+    scales = b[..., 0:4].contiguous().view(torch.float16).float()  # [out, in / 32, 2]: d, m
+    return torch.cat([b[..., 4:].reshape(out, -1), scales.reshape(out, -1).view(torch.uint8)], dim=1)  # [out, in / 32 * 24]
+
+
+def q4_1_weights(rows: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """rows [out, in / 32 * 24] (:func:`q4_1_rows`) -> the weights [out, in] they stand for:
+    ``(d·q) + m`` in float32 (a product, then a sum, as the GGUF reader computes them), cast to ``dtype``."""
+    out, blocks = rows.shape[0], rows.shape[1] // Q4_1.block_bytes
+    codes = rows[:, : 16 * blocks].reshape(out, blocks, 16).long()  # [out, in / 32, 16]
+    dm = rows[:, 16 * blocks :].contiguous().view(torch.float32).reshape(out, blocks, 2)  # [out, in / 32, 2]
+    q = torch.cat([codes & 0x0F, codes >> 4], dim=-1).float()  # [out, in / 32, 32]: q_0 .. q_31
+    return ((dm[..., :1] * q) + dm[..., 1:]).reshape(out, -1).to(dtype)  # [out, in]
+
+
+def q8_0_rows(blocks: torch.Tensor) -> torch.Tensor:
+    """GGUF's Q8_0 blocks [out, in / 32 * 34] -> the rows the kernel reads [out, in / 32 * 36]: each row's
+    32 code bytes per block, then its blocks' scales d as float32 (exact copies of the float16s)."""
+    out = blocks.shape[0]
+    b = blocks.reshape(out, -1, Q8_0_GGUF_BYTES)  # [out, in / 32, 34]
+    scales = b[..., 0:2].contiguous().view(torch.float16).float()  # [out, in / 32, 1]
+    return torch.cat([b[..., 2:].reshape(out, -1), scales.reshape(out, -1).view(torch.uint8)], dim=1)  # [out, in / 32 * 36]
+
+
+def q8_0_weights(rows: torch.Tensor) -> torch.Tensor:
+    """rows [out, in / 32 * 36] (:func:`q8_0_rows`) -> the float32 weights [out, in]: ``d·q``, exact."""
+    out, blocks = rows.shape[0], rows.shape[1] // Q8_0.block_bytes
+    q = rows[:, : 32 * blocks].view(torch.int8).reshape(out, blocks, 32).float()  # [out, in / 32, 32]
+    d = rows[:, 32 * blocks :].contiguous().view(torch.float32).reshape(out, blocks, 1)  # [out, in / 32, 1]
+    return (d * q).reshape(out, -1)  # [out, in]
+
+
+def bf16_rows(weight: torch.Tensor) -> torch.Tensor | None:
+    """A float32 weight [out, in] as the rows the kernel reads [out, in * 2] (its bf16 bit patterns), or
+    None where it is not made of bf16 numbers (then reading bf16 would change it)."""
+    halves = weight.detach().to(torch.bfloat16)  # [out, in]
+    return halves.view(torch.uint8) if torch.equal(halves.float(), weight.detach()) else None
+
+
+Q4_1 = WeightFormat(name="q4_1", block_bytes=24, widen=q4_1_weights,
+                    entries={torch.float32: "specstack_linear_rows_q4_1_f32", torch.bfloat16: "specstack_linear_rows_q4_1_bf16"})
+Q8_0 = WeightFormat(name="q8_0", block_bytes=36, widen=q8_0_weights, entries={torch.float32: "specstack_linear_rows_q8_0_f32"})
+BF16 = WeightFormat(name="bf16", block_bytes=64, widen=lambda rows: rows.view(torch.bfloat16).float(),
+                    entries={torch.float32: "specstack_linear_rows_bf16_f32"})
