@@ -17,10 +17,14 @@ changes.
 
 from __future__ import annotations
 
+import struct
 from pathlib import Path
 
+import attrs
 import numpy as np
 import torch
+
+from .errors import SpecstackError
 
 from .packed_linear import PackedLinear
 from .weight_formats import Q4_1, Q8_0, WeightFormat, q4_1_rows, q8_0_rows
@@ -43,23 +47,82 @@ def _rows_in_transformers_order(name: str, rows: int, heads: int, kv_heads: int)
 def read_blocks(path: str | Path, heads: int, kv_heads: int) -> dict[str, tuple[WeightFormat, torch.Tensor]]:
     """Every Q4_1 layer matrix of the GGUF at ``path`` as ``{"model.layers.{i}.{module}": (Q4_1, rows)}``, rows
     in transformers' order, and a Q8_0 embedding as ``{"lm_head": (Q8_0, rows)}`` (:mod:`specstack.weight_formats`)."""
-    from gguf import GGMLQuantizationType, GGUFReader
-
     found = {}
-    for tensor in GGUFReader(str(path)).tensors:
+    for tensor in tensor_index(path):
         parts = tensor.name.split(".")  # blk.{i}.{matrix}.weight, or token_embd.weight
-        if tensor.tensor_type == GGMLQuantizationType.Q8_0 and tensor.name == "token_embd.weight":
-            found[HEAD] = (Q8_0, q8_0_rows(_blocks_of(tensor)))
-        elif tensor.tensor_type == GGMLQuantizationType.Q4_1 and len(parts) == 4 and parts[0] == "blk" and parts[2] in LAYER_MATRICES:
-            order = _rows_in_transformers_order(parts[2], int(tensor.shape[1]), heads, kv_heads)
-            found[f"model.layers.{parts[1]}.{LAYER_MATRICES[parts[2]]}"] = (Q4_1, q4_1_rows(_blocks_of(tensor, order)))
+        if tensor.kind == GGML_Q8_0 and tensor.name == "token_embd.weight":
+            found[HEAD] = (Q8_0, q8_0_rows(tensor.blocks(path)))
+        elif tensor.kind == GGML_Q4_1 and len(parts) == 4 and parts[0] == "blk" and parts[2] in LAYER_MATRICES:
+            order = _rows_in_transformers_order(parts[2], tensor.shape[0], heads, kv_heads)
+            found[f"model.layers.{parts[1]}.{LAYER_MATRICES[parts[2]]}"] = (Q4_1, q4_1_rows(tensor.blocks(path, order)))
     return found
 
 
-def _blocks_of(tensor, order: np.ndarray | None = None) -> torch.Tensor:
-    """A GGUF tensor's blocks [out, in / 32 * block bytes] uint8, rows in ``order``: a copy, so the file stays closed."""
-    data = np.asarray(tensor.data).reshape(int(tensor.shape[1]), -1)  # GGUF lists shapes innermost first
-    return torch.from_numpy(np.array(data if order is None else data[order]))
+# -- the GGUF file's tensor index -------------------------------------------------------------------
+# GGUF (ggml's file format, version 2 and 3): "GGUF", a u32 version, u64 tensor and metadata counts, the metadata
+# (key, u32 type, value), then each tensor's name, u32 dims, u64 sizes (innermost first), u32 ggml type and u64
+# offset into the data, which starts at the next multiple of general.alignment (32 by default). Read here
+# directly: the gguf package's reader also turns every metadata string (the 49,152-token vocabulary) into
+# arrays, which took 3-5 s per load.
+
+GGML_Q4_1, GGML_Q8_0 = 3, 8  # ggml's type ids
+BLOCK_BYTES = {GGML_Q4_1: 20, GGML_Q8_0: 34}  # per 32 weights in the file
+_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}  # metadata value types
+_STRING, _ARRAY = 8, 9
+
+
+@attrs.frozen
+class GGUFTensor:
+    name: str
+    kind: int  # ggml type id
+    shape: tuple[int, ...]  # outermost first: [out, in] for a matrix
+    start: int  # byte offset of its data in the file
+
+    def blocks(self, path: str | Path, order: np.ndarray | None = None) -> torch.Tensor:
+        """The tensor's blocks [out, in / 32 * block bytes] uint8, rows in ``order``: a copy, so the file stays closed."""
+        out, inp = self.shape
+        data = np.memmap(path, dtype=np.uint8, mode="r", offset=self.start, shape=(out, inp // 32 * BLOCK_BYTES[self.kind]))
+        return torch.from_numpy(np.array(data if order is None else data[order]))
+
+
+def tensor_index(path: str | Path) -> list[GGUFTensor]:
+    """The tensors of the GGUF file at ``path`` (their data not read)."""
+    with open(path, "rb") as f:
+        read = lambda fmt: struct.unpack("<" + fmt, f.read(struct.calcsize("<" + fmt)))[0]
+        if f.read(4) != b"GGUF" or read("I") not in (2, 3):
+            raise SpecstackError(f"{path} is not a GGUF file of version 2 or 3")
+        tensors, fields = read("Q"), read("Q")
+        alignment = 32
+        for _ in range(fields):
+            key = f.read(read("Q")).decode()
+            value = _metadata_value(f, read, read("I"))
+            if key == "general.alignment":
+                alignment = value
+        index = []
+        for _ in range(tensors):
+            name = f.read(read("Q")).decode()
+            dims = [read("Q") for _ in range(read("I"))]
+            index.append((name, read("I"), tuple(reversed(dims)), read("Q")))
+        data = -(-f.tell() // alignment) * alignment
+    return [GGUFTensor(name=name, kind=kind, shape=shape, start=data + offset) for name, kind, shape, offset in index]
+
+
+def _metadata_value(f, read, kind: int):
+    """One metadata value of type ``kind`` (arrays and strings skipped over; None for them)."""
+    if kind in _SCALARS:
+        return read(_SCALARS[kind])
+    if kind == _STRING:
+        f.seek(read("Q"), 1)
+        return None
+    if kind == _ARRAY:
+        item, count = read("I"), read("Q")
+        if item in _SCALARS:
+            f.seek(count * struct.calcsize("<" + _SCALARS[item]), 1)
+        else:
+            for _ in range(count):
+                _metadata_value(f, read, item)
+        return None
+    raise SpecstackError(f"unknown GGUF metadata type {kind}")
 
 
 def attach_gguf_blocks(module: torch.nn.Module, path: str | Path) -> int:
@@ -73,6 +136,6 @@ def attach_gguf_blocks(module: torch.nn.Module, path: str | Path) -> int:
         format, stored = blocks.get(name, (None, None))
         if isinstance(linear, PackedLinear) and stored is not None and format.reads(linear.weight.dtype):
             if stored.shape[0] == linear.weight.shape[0] and torch.equal(format.weights(stored, linear.weight.dtype), linear.weight.detach()):
-                linear.attach_blocks(stored, format)
+                linear.attach_blocks(stored, format, checked=True)
                 taken += 1
     return taken

@@ -162,11 +162,13 @@ class PackedLinear(torch.nn.Linear):
     _format: WeightFormat  # how _blocks stores it
     _blocks_for: tuple | None  # the weight the blocks were last found to widen to, bit for bit
 
-    def attach_blocks(self, blocks: torch.Tensor, format: WeightFormat = Q4_1) -> None:
+    def attach_blocks(self, blocks: torch.Tensor, format: WeightFormat = Q4_1, *, checked: bool = False) -> None:
         """Let a few rows read ``blocks`` [out, in / 32 * block_bytes] uint8, the weight stored in ``format``
         (:mod:`specstack.weight_formats`), instead of the weight, for as long as they widen to it bit for bit
-        (checked on the next forward and whenever the weight changes), where the format reads for the weight's dtype."""
-        self._blocks, self._format, self._blocks_for = blocks.contiguous(), format, None
+        (checked on the next forward, unless the caller just ``checked`` it, and whenever the weight changes),
+        where the format reads for the weight's dtype."""
+        self._blocks, self._format = blocks.contiguous(), format
+        self._blocks_for = self._weight_source(self._parameters["weight"]) if checked else None
 
     @classmethod
     def adopt(cls, linear: torch.nn.Linear, rows: RowsKernel | None = None) -> None:
@@ -244,7 +246,7 @@ def read_bf16_numbers(module: torch.nn.Module) -> int:
         if weight is not None and linear._blocks is None and weight.dtype == torch.float32 and weight.device.type == "cpu":
             rows = bf16_rows(weight)  # [out, in * 2] uint8, or None
             if rows is not None:
-                linear.attach_blocks(rows, BF16)
+                linear.attach_blocks(rows, BF16, checked=True)
                 taken += 1
     return taken
 

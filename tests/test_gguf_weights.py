@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from specstack.gguf_weights import attach_gguf_blocks
+from specstack.errors import SpecstackError
+from specstack.gguf_weights import attach_gguf_blocks, tensor_index
 from specstack.packed_linear import PackedLinear, load_rows_kernel, read_bf16_numbers
 from specstack.weight_formats import BF16, Q4_1, Q4_1_GGUF_BYTES, Q8_0, Q8_0_GGUF_BYTES, bf16_rows, q4_1_rows, q4_1_weights, q8_0_rows
 
@@ -238,3 +239,22 @@ def test_the_embedded_models_fp32_forwards_read_blocks_and_bf16_numbers_with_the
             for m in stored:
                 m._blocks = None
             assert torch.equal(read.view(torch.int32), logits(model).view(torch.int32))
+
+
+@pytest.mark.real_model
+def test_the_tensor_index_is_the_gguf_packages() -> None:
+    """specstack reads the GGUF's tensor index itself (the gguf package's reader takes seconds over the vocabulary):
+    every tensor's name, type, shape and data offset as the package reads them."""
+    gguf = pytest.importorskip("gguf")
+    from specstack.models import find_gguf
+
+    theirs = {t.name: (int(t.tensor_type), tuple(int(d) for d in reversed(t.shape)), int(t.data_offset)) for t in gguf.GGUFReader(str(find_gguf())).tensors}
+    ours = {t.name: (t.kind, t.shape, t.start) for t in tensor_index(find_gguf())}
+    assert ours == theirs and len(ours) == 272
+
+
+def test_a_file_that_is_not_gguf_is_one_error_line(tmp_path) -> None:
+    path = tmp_path / "model.gguf"
+    path.write_bytes(b"GGML" + bytes(60))
+    with pytest.raises(SpecstackError, match="is not a GGUF file of version 2 or 3"):
+        tensor_index(path)
