@@ -258,3 +258,33 @@ def test_a_file_that_is_not_gguf_is_one_error_line(tmp_path) -> None:
     path.write_bytes(b"GGML" + bytes(60))
     with pytest.raises(SpecstackError, match="is not a GGUF file of version 2 or 3"):
         tensor_index(path)
+
+
+@pytest.mark.parametrize("alignment", [32, 64])
+def test_the_tensor_index_of_a_written_file_finds_each_tensors_blocks(tmp_path, alignment) -> None:
+    """A GGUF written by the gguf package (metadata of every kind before the tensors, a custom alignment):
+    each tensor's blocks are read back from where the index says they are."""
+    gguf = pytest.importorskip("gguf")
+    rng = np.random.default_rng(7)
+    weights = {"blk.0.attn_q.weight": (rng.standard_normal((4, 64)) * 0.05).astype(np.float32),
+               "token_embd.weight": (rng.standard_normal((3, 96)) * 0.05).astype(np.float32)}
+    kinds = {"blk.0.attn_q.weight": gguf.GGMLQuantizationType.Q4_1, "token_embd.weight": gguf.GGMLQuantizationType.Q8_0}
+    path = tmp_path / "small.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_custom_alignment(alignment)
+    writer.add_string("general.name", "a name of odd length")
+    writer.add_array("tokenizer.ggml.tokens", ["a", "bc", "def"])
+    writer.add_uint32("llama.block_count", 1)
+    writer.add_float32("some.scale", 0.5)
+    for name, w in weights.items():
+        writer.add_tensor(name, gguf.quants.quantize(w, kinds[name]), raw_dtype=kinds[name])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    index = {t.name: t for t in tensor_index(path)}
+    for name, w in weights.items():
+        tensor = index[name]
+        assert tensor.shape == w.shape and tensor.kind == int(kinds[name])
+        stored = tensor.blocks(path).numpy()  # [out, in / 32 * block bytes]
+        assert np.array_equal(stored, gguf.quants.quantize(w, kinds[name]))
