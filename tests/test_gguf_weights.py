@@ -56,23 +56,14 @@ def bf16_layer(blocks: torch.Tensor, bias: bool) -> PackedLinear:
     return layer
 
 
-def test_blocks_widen_as_the_gguf_reader_widens_them() -> None:
+@pytest.mark.parametrize("kind, to_rows, format", [("Q4_1", q4_1_rows, Q4_1), ("Q8_0", q8_0_rows, Q8_0)])
+def test_blocks_widen_as_the_gguf_reader_widens_them(kind, to_rows, format) -> None:
     gguf = pytest.importorskip("gguf")
     rng = np.random.default_rng(5)
     weights = (rng.standard_normal((6, 96)) * 0.05).astype(np.float32)
-    blocks = gguf.quants.quantize(weights, gguf.GGMLQuantizationType.Q4_1)  # [6, 3 * 20]
-    theirs = gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType.Q4_1).reshape(6, 96)  # [6, 96]
-    ours = q4_1_weights(q4_1_rows(torch.from_numpy(blocks)))  # [6, 96]
-    assert np.array_equal(ours.numpy().view(np.uint32), theirs.astype(np.float32).view(np.uint32))
-
-
-def test_q8_0_blocks_widen_as_the_gguf_reader_widens_them() -> None:
-    gguf = pytest.importorskip("gguf")
-    rng = np.random.default_rng(6)
-    weights = (rng.standard_normal((5, 64)) * 0.05).astype(np.float32)
-    blocks = gguf.quants.quantize(weights, gguf.GGMLQuantizationType.Q8_0)  # [5, 2 * 34]
-    theirs = gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType.Q8_0).reshape(5, 64)  # [5, 64]
-    ours = Q8_0.weights(q8_0_rows(torch.from_numpy(blocks)), torch.float32)  # [5, 64]
+    blocks = gguf.quants.quantize(weights, getattr(gguf.GGMLQuantizationType, kind))  # [6, 3 * block bytes]
+    theirs = gguf.quants.dequantize(blocks, getattr(gguf.GGMLQuantizationType, kind)).reshape(6, 96)  # [6, 96]
+    ours = format.weights(to_rows(torch.from_numpy(blocks)), torch.float32)  # [6, 96]
     assert np.array_equal(ours.numpy().view(np.uint32), theirs.astype(np.float32).view(np.uint32))
 
 
