@@ -243,7 +243,8 @@ def read_bf16_numbers(module: torch.nn.Module) -> int:
     taken = 0
     for linear in module.modules():
         weight = linear.weight if isinstance(linear, PackedLinear) else None
-        if weight is not None and linear._blocks is None and weight.dtype == torch.float32 and weight.device.type == "cpu":
+        if (weight is not None and linear._blocks is None and weight.dtype == torch.float32 and weight.device.type == "cpu"
+                and weight.shape[1] % 32 == 0):  # the kernel widens 32 weights of a row at a time
             rows = bf16_rows(weight)  # [out, in * 2] uint8, or None
             if rows is not None:
                 linear.attach_blocks(rows, BF16, checked=True)

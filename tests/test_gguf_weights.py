@@ -109,8 +109,16 @@ def test_only_float32_weights_made_of_bf16_numbers_are_read_as_bf16() -> None:
     model = torch.nn.Sequential(made_of, other)
     for layer in model:
         PackedLinear.adopt(layer, ROWS_KERNEL)
+    narrow = torch.nn.Linear(48, 8)  # made of bf16 numbers, but rows of 48: the kernel widens 32 at a time
+    with torch.no_grad():
+        narrow.weight.copy_(narrow.weight.to(torch.bfloat16).float())
+    PackedLinear.adopt(narrow, ROWS_KERNEL)
+    model.append(narrow)
     assert bf16_rows(other.weight) is None
-    assert read_bf16_numbers(model) == 1
+    assert read_bf16_numbers(model) == 1 and narrow._blocks is None
+    x = torch.randn(3, 48)
+    with torch.no_grad():
+        torch.testing.assert_close(narrow(x), torch.nn.functional.linear(x, narrow.weight, narrow.bias))  # the fp32 weight, read as it is
     assert made_of._format is BF16 and made_of.bytes_per_weight(1) == 2 and other.bytes_per_weight(1) == 4
 
 
