@@ -25,9 +25,8 @@ import numpy as np
 import torch
 
 from .errors import SpecstackError
-
 from .packed_linear import PackedLinear
-from .weight_formats import Q4_1, Q8_0, WeightFormat, q4_1_rows, q8_0_rows
+from .weight_formats import Q4_1, Q4_1_GGUF_BYTES, Q8_0, Q8_0_GGUF_BYTES, WeightFormat, q4_1_rows, q8_0_rows
 
 # The GGUF name of each layer matrix -> its module under transformers' ``model.layers.{i}``.
 LAYER_MATRICES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
@@ -66,7 +65,7 @@ def read_blocks(path: str | Path, heads: int, kv_heads: int) -> dict[str, tuple[
 # arrays, which took 3-5 s per load.
 
 GGML_Q4_1, GGML_Q8_0 = 3, 8  # ggml's type ids
-BLOCK_BYTES = {GGML_Q4_1: 20, GGML_Q8_0: 34}  # per 32 weights in the file
+BLOCK_BYTES = {GGML_Q4_1: Q4_1_GGUF_BYTES, GGML_Q8_0: Q8_0_GGUF_BYTES}  # per 32 weights in the file
 _SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}  # metadata value types
 _STRING, _ARRAY = 8, 9
 

@@ -114,8 +114,8 @@ def load_default(*, dtype: torch.dtype = torch.float32, with_draft: bool = True,
 def load_target(*, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", context: int | None = None,
                 rope_scaling: str | None = None):
     """``(target, tokenizer)``: the embedded default target (see :func:`specstack.hf.load_model`). On the CPU
-    its products of a few rows (fp32 or bf16) read the GGUF's Q4_1 blocks, which widen to its weights bit
-    for bit (:mod:`specstack.gguf_weights`)."""
+    its products of a few rows read the GGUF's Q4_1 layer blocks (fp32 or bf16) and its Q8_0 embedding as
+    the LM head (fp32), which widen to its weights bit for bit (:mod:`specstack.gguf_weights`)."""
     from .hf import load_model
 
     target, tokenizer = load_model(prepare_target(), dtype=dtype, device=device, name=TARGET_NAME, context=context, rope_scaling=rope_scaling)

@@ -110,6 +110,13 @@ void one_output(const float *wr, const float *x, int n, int64_t in, int64_t out,
     }
 }
 
+// y[j, first .. last-1] += bias (where there is one) for the n input rows.
+inline void add_bias(const float *bias, float *y, int n, int64_t out, int64_t first, int64_t last) {
+    if (bias)
+        for (int j = 0; j < n; ++j)
+            for (int64_t r = first; r < last; ++r) y[j * out + r] += bias[r];
+}
+
 // ---- float32 products from weights stored narrower ------------------------------------------------------
 //
 // A model whose float32 weights are exactly the numbers of a narrower format (GGUF's Q4_1 and Q8_0 blocks,
@@ -253,9 +260,7 @@ int widened_linear(const uint8_t *w, const float *x, const float *bias, float *y
                 else
                     for (int64_t r = first; r < last; ++r) one_output(widened + (r - first) * in, x, n, in, out, r, y);
             }
-            if (bias)
-                for (int j = 0; j < n; ++j)
-                    for (int64_t r = first; r < last; ++r) y[j * out + r] += bias[r];
+            add_bias(bias, y, n, out, first, last);
         }
     }
     return 0;
@@ -310,8 +315,6 @@ float bf16_one_output(const uint16_t *wr, const uint16_t *xj, int64_t in) {
     return _mm512_reduce_add_ps(a);
 }
 
-inline int64_t q4_row_bytes(int64_t in) { return row_bytes_of<Q4_1>(in); }
-
 // One Q4_1 block as the 32 bf16 weights it stands for, in order: the sixteen values d * q + m (q = 0..15)
 // in float32 (a product, then a sum: two roundings, as the GGUF reader's (d * q) + m), rounded to bf16,
 // then each weight picked from them by its code. vpermw reads five bits of each index, so the table holds
@@ -329,7 +332,7 @@ inline __m512i q4_1_bf16(const uint8_t *codes, const float *dm) {
 // every sum takes the same dot products in the same order as bf16_four_outputs.
 template <int N>
 void q4_four_outputs(const uint8_t *w, const uint16_t *x, int64_t in, int64_t r, float *sums) {
-    const int64_t row_bytes = q4_row_bytes(in), scales = in / 32 * 16;
+    const int64_t row_bytes = row_bytes_of<Q4_1>(in), scales = in / 32 * 16;
     const uint8_t *w0 = w + r * row_bytes;
     __m512 a[N][ROWS];
     for (int j = 0; j < N; ++j)
@@ -529,9 +532,7 @@ int specstack_linear_rows_f32(const float *w, const float *x, const float *bias,
             four_outputs(w + first * in, true, x, n, in, out, first, y);
         else
             for (int64_t r = first; r < last; ++r) one_output(w + r * in, x, n, in, out, r, y);
-        if (bias)
-            for (int j = 0; j < n; ++j)
-                for (int64_t r = first; r < last; ++r) y[j * out + r] += bias[r];
+        add_bias(bias, y, n, out, first, last);
     }
     return 0;
 }
@@ -589,14 +590,14 @@ int specstack_linear_rows_bf16(const uint16_t *w, const uint16_t *x, const uint1
 #endif
 }
 
-// The bf16 product with W stored as Q4_1 blocks: w [out, in / 32 * 24] (q4_row_bytes), x [n, in] bf16
+// The bf16 product with W stored as Q4_1 blocks: w [out, in / 32 * 24] (row_bytes_of<Q4_1>), x [n, in] bf16
 // with n <= MAX_Q4_ROWS, bias [out] bf16 or null, y [n, out] bf16: the same bits as
 // specstack_linear_rows_bf16 over the bf16 weights the blocks stand for. Returns 0, or -1 for shapes it
 // does not take (in not a multiple of 32, more than MAX_Q4_ROWS rows, a build without AVX-512 bf16).
 int specstack_linear_rows_q4_1_bf16(const uint8_t *w, const uint16_t *x, const uint16_t *bias, uint16_t *y, int n, int64_t out, int64_t in, int threads) {
 #if defined(__AVX512BF16__)
     if (!bf16_shape_taken(n, out, in, threads, MAX_Q4_ROWS)) return -1;
-    const int64_t row_bytes = q4_row_bytes(in);
+    const int64_t row_bytes = row_bytes_of<Q4_1>(in);
     bf16_outputs<MAX_Q4_ROWS>(
         bias, y, n, out, threads, [&](int64_t first, float *sums) { q4_rows(w, x, n, in, first, sums); },
         [&](int64_t r, int j) { return q4_one_output(w + r * row_bytes, x + j * in, in); });
@@ -642,7 +643,7 @@ int specstack_linear_rows_bf16_tiles(const uint16_t *w, const uint16_t *x, const
 int specstack_linear_rows_q4_1_bf16_tiles(const uint8_t *w, const uint16_t *x, const uint16_t *bias, uint16_t *y, int n, int64_t out, int64_t in, int threads) {
 #ifdef SPECSTACK_AMX
     if (!bf16_shape_taken(n, out, in, threads, MAX_TILE_ROWS) || !amx_permitted()) return -1;
-    const int64_t row_bytes = q4_row_bytes(in), scales = in / 32 * 16, steps = in / PAIRS;
+    const int64_t row_bytes = row_bytes_of<Q4_1>(in), scales = in / 32 * 16, steps = in / PAIRS;
     tile_outputs(x, bias, y, n, out, in, threads, [&](int64_t first, int count, uint16_t *room) {
         for (int o = 0; o < count; ++o) {
             const uint8_t *row = w + (first + o) * row_bytes;
