@@ -40,9 +40,13 @@ class QueryLog:
     queries: torch.Tensor | None = None  # [L, Hq, D]
 
     def record(self, layer: int, layers: int, query: torch.Tensor) -> None:
-        if self.queries is None or self.queries.shape[1:] != query.shape:
-            self.queries = torch.zeros(layers, *query.shape, dtype=query.dtype, device=query.device)  # [L, Hq, D]
-        self.queries[layer] = query
+        self.log(layers, *query.shape, query.dtype, query.device)[layer] = query  # query [Hq, D]
+
+    def log(self, layers: int, heads: int, dim: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """The log [L, Hq, D] each layer's query is written into (new where it held queries of another shape or dtype)."""
+        if self.queries is None or self.queries.shape[1:] != (heads, dim) or self.queries.dtype != dtype:
+            self.queries = torch.zeros(layers, heads, dim, dtype=dtype, device=device)  # [L, Hq, D]
+        return self.queries
 
 
 @runtime_checkable

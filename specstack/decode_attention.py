@@ -62,8 +62,12 @@ class DecodeKernel:
         _, hq, t, d = query.shape
         hkv, n = key.shape[1], key.shape[2]
         in_rows = all(x.stride(-1) == 1 and x.stride(-2) == d for x in (key, value))
-        return (query.device.type == "cpu" and query.dtype == key.dtype == value.dtype and t <= self.max_tokens(key.dtype, d) and n > t
-                and hq // hkv * t <= self.max_rows and d <= self.max_dim and d % 8 == 0 and in_rows)
+        return query.device.type == "cpu" and query.dtype == key.dtype == value.dtype and in_rows and self.takes(key.dtype, hq, hkv, t, d, n)
+
+    def takes(self, dtype: torch.dtype, hq: int, hkv: int, t: int, d: int, n: int) -> bool:
+        """Whether ``t`` new tokens of ``hq`` query heads over ``n`` keys (the last t their own) of ``hkv`` heads
+        of width ``d``, a CPU cache of ``dtype`` stored in rows, are the kernel's."""
+        return t <= self.max_tokens(dtype, d) and n > t and hq // hkv * t <= self.max_rows and d <= self.max_dim and d % 8 == 0
 
     def max_tokens(self, dtype: torch.dtype, d: int) -> int:
         """The most new tokens a cache of ``dtype`` with heads of width ``d`` hands the kernel."""

@@ -26,6 +26,9 @@ one process: 1.20x faster at one token over 512 cached slots, 1.13-1.17x over 7,
 to 256 tokens over 1,024; but 0.80x for a prefill of two 2,048-token chunks (0.85x in fp32), which
 therefore keeps the transformers forward.
 
+Float32 forwards of a few tokens go one step further where they can (:mod:`specstack.compiled_layers`):
+each layer is one compiled call to the same kernels, with the same bits.
+
 A layer whose weights moved (``.to()``, ``.data =``, a load) is fused again before its next forward.
 The LM head stays with the caller (``HFCausalLM._run``), as it does after transformers' decoder.
 """
@@ -35,6 +38,7 @@ from __future__ import annotations
 import attrs
 import torch
 
+from .compiled_layers import CompiledLayers, load_compiled_layers
 from .decoder_ops import TORCH_OPS, DecoderOps, TorchOps, load_decoder_ops
 from .packed_linear import PackedLinear
 
@@ -169,6 +173,7 @@ class LeanDecoder:
     model: torch.nn.Module  # the module's decoder: embedding, layers, final norm, rotary embedding
     layers: list[LeanLayer]
     ops: DecoderOps | TorchOps = TORCH_OPS  # the layers' small operations: compiled where they could be built
+    compiled: CompiledLayers | None = None  # each layer one compiled call, for the forwards it applies to (None: not built here)
 
     @classmethod
     def build(cls, module: torch.nn.Module) -> "LeanDecoder | None":
@@ -177,7 +182,8 @@ class LeanDecoder:
         if not fits(module) or next(module.parameters()).device.type != "cpu":
             return None
         with torch.no_grad():
-            return cls(model=module.model, layers=[LeanLayer.of(layer) for layer in module.model.layers], ops=load_decoder_ops())
+            return cls(model=module.model, layers=[LeanLayer.of(layer) for layer in module.model.layers], ops=load_decoder_ops(),
+                       compiled=load_compiled_layers())
 
     def attach_part_blocks(self) -> None:
         """Each layer's fused q/k/v and gate/up products take their parts' stored weights (given to the parts after fusing)."""
@@ -197,6 +203,9 @@ class LeanDecoder:
         model = self.model
         hidden = model.embed_tokens(tokens)  # [1, T, H]
         cos, sin = model.rotary_emb(hidden, position_ids=rope)  # [1, T, D] each
+        plan = None if self.compiled is None else self.compiled.plan_for(self, tokens, cache, attention)
+        if plan is not None:
+            return self.compiled.run(plan, self, hidden, cos.contiguous(), sin.contiguous(), cache, attention)  # [1, T, H]
         cos, sin = cos[:, :, None], sin[:, :, None]  # [1, T, 1, D]: one angle per token, every head
         delta = None
         for layer in self.layers:

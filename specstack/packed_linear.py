@@ -101,10 +101,25 @@ class RowsKernel:
     def applies(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
         """Whether ``x`` [..., in], 1 to :meth:`max_rows` float32 (or, where ``bf16``, bfloat16) rows on
         the CPU for ``weight`` [out, in], is the kernel's."""
+        return x.dtype == weight.dtype and x.device.type == "cpu" and x.numel() % weight.shape[1] == 0 and self.takes(x.numel() // weight.shape[1], weight, bias)
+
+    def takes(self, rows: int, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+        """Whether a product of ``rows`` rows of the weight's dtype through ``weight`` [out, in] on the CPU is the kernel's."""
         dtype, width = weight.dtype, weight.shape[1]
         shape = width % 8 == 0 if dtype == torch.float32 else (dtype == torch.bfloat16 and width % 32 == 0)
-        return (shape and 0 < x.numel() <= self.max_rows(dtype) * width and x.dtype == dtype and x.device.type == weight.device.type == "cpu"
-                and weight.is_contiguous() and (bias is None or (bias.dtype == dtype and bias.is_contiguous())))
+        return (shape and 0 < rows <= self.max_rows(dtype) and weight.device.type == "cpu" and weight.is_contiguous()
+                and (bias is None or (bias.dtype == dtype and bias.is_contiguous())))
+
+    def entry(self, dtype: torch.dtype, rows: int, weight: torch.Tensor, blocks: torch.Tensor | None, format: WeightFormat) -> tuple:
+        """The kernel entry a product of ``rows`` rows of ``dtype`` takes, and what it reads: ``blocks`` (the weight
+        stored in ``format``) where given, else ``weight``. bf16 products of TILES_FROM rows or more run on the
+        tiles where there are tiles."""
+        lib = self.library
+        if dtype == torch.float32:
+            return (lib.specstack_linear_rows_f32, weight) if blocks is None else (getattr(lib, format.entries[torch.float32]), blocks)
+        if rows < TILES_FROM or not self.tiles:
+            return (lib.specstack_linear_rows_bf16, weight) if blocks is None else (lib.specstack_linear_rows_q4_1_bf16, blocks)
+        return (lib.specstack_linear_rows_bf16_tiles, weight) if blocks is None else (lib.specstack_linear_rows_q4_1_bf16_tiles, blocks)
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, blocks: torch.Tensor | None = None,
                  format: WeightFormat = Q4_1) -> torch.Tensor:
@@ -115,13 +130,8 @@ class RowsKernel:
         out, inp = weight.shape
         x = x.contiguous()
         y = x.new_empty((*x.shape[:-1], out))  # [..., out]
-        n, lib = x.numel() // inp, self.library
-        if x.dtype == torch.float32:
-            entry, stored = (lib.specstack_linear_rows_f32, weight) if blocks is None else (getattr(lib, format.entries[torch.float32]), blocks)
-        elif n < TILES_FROM or not self.tiles:
-            entry, stored = (lib.specstack_linear_rows_bf16, weight) if blocks is None else (lib.specstack_linear_rows_q4_1_bf16, blocks)
-        else:
-            entry, stored = (lib.specstack_linear_rows_bf16_tiles, weight) if blocks is None else (lib.specstack_linear_rows_q4_1_bf16_tiles, blocks)
+        n = x.numel() // inp
+        entry, stored = self.entry(x.dtype, n, weight, blocks, format)
         status = entry(stored.data_ptr(), x.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(), n, out, inp, torch.get_num_threads())
         if status != 0:
             raise ValueError(f"the few-row linear kernel refused a weight of shape {tuple(weight.shape)}")
@@ -197,6 +207,17 @@ class PackedLinear(torch.nn.Linear):
     def _takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
         """Whether this forward is ours: on the CPU, recording no gradients."""
         return x.device.type == "cpu" and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+
+    def rows_product(self, rows: int) -> tuple | None:
+        """What a product of ``rows`` rows of the weight's dtype on the CPU takes where the few-row kernel takes it:
+        (the kernel entry, the tensor it reads, the bias), the stored weight checked as :meth:`forward` checks it;
+        None where the product takes another path."""
+        params = self._parameters
+        weight, bias = params["weight"], params["bias"]
+        if self._rows is None or not self._rows.takes(rows, weight, bias):
+            return None
+        blocks = None if self._blocks is None else self._current_blocks(weight)
+        return (*self._rows.entry(weight.dtype, rows, weight, blocks, self._format), bias)
 
     def bytes_per_weight(self, rows: int) -> float:
         """Bytes this layer reads per weight in a product of ``rows`` rows: its stored format's where a few

@@ -190,6 +190,7 @@ def test_a_model_forward_takes_the_kernel_and_matches_sdpa(monkeypatch) -> None:
     attend = DecodeKernel.attend
     monkeypatch.setattr(DecodeKernel, "attend", lambda self, *args: calls.append(args[0].shape[2]) or attend(self, *args))
     model = random_llama(layers=2)
+    model.decoder.compiled = None  # its layers call the kernel from C (tests/test_compiled_layers.py: the same bits as these calls)
     plain = HFCausalLM(module=model.module, tokenizer_id=model.tokenizer_id, decode_kernel=False)
     assert model.attention_kernel is not None and plain.attention_kernel is None
     prompt = torch.randint(0, 256, (300,), generator=torch.Generator().manual_seed(0)).tolist()

@@ -1,0 +1,209 @@
+"""The lean decoder's layers as one compiled call each, for float32 forwards of a few tokens on the CPU.
+
+After the kernels of :mod:`specstack.packed_linear`, :mod:`specstack.decode_attention` and
+:mod:`specstack.decoder_ops`, half of a one-token step of the target over a 512-slot cache was still
+Python and torch calls around them (docs/benchmarks.md, "Each layer one compiled call"): some thirty
+per layer (module calls, views, the store's writes, the kernels' argument checks, ctypes). Here a
+layer is one call to ``csrc/compiled_layers.cpp``, which calls those very kernels from C, with the
+arguments the lean decoder passes them, and moves the rows between them itself (the store's writes,
+the attention kernel's layout). The MLP's activation stays the layer module's own, between two calls,
+so the forward is the lean decoder's, operation for operation: **the same bits** (tests/test_compiled_layers.py).
+
+:meth:`CompiledLayers.applies` is the one place that decides which forwards take it: float32 on the
+CPU, every product through the few-row kernel and attention through the decode kernel at this many
+tokens, nothing else asked of the attention (no attention weights recorded, no sparse attention, not a
+graphed forward) and the lean decoder's compiled norms. A query log for a gathering level below is kept
+(the query of its row, every layer), and so are the keys as written of a store with cache-relative
+positions. Everything else keeps the lean decoder's Python.
+
+The plan of a forward (each product's kernel entry and stored weight, the norms, the shapes) is made
+once per number of tokens and made again whenever a weight, a norm or a stored format changed: the
+kernels never read a weight the module no longer holds.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import attrs
+import torch
+
+from .decoder_ops import RMS_NORMS, DecoderOps
+from .native import SOURCES, load
+from .packed_linear import PackedLinear
+
+SOURCE = SOURCES / "compiled_layers.cpp"
+
+
+class _Product(ctypes.Structure):
+    _fields_ = [("entry", ctypes.c_void_p), ("weight", ctypes.c_void_p), ("bias", ctypes.c_void_p), ("out", ctypes.c_int64), ("in_", ctypes.c_int64)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("qkv", _Product), ("o", _Product), ("gate_up", _Product), ("down", _Product), ("input_norm", ctypes.c_void_p),
+                ("post_norm", ctypes.c_void_p), ("input_eps", ctypes.c_float), ("post_eps", ctypes.c_float), ("scale", ctypes.c_float)]
+
+
+class _Model(ctypes.Structure):
+    _fields_ = [("add_norm", ctypes.c_void_p), ("rotate", ctypes.c_void_p), ("attend", ctypes.c_void_p), ("layers", ctypes.POINTER(_Layer)),
+                ("count", ctypes.c_int), ("heads", ctypes.c_int), ("kv_heads", ctypes.c_int), ("head_dim", ctypes.c_int), ("hidden", ctypes.c_int),
+                ("inner", ctypes.c_int), ("final_norm", ctypes.c_void_p), ("final_eps", ctypes.c_float)]
+
+
+class _Step(ctypes.Structure):
+    _fields_ = [("t", ctypes.c_int), ("threads", ctypes.c_int), ("cached", ctypes.c_int64)]
+    _fields_ += [(name, ctypes.c_void_p) for name in ("hidden", "normed", "delta", "qkv", "query", "attended", "merged", "gate_up", "act", "cos", "sin",
+                                                       "sees", "keys", "values", "written")]
+    _fields_ += [("capacity", ctypes.c_int64), ("queries", ctypes.c_void_p), ("query_row", ctypes.c_int)]
+
+
+def _address(function) -> int:
+    """The address of a ctypes function, for C to call it."""
+    return ctypes.cast(function, ctypes.c_void_p).value
+
+
+@attrs.define(eq=False)
+class _Plan:
+    """The plan of forwards of one number of tokens: the C model (None where they do not take the compiled
+    layers) and what it points into, kept alive here; and what it was made from, to tell when it is stale."""
+
+    model: _Model | None
+    layers: ctypes.Array | None
+    lean_layers: tuple  # the lean decoder's layers (fused anew when their weights move)
+    owners: tuple  # (module, name) of every weight, bias and norm weight read
+    addresses: list  # their addresses when it was made
+    versions: list | None  # and their version counters (advanced by in-place writes), where they keep them
+    blocks: tuple  # (linear, its stored weight or None)
+
+    def current(self, decoder) -> bool:
+        """Whether ``decoder`` still holds what the plan was made from (a few hundred checks, under 0.1 ms)."""
+        if len(decoder.layers) != len(self.lean_layers) or not all(a is b for a, b in zip(decoder.layers, self.lean_layers)):
+            return False
+        params = [module._parameters[name] for module, name in self.owners]
+        return ([p.data_ptr() for p in params] == self.addresses and (self.versions is None or [p._version for p in params] == self.versions)
+                and all(linear._blocks is blocks for linear, blocks in self.blocks))
+
+
+@attrs.define(eq=False)
+class CompiledLayers:
+    """``csrc/compiled_layers.cpp``, and the plans made for one decoder, one per number of tokens."""
+
+    library: ctypes.CDLL = attrs.field(repr=False)
+    path: Path
+    plans: dict[int, _Plan] = attrs.field(factory=dict)
+    forwards: int = 0  # forwards run here
+
+    def __reduce__(self):
+        """Pickled and copied (with a model) as a request to load it again where it lands; the plans are remade."""
+        return load_compiled_layers, ()
+
+    def plan_for(self, decoder, tokens: torch.Tensor, cache, attention: dict) -> _Plan | None:
+        """The plan of the lean ``decoder``'s forward over ``tokens`` [1, T] into ``cache`` (a StoreCache), with the
+        attention function's keyword arguments ``attention``, where it runs here; None where it does not
+        (module docstring). The one place that decides."""
+        batch, kernel, store = attention.get("specstack_batch"), attention.get("specstack_attention_kernel"), cache.store
+        t = tokens.shape[1]
+        if (batch is None or kernel is None or cache.view is not None or batch.record_attention or batch.attend is not None
+                or store.attention is not None or store.keys.dtype != torch.float32 or store.keys.device.type != "cpu"
+                or not isinstance(decoder.ops, DecoderOps)):
+            return None
+        first = decoder.layers[0]
+        if not kernel.takes(torch.float32, first.heads, first.kv_heads, t, first.head_dim, store.length + t):
+            return None
+        plan = self.plans.get(t)
+        if plan is None or not plan.current(decoder):
+            plan = self.plans[t] = _make_plan(decoder, kernel, t)
+        return plan if plan.model is not None else None
+
+    def run(self, plan: _Plan, decoder, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache, attention: dict) -> torch.Tensor:
+        """The embedded tokens ``hidden`` [1, T, H] (updated in place: the residual stream), their rotary cos and
+        sin [1, T, D] -> the last hidden states [1, T, H] after the final norm, every layer's keys and values
+        written into the store (what the lean decoder's forward computes, the same bits)."""
+        batch, store = attention["specstack_batch"], cache.store
+        first = decoder.layers[0]
+        t, width = hidden.shape[1], hidden.shape[2]
+        hq, hkv, d, inner = first.heads, first.kv_heads, first.head_dim, first.inner
+        self.forwards += 1
+        sizes = (width, width, (hq + 2 * hkv) * d, hq * d, hq * d, hq * d, 2 * inner)  # per token: delta, normed, qkv, query, attended, merged, gate_up
+        scratch = torch.empty(t * sum(sizes), dtype=torch.float32, device="cpu")  # one allocation for the forward's rows
+        parts = scratch.split([t * size for size in sizes])
+        states = parts[1].view(1, t, width)  # [1, T, H]: the last norm's output
+        gate_up = parts[6].view(1, t, 2 * inner)  # [1, T, 2 I]
+        sees = None if batch.is_chain else batch.sees.to(device="cpu", dtype=torch.bool).contiguous().view(torch.uint8)  # [T, T]
+        queries = None if batch.queries is None else batch.queries.log(len(decoder.layers), hq, d, torch.float32, hidden.device)  # [L, Hq, D]
+        written = store.written if store.written.numel() else None
+        fields = _Step(t=t, threads=torch.get_num_threads(), cached=store.length, hidden=hidden.data_ptr(), normed=parts[1].data_ptr(),
+                       delta=parts[0].data_ptr(), qkv=parts[2].data_ptr(), query=parts[3].data_ptr(), attended=parts[4].data_ptr(),
+                       merged=parts[5].data_ptr(), gate_up=gate_up.data_ptr(), act=None, cos=cos.data_ptr(), sin=sin.data_ptr(),
+                       sees=None if sees is None else sees.data_ptr(), keys=store.keys.data_ptr(), values=store.values.data_ptr(),
+                       written=None if written is None else written.data_ptr(), capacity=store.capacity,
+                       queries=None if queries is None else queries.data_ptr(), query_row=batch.query_row)
+        model, step, call = ctypes.byref(plan.model), ctypes.byref(fields), self.library.specstack_layer_step
+        act = None  # [1, T, I]: kept alive until the next layer's down product has read it
+        for i, layer in enumerate(decoder.layers):
+            _check(call(model, step, i), i)
+            act = layer.act.forward(gate_up[..., :inner]) * gate_up[..., inner:]  # [1, T, I], as the lean decoder computes it
+            fields.act = act.data_ptr()
+        _check(call(model, step, len(decoder.layers)), len(decoder.layers))
+        return states
+
+
+def _check(status: int, layer: int) -> None:
+    if status != 0:
+        raise ValueError(f"a compiled kernel refused layer {layer}'s forward (status {status})")
+
+
+def _versions(params: list) -> list | None:
+    """The parameters' version counters (advanced by in-place writes); None where some are inference tensors,
+    which keep none."""
+    return None if any(p.is_inference() for p in params) else [p._version for p in params]
+
+
+def _make_plan(decoder, kernel, t: int) -> _Plan:
+    """The plan of ``decoder``'s forwards of ``t`` float32 tokens (its model None where some part of them does
+    not take the compiled kernels)."""
+    linears = [linear for layer in decoder.layers for linear in (layer.qkv.linear, layer.o_proj, layer.gate_up.linear, layer.down_proj)]
+    norms = [decoder.model.norm] + [norm for layer in decoder.layers for norm in (layer.input_norm, layer.post_norm)]
+    products = [_product(linear, t) for linear in linears]  # first: asking drops stored weights that no longer widen to theirs
+    owners = tuple([(linear, "weight") for linear in linears] + [(linear, "bias") for linear in linears if linear.bias is not None]
+                   + [(norm, "weight") for norm in norms])
+    params = [module._parameters[name] for module, name in owners]
+    blocks = tuple((linear, getattr(linear, "_blocks", None)) for linear in linears if isinstance(linear, PackedLinear))
+    plan = _Plan(model=None, layers=None, lean_layers=tuple(decoder.layers), owners=owners, addresses=[p.data_ptr() for p in params],
+                 versions=_versions(params), blocks=blocks)
+    if None in products or any(type(norm).__name__ not in RMS_NORMS or norm.weight.dtype != torch.float32 or not norm.weight.is_contiguous() for norm in norms):
+        return plan
+    plan.layers = (_Layer * len(decoder.layers))()
+    for i, (slot, layer) in enumerate(zip(plan.layers, decoder.layers)):
+        slot.qkv, slot.o, slot.gate_up, slot.down = products[4 * i : 4 * i + 4]
+        slot.input_norm, slot.post_norm = layer.input_norm.weight.data_ptr(), layer.post_norm.weight.data_ptr()
+        slot.input_eps, slot.post_eps = float(layer.input_norm.variance_epsilon), float(layer.post_norm.variance_epsilon)
+        scaling = layer.attention.scaling
+        slot.scale = scaling if scaling is not None else layer.head_dim**-0.5
+    first, ops = decoder.layers[0], decoder.ops.library
+    plan.model = _Model(add_norm=_address(ops.add_rms_norm), rotate=_address(ops.rotate), attend=_address(kernel.library.specstack_decode_attention),
+                        layers=plan.layers, count=len(decoder.layers), heads=first.heads, kv_heads=first.kv_heads, head_dim=first.head_dim,
+                        hidden=decoder.model.norm.weight.shape[0], inner=first.inner, final_norm=decoder.model.norm.weight.data_ptr(),
+                        final_eps=float(decoder.model.norm.variance_epsilon))
+    return plan
+
+
+def _product(linear: torch.nn.Module, t: int) -> _Product | None:
+    """The C description of ``linear``'s product of ``t`` float32 rows, None where the few-row kernel does not take it."""
+    weight = linear._parameters["weight"]
+    taken = linear.rows_product(t) if isinstance(linear, PackedLinear) and weight.dtype == torch.float32 else None
+    if taken is None:
+        return None
+    entry, stored, bias = taken
+    return _Product(entry=_address(entry), weight=stored.data_ptr(), bias=None if bias is None else bias.data_ptr(), out=weight.shape[0], in_=weight.shape[1])
+
+
+def load_compiled_layers(cache: Path | None = None) -> CompiledLayers | None:
+    """The compiled layer calls, built into ``cache`` (default: the specstack cache) on first use; None where
+    they cannot be built here."""
+    loaded = load(SOURCE, "specstack_layer_step", [ctypes.POINTER(_Model), ctypes.POINTER(_Step), ctypes.c_int], cache)
+    if loaded is None:
+        return None
+    library, path = loaded
+    return CompiledLayers(library=library, path=path)

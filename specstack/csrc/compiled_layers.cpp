@@ -1,0 +1,123 @@
+// A Llama-family decoder layer's compiled kernels chained in C, one call per layer instead of some
+// thirty Python and torch calls (specstack/compiled_layers.py).
+//
+// Every operation is a call to the kernel the lean decoder (specstack/decoder.py) already calls for it,
+// with the same arguments: the residual add fused with the RMSNorm and the rotation
+// (csrc/decoder_ops.cpp), the few-row products (csrc/linear_rows.cpp, whichever entry reads the
+// product's stored weight), the attention of a few tokens over the cache (csrc/decode_attention.cpp).
+// Python hands their addresses over once (ctypes), so this file holds none of their arithmetic and
+// only moves rows between them: the new keys and values into the KV store, the queries into the
+// attention kernel's layout and its output back. A forward through here therefore gives the lean
+// decoder's bits. The MLP's activation stays with the caller between two calls (its torch kernel,
+// whose rounding this file would otherwise have to copy), so a layer's call begins with the previous
+// layer's down product and ends with this layer's gate and up products. float32 only.
+
+#include <stdint.h>
+#include <string.h>
+
+namespace {
+
+typedef int (*linear_fn)(const void *w, const void *x, const void *bias, void *y, int n, int64_t out, int64_t in, int threads);
+typedef int (*norm_fn)(void *hidden, const void *delta, const void *weight, void *normed, int rows, int width, float eps, int bf16);
+typedef int (*rotate_fn)(void *x, const void *cos, const void *sin, int rows, int heads, int dim, int64_t stride, int bf16);
+typedef int (*attend_fn)(const float *q, const void *k, const void *v, int64_t k_head_stride, int64_t v_head_stride, int hkv, int rows,
+                         int t, int d, int64_t n, const uint8_t *sees, float scale, float *out, int threads, int kv_bf16, int amx, int dp);
+
+}  // namespace
+
+extern "C" {
+
+// One product y = W x + b: the kernel entry that reads the weight as stored, and what it reads.
+struct Product {
+    linear_fn entry;
+    const void *weight;  // the float32 weight [out, in], or its blocks in the entry's format
+    const float *bias;   // [out] or null
+    int64_t out, in;
+};
+
+// One layer: its four products (q/k/v and gate/up fused, as the lean decoder fuses them) and its norms.
+struct Layer {
+    Product qkv, o, gate_up, down;
+    const float *input_norm, *post_norm;  // [hidden]
+    float input_eps, post_eps, scale;     // the norms' epsilons, the attention's scaling
+};
+
+// The model: the kernels, the shapes, the layers and the final norm.
+struct Model {
+    norm_fn add_norm;
+    rotate_fn rotate;
+    attend_fn attend;
+    const Layer *layers;
+    int count, heads, kv_heads, head_dim, hidden, inner;
+    const float *final_norm;
+    float final_eps;
+};
+
+// One forward of t tokens: its rows, the KV store it writes, its scratch.
+struct Step {
+    int t, threads;
+    int64_t cached;  // slots in the store before this forward: the new keys go to cached ... cached + t - 1
+    float *hidden;   // [t, hidden] the residual stream, updated in place
+    float *normed;   // [t, hidden] a norm's output (after the last layer: the decoder's output)
+    float *delta;    // [t, hidden] a product's output added to the residual stream
+    float *qkv;      // [t, heads + 2 kv_heads, head_dim]
+    float *query;    // [kv_heads, group * t, head_dim] the attention kernel's layout: row g * t + i, head g of the group, token i
+    float *attended; // [kv_heads, group * t, head_dim] its output
+    float *merged;   // [t, heads * head_dim] the same, token by token: o's input
+    float *gate_up;  // [t, 2 inner]: the caller applies the activation
+    const float *act;  // [t, inner] the previous layer's activation times up (down's input)
+    const float *cos, *sin;  // [t, head_dim]
+    const uint8_t *sees;     // [t, t] among the new tokens, or null for a chain
+    float *keys, *values, *written;  // the store's [layers, kv_heads, capacity, head_dim] buffers; written null where it keeps none
+    int64_t capacity;
+    float *queries;  // [layers, heads, head_dim] the query log of a gathering level below, or null
+    int query_row;   // the row whose queries it logs
+};
+
+// Layer `layer` of the forward (0 <= layer <= count): the previous layer's down product and residual add
+// (none before the first), the norm (the final norm at layer == count, which ends the forward), then
+// q/k/v, rotation, the store's writes, attention, o, the residual add and norm, gate and up. Returns
+// 0, or the failing kernel's status (nonzero).
+int specstack_layer_step(const Model *m, const Step *s, int layer) {
+    const int t = s->t, d = m->head_dim, hq = m->heads, hkv = m->kv_heads, group = hq / hkv, width = hq + 2 * hkv;
+    int status = 0;
+    const float *delta = nullptr;
+    if (layer > 0) {
+        const Product &down = m->layers[layer - 1].down;
+        if ((status = down.entry(down.weight, s->act, down.bias, s->delta, t, down.out, down.in, s->threads))) return status;
+        delta = s->delta;
+    }
+    if (layer == m->count) return m->add_norm(s->hidden, delta, m->final_norm, s->normed, t, m->hidden, m->final_eps, 0);
+    const Layer &l = m->layers[layer];
+    if ((status = m->add_norm(s->hidden, delta, l.input_norm, s->normed, t, m->hidden, l.input_eps, 0))) return status;
+    if ((status = l.qkv.entry(l.qkv.weight, s->normed, l.qkv.bias, s->qkv, t, l.qkv.out, l.qkv.in, s->threads))) return status;
+    if ((status = m->rotate(s->qkv, s->cos, s->sin, t, hq + hkv, d, (int64_t)width * d, 0))) return status;
+
+    const int64_t head_stride = s->capacity * d, layer_stride = hkv * head_stride;
+    float *keys = s->keys + layer * layer_stride, *values = s->values + layer * layer_stride;
+    const size_t row_bytes = sizeof(float) * d;
+    for (int i = 0; i < t; ++i) {
+        const float *token = s->qkv + (int64_t)i * width * d;  // [width, d]
+        for (int h = 0; h < hkv; ++h) {
+            const int64_t slot = h * head_stride + (s->cached + i) * d;
+            memcpy(keys + slot, token + (hq + h) * d, row_bytes);
+            memcpy(values + slot, token + (hq + hkv + h) * d, row_bytes);
+            if (s->written) memcpy(s->written + layer * layer_stride + slot, token + (hq + h) * d, row_bytes);
+        }
+        for (int head = 0; head < hq; ++head)  // query head head = h * group + g goes to row g * t + i of KV head h
+            memcpy(s->query + ((int64_t)(head / group) * group * t + (int64_t)(head % group) * t + i) * d, token + head * d, row_bytes);
+    }
+    if (s->queries) memcpy(s->queries + (int64_t)layer * hq * d, s->qkv + (int64_t)s->query_row * width * d, row_bytes * hq);
+
+    if ((status = m->attend(s->query, keys, values, head_stride, head_stride, hkv, group * t, t, d, s->cached + t, s->sees, l.scale,
+                            s->attended, s->threads, 0, 0, 0)))
+        return status;
+    for (int head = 0; head < hq; ++head)  // back to token by token, heads side by side
+        for (int i = 0; i < t; ++i)
+            memcpy(s->merged + ((int64_t)i * hq + head) * d, s->attended + ((int64_t)(head / group) * group * t + (int64_t)(head % group) * t + i) * d, row_bytes);
+    if ((status = l.o.entry(l.o.weight, s->merged, l.o.bias, s->delta, t, l.o.out, l.o.in, s->threads))) return status;
+    if ((status = m->add_norm(s->hidden, s->delta, l.post_norm, s->normed, t, m->hidden, l.post_eps, 0))) return status;
+    return l.gate_up.entry(l.gate_up.weight, s->normed, l.gate_up.bias, s->gate_up, t, l.gate_up.out, l.gate_up.in, s->threads);
+}
+
+}  // extern "C"

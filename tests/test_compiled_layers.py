@@ -1,0 +1,175 @@
+"""Each layer one compiled call (``specstack.compiled_layers``): the same bits as the lean decoder's forward
+it replaces (logits, the keys and values it writes, the query log, the keys as written of a store with
+cache-relative positions), for chains and trees of 1-16 tokens, random Llama, Mistral and Qwen2 models and
+the embedded target and draft reading their stored weights; the forwards it does not take keep the lean
+decoder's Python; a plan is remade when the weights it points at change."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specstack.batch import TokenBatch
+from specstack.channels import QueryLog
+from specstack.gguf_weights import attach_gguf_blocks
+from specstack.packed_linear import PackedLinear, read_bf16_numbers
+from specstack.types import Draft, DraftKind
+
+from .test_decoder import CACHED, tiny
+
+pytestmark = pytest.mark.skipif(tiny("llama").decoder.compiled is None, reason="no C++ compiler: the compiled layers cannot be built here")
+
+
+def chain(t: int, vocab: int) -> TokenBatch:
+    return TokenBatch.chain([(5 * i + 3) % vocab for i in range(t)], start=CACHED, num_logits=t)
+
+
+def tree(t: int, vocab: int) -> TokenBatch:
+    """One committed token and a binary tree of t - 1 nodes."""
+    k = t - 1
+    parents = torch.tensor([(i - 2) // 2 if i >= 2 else -1 for i in range(k)], dtype=torch.long)
+    draft = Draft(tokens=torch.tensor([(7 * i + 2) % vocab for i in range(k)]), probs=torch.full((k, vocab), 1 / vocab), parents=parents,
+                  kind=DraftKind.TREE_DETERMINISTIC)
+    return TokenBatch.tree([11], start=CACHED, draft=draft)
+
+
+def forward(model, make_batch, *, compiled: bool, relative: bool = False, queries: bool = False) -> dict[str, torch.Tensor]:
+    """One forward of ``make_batch()`` after a prefill of CACHED tokens, with the compiled layers or the lean
+    decoder's Python: its logits, the keys and values it wrote, what it logged and the keys as written."""
+    decoder = model.decoder
+    own, decoder.compiled = decoder.compiled, decoder.compiled if compiled else None
+    try:
+        store = model.new_cache(CACHED + 24, relative_positions=relative)
+        model.forward(TokenBatch.chain((torch.arange(CACHED) * 7 % model.vocab_size).tolist(), start=0, num_logits=1), store)
+        batch = make_batch()
+        batch.queries = QueryLog() if queries else None
+        before = own.forwards
+        logits = model.forward(batch, store)
+        took = own.forwards > before
+        new = slice(CACHED, CACHED + len(batch))
+        out = {"logits": logits, "keys": store.keys[:, :, new], "values": store.values[:, :, new], "took": torch.tensor(took)}
+        if queries:
+            out["queries"] = batch.queries.queries
+        if relative:
+            out["written"] = store.written[:, :, new]
+        return out
+    finally:
+        decoder.compiled = own
+
+
+def same_bits(a: dict, b: dict) -> bool:
+    return all(torch.equal(a[k], b[k]) for k in a if k != "took")
+
+
+@pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2"])
+@pytest.mark.parametrize("tokens", [1, 2, 3, 6, 16])
+def test_compiled_layers_give_the_lean_decoders_bits(kind, tokens) -> None:
+    """Logits, the keys and values written, and the query log of a gathering level below: the same bits, chains and trees."""
+    model = tiny(kind)
+    shapes = [chain] + ([tree] if tokens >= 3 else [])
+    for shape in shapes:
+        make = lambda: shape(tokens, model.vocab_size)  # noqa: E731
+        compiled = forward(model, make, compiled=True, queries=True)
+        assert compiled["took"], "the forward did not take the compiled layers"
+        assert same_bits(compiled, forward(model, make, compiled=False, queries=True))
+
+
+def test_a_store_with_cache_relative_positions_keeps_its_keys_as_written() -> None:
+    """A draft's StreamingLLM store keeps each key as written beside the rotated one: the compiled layers write both."""
+    model = tiny("llama")
+    make = lambda: chain(4, model.vocab_size)  # noqa: E731
+    compiled = forward(model, make, compiled=True, relative=True)
+    assert compiled["took"] and compiled["written"].abs().sum() > 0
+    assert same_bits(compiled, forward(model, make, compiled=False, relative=True))
+
+
+def test_forwards_the_compiled_layers_do_not_take_keep_the_lean_decoder() -> None:
+    """bf16, more tokens than the kernels take, a prefill over an empty store, recorded attention weights (H2O):
+    the lean decoder's Python runs them, and says so by leaving the plans alone."""
+    model = tiny("llama")
+    compiled = model.decoder.compiled
+    assert not forward(tiny("llama", torch.bfloat16), lambda: chain(2, 256), compiled=True)["took"]
+    assert not forward(model, lambda: chain(17, 256), compiled=True)["took"]
+
+    def recorded() -> TokenBatch:
+        batch = chain(2, 256)
+        batch.record_attention = True
+        return batch
+
+    assert not forward(model, recorded, compiled=True)["took"]
+    store, before = model.new_cache(8), compiled.forwards
+    model.forward(TokenBatch.chain([1, 2, 3], start=0, num_logits=3), store)  # nothing cached yet: SDPA's causal kernel
+    assert compiled.forwards == before
+
+
+def test_a_plan_is_remade_when_the_weights_it_reads_change() -> None:
+    """Weights replaced (``.data =``) and weights changed in place after being read as bf16 numbers: the compiled
+    forward follows them (a plan kept from before would read the old storage, or blocks that no longer widen
+    to the weight)."""
+    model = tiny("llama")
+    with torch.no_grad():
+        for linear in model.module.modules():
+            if isinstance(linear, PackedLinear):
+                linear.weight.copy_(linear.weight.to(torch.bfloat16).float())  # bf16 numbers held as fp32
+    assert read_bf16_numbers(model.module) > 0
+    model.decoder.attach_part_blocks()
+    make = lambda: chain(2, model.vocab_size)  # noqa: E731
+    assert same_bits(forward(model, make, compiled=True), forward(model, make, compiled=False))
+    attention = model.module.model.layers[0].self_attn
+    with torch.no_grad():
+        attention.o_proj.weight.mul_(1.001)  # no longer bf16 numbers: its blocks must be dropped
+        attention.o_proj.weight.data = attention.o_proj.weight.detach().clone() * 2  # and new storage
+    changed = forward(model, make, compiled=True)
+    assert changed["took"] and same_bits(changed, forward(model, make, compiled=False))
+
+
+def test_stored_weights_attached_after_a_plan_was_made_are_read() -> None:
+    """The plan is remade when a product is given a narrower stored weight: it then reads those bytes, with the same bits."""
+    model = tiny("llama")
+    with torch.no_grad():
+        for linear in model.module.modules():
+            if isinstance(linear, PackedLinear):
+                linear.weight.copy_(linear.weight.to(torch.bfloat16).float())  # bf16 numbers held as fp32
+    make = lambda: chain(2, model.vocab_size)  # noqa: E731
+    before = forward(model, make, compiled=True)
+    assert read_bf16_numbers(model.module) > 0
+    model.decoder.attach_part_blocks()
+    after = forward(model, make, compiled=True)
+    o_proj = model.module.model.layers[0].self_attn.o_proj
+    assert model.decoder.compiled.plans[2].layers[0].o.weight == o_proj._blocks.data_ptr()
+    assert after["took"] and same_bits(after, before)
+
+
+@pytest.mark.real_model
+def test_the_embedded_models_compiled_forwards_are_the_same_bits() -> None:
+    """The target reading its Q4_1 and Q8_0 blocks and the draft reading bf16 numbers, fp32: steps, verifies of
+    three and 16 tokens and a tree, with and without the compiled layers."""
+    from specstack.models import find_gguf, load_default
+
+    target, draft, _ = load_default()
+    assert attach_gguf_blocks(target.module, find_gguf()) > 0
+    tokens = [1, 504, 3458, 314, 253, 1345, 2330, 30] * 3
+
+    def run(model) -> list[torch.Tensor]:
+        store = model.new_cache(40)
+        model.forward(TokenBatch.chain(tokens[:5], start=0, num_logits=1), store)
+        steps = [model.forward(TokenBatch.chain([t], start=5 + i, num_logits=1), store) for i, t in enumerate(tokens[5:8])]
+        store.truncate(5)
+        verify = model.forward(TokenBatch.chain(tokens[5:8], start=5, num_logits=3), store)
+        store.truncate(4)
+        wide = model.forward(TokenBatch.chain(tokens[4:20], start=4, num_logits=16), store)
+        store.truncate(5)
+        draft_tree = Draft(tokens=torch.tensor(tokens[6:12]), probs=torch.zeros(6, model.vocab_size),
+                           parents=torch.tensor([-1, -1, 0, 0, 1, 2]), kind=DraftKind.TREE_DETERMINISTIC)
+        branching = model.forward(TokenBatch.tree(tokens[5:6], start=5, draft=draft_tree), store)
+        return [*steps, verify, wide, branching, store.keys[:, :, :12].clone(), store.values[:, :, :12].clone()]
+
+    for model in (target, draft):
+        compiled = run(model)
+        assert all(plan is not None for plan in model.decoder.compiled.plans.values()) and {1, 3, 16, 7} <= set(model.decoder.compiled.plans)
+        own, model.decoder.compiled = model.decoder.compiled, None
+        try:
+            lean = run(model)
+        finally:
+            model.decoder.compiled = own
+        assert all(torch.equal(a, b) for a, b in zip(compiled, lean))
