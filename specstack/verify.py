@@ -20,7 +20,7 @@ import attrs
 import torch
 
 from .errors import SpecstackError
-from .sampling import SamplingConfig, sample
+from .sampling import SamplingConfig, draw, sample
 from .types import Capability, Draft, DraftKind, Verdict
 
 
@@ -119,7 +119,7 @@ class SpeculativeSamplingVerifier(Verifier):
         m = accept.cumprod(dim=0).sum().reshape(1)  # [1] accepted tokens
         q = torch.cat([draft.probs, torch.zeros_like(p[:1])])  # [k+1, V]; past the draft q = 0, so the residual is p: the bonus
         residual = recovery_distribution(p.index_select(0, m)[0], q.index_select(0, m)[0])  # [V]
-        token = torch.multinomial(residual, 1, generator=generator)  # [1]
+        token = draw(residual, generator)  # [1]
         m, token = torch.cat([m, token]).tolist()  # the round's one host synchronisation
         return Verdict(accepted=tuple(range(m)), next_token=token, bonus=m == k)
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -179,3 +181,22 @@ def test_logits_of_nothing_more_to_feed_or_of_no_tokens() -> None:
     with pytest.raises(SpecstackError, match=r"asked for the logits of the last 1 of 0 tokens") as error:
         lm.logits([], 1)
     assert "\n" not in str(error.value)
+
+
+def test_a_per_head_gather_copies_each_heads_own_entries() -> None:
+    """gather_from with slots [L, H, K]: entry (l, h, j) of the view is the source's (l, h, slots[l, h, j]), for
+    keys and values, checked one by one against the source's buffers."""
+    source = KVStore(layers=3, kv_heads=2, head_dim=8, capacity=40, dtype=torch.float32)
+    source.begin(torch.arange(30))
+    source.keys[:, :, :30] = torch.randn(3, 2, 30, 8, generator=torch.Generator().manual_seed(0))
+    source.values[:, :, :30] = torch.randn(3, 2, 30, 8, generator=torch.Generator().manual_seed(1))
+    source.commit()
+    generator = torch.Generator().manual_seed(2)
+    slots = torch.stack([torch.stack([torch.randperm(25, generator=generator)[:6].sort().values for _ in range(2)]) for _ in range(3)])  # [L, H, K]
+    view = KVStore(layers=3, kv_heads=2, head_dim=8, capacity=10, dtype=torch.float32)
+    view.gather_from(source, slots, horizon=25)
+    assert len(view) == 6 and view.horizon == 25
+    for layer, head, j in itertools.product(range(3), range(2), range(6)):
+        slot = int(slots[layer, head, j])
+        assert torch.equal(view.keys[layer, head, j], source.keys[layer, head, slot])
+        assert torch.equal(view.values[layer, head, j], source.values[layer, head, slot])

@@ -161,3 +161,30 @@ def test_top_p_prefilter_works_on_batches() -> None:
     logits = torch.randn(2, 3, 4096, generator=torch.Generator().manual_seed(1)) * 4  # [B, T, V]
     config = SamplingConfig(temperature=0.8, top_p=0.9)
     assert torch.equal(warp(logits, config), _reference_warp(logits, config))
+
+
+def test_sample_draws_each_token_with_its_probability_and_never_one_of_probability_zero() -> None:
+    """Inverse-CDF sampling against the exact distribution (chi-square), zeros at both ends and between, an
+    unnormalised total; the same seed draws the same tokens."""
+    from specstack.testing import chi_square_pvalue
+
+    probs = torch.tensor([0.0, 0.3, 0.0, 0.05, 0.45, 0.0, 0.2, 0.0]) * 3  # total 3
+    generator = torch.Generator().manual_seed(0)
+    draws = [sampling.sample(probs, generator) for _ in range(20000)]
+    assert not {0, 2, 5, 7} & set(draws)
+    assert chi_square_pvalue(draws, {i: float(p) / 3 for i, p in enumerate(probs) if p > 0}) > 1e-3
+    again = torch.Generator().manual_seed(0)
+    assert [sampling.sample(probs, again) for _ in range(50)] == draws[:50]
+
+
+def test_sample_at_the_top_of_the_uniform_draws_the_last_token_with_mass(monkeypatch) -> None:
+    """u times the total can round up to the total: the last token with any mass is drawn, not one past the end
+    nor one of weight zero."""
+    monkeypatch.setattr(torch, "rand", lambda *args, **kwargs: torch.ones(1))
+    assert sampling.sample(torch.tensor([0.2, 0.5, 0.3, 0.0, 0.0]), torch.Generator()) == 2
+
+
+@pytest.mark.parametrize("probs", [[0.0, 0.0, 0.0], [0.5, -0.1, 0.6], [0.5, float("nan"), 0.5], [0.5, float("inf"), 0.5]])
+def test_sample_refuses_what_is_not_a_distribution(probs) -> None:
+    with pytest.raises(ValueError, match="cannot sample"):
+        sampling.sample(torch.tensor(probs), torch.Generator())
