@@ -9,7 +9,7 @@ arguments the lean decoder passes them, and moves the rows between them itself (
 the attention kernel's layout). The MLP's activation stays the layer module's own, between two calls,
 so the forward is the lean decoder's, operation for operation: **the same bits** (tests/test_compiled_layers.py).
 
-:meth:`CompiledLayers.applies` is the one place that decides which forwards take it: float32 on the
+:meth:`CompiledLayers.plan_for` is the one place that decides which forwards take it: float32 on the
 CPU, every product through the few-row kernel and attention through the decode kernel at this many
 tokens, nothing else asked of the attention (no attention weights recorded, no sparse attention, not a
 graphed forward) and the lean decoder's compiled norms. A query log for a gathering level below is kept
@@ -68,8 +68,7 @@ class _Plan:
     """The plan of forwards of one number of tokens: the C model (None where they do not take the compiled
     layers) and what it points into, kept alive here; and what it was made from, to tell when it is stale."""
 
-    model: _Model | None
-    layers: ctypes.Array | None
+    model: _Model | None  # its layers array stays alive through the pointer (ctypes keeps what a pointer field was given)
     lean_layers: tuple  # the lean decoder's layers (fused anew when their weights move)
     owners: tuple  # (module, name) of every weight, bias and norm weight read
     addresses: list  # their addresses when it was made
@@ -140,10 +139,11 @@ class CompiledLayers:
                        written=None if written is None else written.data_ptr(), capacity=store.capacity,
                        queries=None if queries is None else queries.data_ptr(), query_row=batch.query_row)
         model, step, call = ctypes.byref(plan.model), ctypes.byref(fields), self.library.specstack_layer_step
+        gate, up = gate_up[..., :inner], gate_up[..., inner:]  # [1, T, I] each: every layer writes the same rows
         act = None  # [1, T, I]: kept alive until the next layer's down product has read it
         for i, layer in enumerate(decoder.layers):
             _check(call(model, step, i), i)
-            act = layer.act.forward(gate_up[..., :inner]) * gate_up[..., inner:]  # [1, T, I], as the lean decoder computes it
+            act = layer.act.forward(gate) * up  # [1, T, I], as the lean decoder computes it
             fields.act = act.data_ptr()
         _check(call(model, step, len(decoder.layers)), len(decoder.layers))
         return states
@@ -169,13 +169,13 @@ def _make_plan(decoder, kernel, t: int) -> _Plan:
     owners = tuple([(linear, "weight") for linear in linears] + [(linear, "bias") for linear in linears if linear.bias is not None]
                    + [(norm, "weight") for norm in norms])
     params = [module._parameters[name] for module, name in owners]
-    blocks = tuple((linear, getattr(linear, "_blocks", None)) for linear in linears if isinstance(linear, PackedLinear))
-    plan = _Plan(model=None, layers=None, lean_layers=tuple(decoder.layers), owners=owners, addresses=[p.data_ptr() for p in params],
+    blocks = tuple((linear, linear._blocks) for linear in linears if isinstance(linear, PackedLinear))
+    plan = _Plan(model=None, lean_layers=tuple(decoder.layers), owners=owners, addresses=[p.data_ptr() for p in params],
                  versions=_versions(params), blocks=blocks)
     if None in products or any(type(norm).__name__ not in RMS_NORMS or norm.weight.dtype != torch.float32 or not norm.weight.is_contiguous() for norm in norms):
         return plan
-    plan.layers = (_Layer * len(decoder.layers))()
-    for i, (slot, layer) in enumerate(zip(plan.layers, decoder.layers)):
+    layers = (_Layer * len(decoder.layers))()
+    for i, (slot, layer) in enumerate(zip(layers, decoder.layers)):
         slot.qkv, slot.o, slot.gate_up, slot.down = products[4 * i : 4 * i + 4]
         slot.input_norm, slot.post_norm = layer.input_norm.weight.data_ptr(), layer.post_norm.weight.data_ptr()
         slot.input_eps, slot.post_eps = float(layer.input_norm.variance_epsilon), float(layer.post_norm.variance_epsilon)
@@ -183,7 +183,7 @@ def _make_plan(decoder, kernel, t: int) -> _Plan:
         slot.scale = scaling if scaling is not None else layer.head_dim**-0.5
     first, ops = decoder.layers[0], decoder.ops.library
     plan.model = _Model(add_norm=_address(ops.add_rms_norm), rotate=_address(ops.rotate), attend=_address(kernel.library.specstack_decode_attention),
-                        layers=plan.layers, count=len(decoder.layers), heads=first.heads, kv_heads=first.kv_heads, head_dim=first.head_dim,
+                        layers=layers, count=len(decoder.layers), heads=first.heads, kv_heads=first.kv_heads, head_dim=first.head_dim,
                         hidden=decoder.model.norm.weight.shape[0], inner=first.inner, final_norm=decoder.model.norm.weight.data_ptr(),
                         final_eps=float(decoder.model.norm.variance_epsilon))
     return plan

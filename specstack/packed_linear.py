@@ -118,7 +118,7 @@ class RowsKernel:
         if dtype == torch.float32:
             return (lib.specstack_linear_rows_f32, weight) if blocks is None else (getattr(lib, format.entries[torch.float32]), blocks)
         if rows < TILES_FROM or not self.tiles:
-            return (lib.specstack_linear_rows_bf16, weight) if blocks is None else (lib.specstack_linear_rows_q4_1_bf16, blocks)
+            return (lib.specstack_linear_rows_bf16, weight) if blocks is None else (getattr(lib, format.entries[torch.bfloat16]), blocks)
         return (lib.specstack_linear_rows_bf16_tiles, weight) if blocks is None else (lib.specstack_linear_rows_q4_1_bf16_tiles, blocks)
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, blocks: torch.Tensor | None = None,

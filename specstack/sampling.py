@@ -142,8 +142,8 @@ def draw(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     without a host synchronisation: the first token whose cumulative weight exceeds u times the total, u uniform
     in [0, 1) (inverse-CDF sampling). A token of weight zero adds nothing to the cumulative weight, so it is never
     drawn; where u times the total rounds up to the total, u is taken just below it. One uniform and one scan:
-    ``torch.multinomial`` drew one exponential per token of the vocabulary, 1.4 ms a token for SmolLM2's 49,152
-    on the 2-core AVX2 host (docs/benchmarks.md)."""
+    ``torch.multinomial`` drew one exponential per token of the vocabulary: 1.24 ms a token for SmolLM2's 49,152
+    on the 2-core AVX2 host, this 93 µs (docs/benchmarks.md, "Sampling and gathering")."""
     cumulative = probs.float().cumsum(0)  # [V]
     total = cumulative[-1:]  # [1]
     u = torch.rand(1, generator=generator, device=probs.device, dtype=torch.float32) * total  # [1]

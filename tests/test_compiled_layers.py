@@ -136,7 +136,7 @@ def test_stored_weights_attached_after_a_plan_was_made_are_read() -> None:
     model.decoder.attach_part_blocks()
     after = forward(model, make, compiled=True)
     o_proj = model.module.model.layers[0].self_attn.o_proj
-    assert model.decoder.compiled.plans[2].layers[0].o.weight == o_proj._blocks.data_ptr()
+    assert model.decoder.compiled.plans[2].model.layers[0].o.weight == o_proj._blocks.data_ptr()
     assert after["took"] and same_bits(after, before)
 
 
@@ -166,7 +166,7 @@ def test_the_embedded_models_compiled_forwards_are_the_same_bits() -> None:
 
     for model in (target, draft):
         compiled = run(model)
-        assert all(plan is not None for plan in model.decoder.compiled.plans.values()) and {1, 3, 16, 7} <= set(model.decoder.compiled.plans)
+        assert all(plan.model is not None for plan in model.decoder.compiled.plans.values()) and {1, 3, 16, 7} <= set(model.decoder.compiled.plans)
         own, model.decoder.compiled = model.decoder.compiled, None
         try:
             lean = run(model)

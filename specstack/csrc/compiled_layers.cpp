@@ -23,6 +23,10 @@ typedef int (*rotate_fn)(void *x, const void *cos, const void *sin, int rows, in
 typedef int (*attend_fn)(const float *q, const void *k, const void *v, int64_t k_head_stride, int64_t v_head_stride, int hkv, int rows,
                          int t, int d, int64_t n, const uint8_t *sees, float scale, float *out, int threads, int kv_bf16, int amx, int dp);
 
+// The row of query head `head`, token i, in the attention kernel's layout [kv_heads, group * t, d]: head
+// h * group + g is row g * t + i of KV head h.
+inline int64_t kernel_row(int head, int i, int group, int t) { return (int64_t)(head / group) * group * t + (int64_t)(head % group) * t + i; }
+
 }  // namespace
 
 extern "C" {
@@ -104,8 +108,7 @@ int specstack_layer_step(const Model *m, const Step *s, int layer) {
             memcpy(values + slot, token + (hq + hkv + h) * d, row_bytes);
             if (s->written) memcpy(s->written + layer * layer_stride + slot, token + (hq + h) * d, row_bytes);
         }
-        for (int head = 0; head < hq; ++head)  // query head head = h * group + g goes to row g * t + i of KV head h
-            memcpy(s->query + ((int64_t)(head / group) * group * t + (int64_t)(head % group) * t + i) * d, token + head * d, row_bytes);
+        for (int head = 0; head < hq; ++head) memcpy(s->query + kernel_row(head, i, group, t) * d, token + head * d, row_bytes);
     }
     if (s->queries) memcpy(s->queries + (int64_t)layer * hq * d, s->qkv + (int64_t)s->query_row * width * d, row_bytes * hq);
 
@@ -114,7 +117,7 @@ int specstack_layer_step(const Model *m, const Step *s, int layer) {
         return status;
     for (int head = 0; head < hq; ++head)  // back to token by token, heads side by side
         for (int i = 0; i < t; ++i)
-            memcpy(s->merged + ((int64_t)i * hq + head) * d, s->attended + ((int64_t)(head / group) * group * t + (int64_t)(head % group) * t + i) * d, row_bytes);
+            memcpy(s->merged + ((int64_t)i * hq + head) * d, s->attended + kernel_row(head, i, group, t) * d, row_bytes);
     if ((status = l.o.entry(l.o.weight, s->merged, l.o.bias, s->delta, t, l.o.out, l.o.in, s->threads))) return status;
     if ((status = m->add_norm(s->hidden, s->delta, l.post_norm, s->normed, t, m->hidden, l.post_eps, 0))) return status;
     return l.gate_up.entry(l.gate_up.weight, s->normed, l.gate_up.bias, s->gate_up, t, l.gate_up.out, l.gate_up.in, s->threads);
