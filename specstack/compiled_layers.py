@@ -1,4 +1,4 @@
-"""The lean decoder's layers as one compiled call each, for float32 forwards of a few tokens on the CPU.
+"""The lean decoder's layers as one compiled call each, for float32 and bfloat16 forwards of a few tokens on the CPU.
 
 After the kernels of :mod:`specstack.packed_linear`, :mod:`specstack.decode_attention` and
 :mod:`specstack.decoder_ops`, half of a one-token step of the target over a 512-slot cache was still
@@ -6,11 +6,12 @@ Python and torch calls around them (docs/benchmarks.md, "Each layer one compiled
 per layer (module calls, views, the store's writes, the kernels' argument checks, ctypes). Here a
 layer is one call to ``csrc/compiled_layers.cpp``, which calls those very kernels from C, with the
 arguments the lean decoder passes them, and moves the rows between them itself (the store's writes,
-the attention kernel's layout). The MLP's activation stays the layer module's own, between two calls,
+the attention kernel's layout: in bfloat16 its queries widened to float32 and its output rounded back,
+as the lean decoder does). The MLP's activation stays the layer module's own, between two calls,
 so the forward is the lean decoder's, operation for operation: **the same bits** (tests/test_compiled_layers.py).
 
-:meth:`CompiledLayers.plan_for` is the one place that decides which forwards take it: float32 on the
-CPU, every product through the few-row kernel and attention through the decode kernel at this many
+:meth:`CompiledLayers.plan_for` is the one place that decides which forwards take it: float32 or
+bfloat16 on the CPU (model and cache of one dtype), every product through the few-row kernel and attention through the decode kernel at this many
 tokens, nothing else asked of the attention (no attention weights recorded, no sparse attention, not a
 graphed forward) and the lean decoder's compiled norms. A query log for a gathering level below is kept
 (the query of its row, every layer), and so are the keys as written of a store with cache-relative
@@ -29,7 +30,7 @@ from pathlib import Path
 import attrs
 import torch
 
-from .decoder_ops import RMS_NORMS, DecoderOps
+from .decoder_ops import DTYPES, RMS_NORMS, DecoderOps
 from .native import SOURCES, load
 from .packed_linear import PackedLinear
 
@@ -48,14 +49,14 @@ class _Layer(ctypes.Structure):
 class _Model(ctypes.Structure):
     _fields_ = [("add_norm", ctypes.c_void_p), ("rotate", ctypes.c_void_p), ("attend", ctypes.c_void_p), ("layers", ctypes.POINTER(_Layer)),
                 ("count", ctypes.c_int), ("heads", ctypes.c_int), ("kv_heads", ctypes.c_int), ("head_dim", ctypes.c_int), ("hidden", ctypes.c_int),
-                ("inner", ctypes.c_int), ("final_norm", ctypes.c_void_p), ("final_eps", ctypes.c_float)]
+                ("inner", ctypes.c_int), ("final_norm", ctypes.c_void_p), ("final_eps", ctypes.c_float), ("bf16", ctypes.c_int)]
 
 
 class _Step(ctypes.Structure):
     _fields_ = [("t", ctypes.c_int), ("threads", ctypes.c_int), ("cached", ctypes.c_int64)]
     _fields_ += [(name, ctypes.c_void_p) for name in ("hidden", "normed", "delta", "qkv", "query", "attended", "merged", "gate_up", "act", "cos", "sin",
                                                        "sees", "keys", "values", "written")]
-    _fields_ += [("capacity", ctypes.c_int64), ("queries", ctypes.c_void_p), ("query_row", ctypes.c_int)]
+    _fields_ += [("capacity", ctypes.c_int64), ("queries", ctypes.c_void_p), ("query_row", ctypes.c_int), ("amx", ctypes.c_int), ("dp", ctypes.c_int)]
 
 
 def _address(function) -> int:
@@ -102,13 +103,13 @@ class CompiledLayers:
         attention function's keyword arguments ``attention``, where it runs here; None where it does not
         (module docstring). The one place that decides."""
         batch, kernel, store = attention.get("specstack_batch"), attention.get("specstack_attention_kernel"), cache.store
-        t = tokens.shape[1]
+        t, dtype = tokens.shape[1], store.keys.dtype
         if (batch is None or kernel is None or cache.view is not None or batch.record_attention or batch.attend is not None
-                or store.attention is not None or store.keys.dtype != torch.float32 or store.keys.device.type != "cpu"
-                or not isinstance(decoder.ops, DecoderOps)):
+                or store.attention is not None or dtype not in DTYPES or dtype != decoder.model.norm.weight.dtype
+                or store.keys.device.type != "cpu" or not isinstance(decoder.ops, DecoderOps)):
             return None
         first = decoder.layers[0]
-        if not kernel.takes(torch.float32, first.heads, first.kv_heads, t, first.head_dim, store.length + t):
+        if not kernel.takes(dtype, first.heads, first.kv_heads, t, first.head_dim, store.length + t):
             return None
         plan = self.plans.get(t)
         if plan is None or not plan.current(decoder):
@@ -119,25 +120,26 @@ class CompiledLayers:
         """The embedded tokens ``hidden`` [1, T, H] (updated in place: the residual stream), their rotary cos and
         sin [1, T, D] -> the last hidden states [1, T, H] after the final norm, every layer's keys and values
         written into the store (what the lean decoder's forward computes, the same bits)."""
-        batch, store = attention["specstack_batch"], cache.store
+        batch, store, kernel = attention["specstack_batch"], cache.store, attention["specstack_attention_kernel"]
         first = decoder.layers[0]
-        t, width = hidden.shape[1], hidden.shape[2]
+        t, width, dtype = hidden.shape[1], hidden.shape[2], hidden.dtype
         hq, hkv, d, inner = first.heads, first.kv_heads, first.head_dim, first.inner
         self.forwards += 1
-        sizes = (width, width, (hq + 2 * hkv) * d, hq * d, hq * d, hq * d, 2 * inner)  # per token: delta, normed, qkv, query, attended, merged, gate_up
-        scratch = torch.empty(t * sum(sizes), dtype=torch.float32, device="cpu")  # one allocation for the forward's rows
-        parts = scratch.split([t * size for size in sizes])
+        sizes = (width, width, (hq + 2 * hkv) * d, hq * d, 2 * inner)  # per token, in the model's dtype: delta, normed, qkv, merged, gate_up
+        parts = torch.empty(t * sum(sizes), dtype=dtype, device="cpu").split([t * size for size in sizes])  # one allocation for the forward's rows
+        query, attended = torch.empty(2 * t * hq * d, dtype=torch.float32, device="cpu").split(t * hq * d)  # the attention kernel's, float32
         states = parts[1].view(1, t, width)  # [1, T, H]: the last norm's output
-        gate_up = parts[6].view(1, t, 2 * inner)  # [1, T, 2 I]
+        gate_up = parts[4].view(1, t, 2 * inner)  # [1, T, 2 I]
         sees = None if batch.is_chain else batch.sees.to(device="cpu", dtype=torch.bool).contiguous().view(torch.uint8)  # [T, T]
-        queries = None if batch.queries is None else batch.queries.log(len(decoder.layers), hq, d, torch.float32, hidden.device)  # [L, Hq, D]
+        queries = None if batch.queries is None else batch.queries.log(len(decoder.layers), hq, d, dtype, hidden.device)  # [L, Hq, D]
         written = store.written if store.written.numel() else None
         fields = _Step(t=t, threads=torch.get_num_threads(), cached=store.length, hidden=hidden.data_ptr(), normed=parts[1].data_ptr(),
-                       delta=parts[0].data_ptr(), qkv=parts[2].data_ptr(), query=parts[3].data_ptr(), attended=parts[4].data_ptr(),
-                       merged=parts[5].data_ptr(), gate_up=gate_up.data_ptr(), act=None, cos=cos.data_ptr(), sin=sin.data_ptr(),
+                       delta=parts[0].data_ptr(), qkv=parts[2].data_ptr(), query=query.data_ptr(), attended=attended.data_ptr(),
+                       merged=parts[3].data_ptr(), gate_up=gate_up.data_ptr(), act=None, cos=cos.data_ptr(), sin=sin.data_ptr(),
                        sees=None if sees is None else sees.data_ptr(), keys=store.keys.data_ptr(), values=store.values.data_ptr(),
                        written=None if written is None else written.data_ptr(), capacity=store.capacity,
-                       queries=None if queries is None else queries.data_ptr(), query_row=batch.query_row)
+                       queries=None if queries is None else queries.data_ptr(), query_row=batch.query_row,
+                       amx=kernel.tiles(dtype, d, t, store.length + t), dp=kernel.dot_products)
         model, step, call = ctypes.byref(plan.model), ctypes.byref(fields), self.library.specstack_layer_step
         gate, up = gate_up[..., :inner], gate_up[..., inner:]  # [1, T, I] each: every layer writes the same rows
         act = None  # [1, T, I]: kept alive until the next layer's down product has read it
@@ -161,18 +163,19 @@ def _versions(params: list) -> list | None:
 
 
 def _make_plan(decoder, kernel, t: int) -> _Plan:
-    """The plan of ``decoder``'s forwards of ``t`` float32 tokens (its model None where some part of them does
-    not take the compiled kernels)."""
+    """The plan of ``decoder``'s forwards of ``t`` tokens of its dtype (its model None where some part of them
+    does not take the compiled kernels)."""
     linears = [linear for layer in decoder.layers for linear in (layer.qkv.linear, layer.o_proj, layer.gate_up.linear, layer.down_proj)]
     norms = [decoder.model.norm] + [norm for layer in decoder.layers for norm in (layer.input_norm, layer.post_norm)]
-    products = [_product(linear, t) for linear in linears]  # first: asking drops stored weights that no longer widen to theirs
+    dtype = decoder.model.norm.weight.dtype
+    products = [_product(linear, t, dtype) for linear in linears]  # first: asking drops stored weights that no longer widen to theirs
     owners = tuple([(linear, "weight") for linear in linears] + [(linear, "bias") for linear in linears if linear.bias is not None]
                    + [(norm, "weight") for norm in norms])
     params = [module._parameters[name] for module, name in owners]
     blocks = tuple((linear, linear._blocks) for linear in linears if isinstance(linear, PackedLinear))
     plan = _Plan(model=None, lean_layers=tuple(decoder.layers), owners=owners, addresses=[p.data_ptr() for p in params],
                  versions=_versions(params), blocks=blocks)
-    if None in products or any(type(norm).__name__ not in RMS_NORMS or norm.weight.dtype != torch.float32 or not norm.weight.is_contiguous() for norm in norms):
+    if None in products or any(type(norm).__name__ not in RMS_NORMS or norm.weight.dtype != dtype or not norm.weight.is_contiguous() for norm in norms):
         return plan
     layers = (_Layer * len(decoder.layers))()
     for i, (slot, layer) in enumerate(zip(layers, decoder.layers)):
@@ -185,14 +188,14 @@ def _make_plan(decoder, kernel, t: int) -> _Plan:
     plan.model = _Model(add_norm=_address(ops.add_rms_norm), rotate=_address(ops.rotate), attend=_address(kernel.library.specstack_decode_attention),
                         layers=layers, count=len(decoder.layers), heads=first.heads, kv_heads=first.kv_heads, head_dim=first.head_dim,
                         hidden=decoder.model.norm.weight.shape[0], inner=first.inner, final_norm=decoder.model.norm.weight.data_ptr(),
-                        final_eps=float(decoder.model.norm.variance_epsilon))
+                        final_eps=float(decoder.model.norm.variance_epsilon), bf16=DTYPES[dtype])
     return plan
 
 
-def _product(linear: torch.nn.Module, t: int) -> _Product | None:
-    """The C description of ``linear``'s product of ``t`` float32 rows, None where the few-row kernel does not take it."""
+def _product(linear: torch.nn.Module, t: int, dtype: torch.dtype) -> _Product | None:
+    """The C description of ``linear``'s product of ``t`` rows of ``dtype``, None where the few-row kernel does not take it."""
     weight = linear._parameters["weight"]
-    taken = linear.rows_product(t) if isinstance(linear, PackedLinear) and weight.dtype == torch.float32 else None
+    taken = linear.rows_product(t) if isinstance(linear, PackedLinear) and weight.dtype == dtype else None
     if taken is None:
         return None
     entry, stored, bias = taken

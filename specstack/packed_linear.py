@@ -12,13 +12,13 @@ host with AVX-512 that packed kernel took 25-27 ms for one or two rows through t
 a kernel that only streams the weights once and reuses them for each row (``csrc/linear_rows.cpp``,
 built by :mod:`specstack.native`) took 17-20 ms (docs/benchmarks.md, "A few rows: a streaming
 kernel"). In bfloat16, where the CPU has AVX-512's bf16 dot products, the same kernel reads bf16
-weights without widening them (docs/benchmarks.md, "bf16 linears through vdpbf16ps"). Results differ
-from ``F.linear``'s by rounding only.
+weights without widening them (docs/benchmarks.md, "bf16 linears through vdpbf16ps"); where it has not
+(AVX2), it widens bf16 rows and weights to fp32 and sums them as in fp32, rounding each output once
+(docs/benchmarks.md, "bf16 on AVX2: a storage format"). Results differ from ``F.linear``'s by rounding only.
 
 This module is the one place that choice is made. :func:`pack_linears` turns a model's ``nn.Linear``
 layers into :class:`PackedLinear` (the same module, parameters and state dict, another forward); each
-takes up to :data:`MAX_STREAMED_ROWS` rows (six; sixteen in fp32 on AVX2) through the streaming kernel where it was built
-(bf16: where the CPU has the instructions), packs its weight on its first wider CPU forward without
+takes up to :data:`MAX_STREAMED_ROWS` rows (six; sixteen on AVX2) through the streaming kernel where it was built, packs its weight on its first wider CPU forward without
 autograd (fp32, and bf16 where oneDNN has bf16 kernels: there ``F.linear`` reordered the weight on every
 call and cost 25-33 ms for 1-16 rows through the target's matrices, the packed kernel 17), and keeps
 ``F.linear`` for every other case (another dtype or device, a forward that records gradients, a build
@@ -51,6 +51,11 @@ MAX_STREAMED_ROWS = {torch.float32: 6, torch.bfloat16: 6}
 # through it against oneDNN's packed kernel's 37 / 45 / 52, and the same at 24 (docs/benchmarks.md, "Up to
 # sixteen fp32 rows on AVX2").
 MAX_STREAMED_ROWS_AVX2 = 16
+# Where the CPU has no bf16 dot products (AVX2), bf16 products of up to this many rows are widened to fp32 in
+# the kernel (csrc/linear_rows.cpp, MAX_WIDENED_BF16_ROWS): there oneDNN has no bf16 kernels and F.linear
+# emulates bf16, at 2-3x the kernel's time for one row through the target (docs/benchmarks.md, "bf16 on
+# AVX2: a storage format").
+MAX_WIDENED_BF16_ROWS = 16
 # Where the CPU has AMX tiles (``RowsKernel.tiles``), bf16 products of TILES_FROM to MAX_TILE_ROWS rows take
 # them instead. The target's 120 layer products of 8-32 rows over their Q4_1 blocks measured 1.47-1.57x
 # faster than oneDNN's; whole target forwards over 7,500 cached slots 1.05x (5 tokens) to 1.18x (8, 16)
@@ -75,13 +80,13 @@ def onednn_bf16_available() -> bool:
 
 @attrs.frozen(kw_only=True)
 class RowsKernel:
-    """The compiled few-row product ``y_j = W x_j + b`` (``csrc/linear_rows.cpp``) on the CPU: fp32, and
-    bf16 where ``bf16`` (the CPU has AVX-512's bf16 dot products). Each output is summed in one fixed
-    order, so a row's outputs are the same bits alone or among others."""
+    """The compiled few-row product ``y_j = W x_j + b`` (``csrc/linear_rows.cpp``) on the CPU, fp32 and
+    bf16: bf16 through AVX-512's bf16 dot products where ``bf16_dots``, else widened to fp32. Each output
+    is summed in one fixed order, so a row's outputs are the same bits alone or among others."""
 
     library: ctypes.CDLL = attrs.field(repr=False)
     path: Path
-    bf16: bool = False
+    bf16_dots: bool = False  # bf16 products take vdpbf16ps (the CPU has AVX-512's bf16 dot products); else widened to fp32
     tiles: bool = False  # bf16 products of up to MAX_TILE_ROWS rows on AMX tiles (the CPU has them and Linux lends them)
     avx512: bool = True  # built for AVX-512; False (AVX2): fp32 products of up to MAX_STREAMED_ROWS_AVX2 rows take it
 
@@ -91,15 +96,15 @@ class RowsKernel:
 
     def max_rows(self, dtype: torch.dtype) -> int:
         """The most input rows of ``dtype`` the kernel takes: MAX_STREAMED_ROWS, MAX_STREAMED_ROWS_AVX2 in fp32
-        without AVX-512, or MAX_TILE_ROWS in bf16 on tiles."""
-        if dtype == torch.bfloat16 and not self.bf16:
-            return 0
+        without AVX-512, MAX_TILE_ROWS in bf16 on tiles, MAX_WIDENED_BF16_ROWS in bf16 without bf16 dot products."""
         if dtype == torch.float32 and not self.avx512:
             return MAX_STREAMED_ROWS_AVX2
+        if dtype == torch.bfloat16 and not self.bf16_dots:
+            return MAX_WIDENED_BF16_ROWS
         return MAX_TILE_ROWS if dtype == torch.bfloat16 and self.tiles else MAX_STREAMED_ROWS.get(dtype, 0)
 
     def applies(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-        """Whether ``x`` [..., in], 1 to :meth:`max_rows` float32 (or, where ``bf16``, bfloat16) rows on
+        """Whether ``x`` [..., in], 1 to :meth:`max_rows` float32 or bfloat16 rows on
         the CPU for ``weight`` [out, in], is the kernel's."""
         return x.dtype == weight.dtype and x.device.type == "cpu" and x.numel() % weight.shape[1] == 0 and self.takes(x.numel() // weight.shape[1], weight, bias)
 
@@ -150,14 +155,14 @@ def load_rows_kernel(cache: Path | None = None) -> RowsKernel | None:
                  "specstack_linear_rows_q4_1_bf16", "specstack_linear_rows_bf16_tiles", "specstack_linear_rows_q4_1_bf16_tiles"):
         entry = getattr(library, name)
         entry.restype, entry.argtypes = ctypes.c_int, argtypes
-    bf16 = library.specstack_linear_rows_bf16_supported() == 1
-    return RowsKernel(library=library, path=path, bf16=bf16, tiles=bf16 and library.specstack_linear_rows_tiles_supported() == 1,
+    dots = library.specstack_linear_rows_bf16_dots() == 1
+    return RowsKernel(library=library, path=path, bf16_dots=dots, tiles=dots and library.specstack_linear_rows_tiles_supported() == 1,
                       avx512=library.specstack_linear_rows_avx512() == 1)
 
 
 class PackedLinear(torch.nn.Linear):
     """``nn.Linear`` whose CPU forward without autograd takes a few rows through the streaming kernel
-    (fp32; bf16 where it has the instructions) and more rows through oneDNN over a packed weight copy
+    (fp32 and bf16) and more rows through oneDNN over a packed weight copy
     (fp32; bf16 where oneDNN has bf16 kernels).
 
     The copy is remade whenever the weight changes (its storage, which ``.to()`` and ``.data =``

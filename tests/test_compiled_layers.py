@@ -62,10 +62,11 @@ def same_bits(a: dict, b: dict) -> bool:
 
 
 @pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2"])
-@pytest.mark.parametrize("tokens", [1, 2, 3, 6, 16])
-def test_compiled_layers_give_the_lean_decoders_bits(kind, tokens) -> None:
-    """Logits, the keys and values written, and the query log of a gathering level below: the same bits, chains and trees."""
-    model = tiny(kind)
+@pytest.mark.parametrize(("dtype", "tokens"), [(torch.float32, t) for t in (1, 2, 3, 6, 16)] + [(torch.bfloat16, t) for t in (1, 2, 3, 4)])
+def test_compiled_layers_give_the_lean_decoders_bits(kind, dtype, tokens) -> None:
+    """Logits, the keys and values written, and the query log of a gathering level below: the same bits, chains and
+    trees, float32 and bfloat16 (up to the four bf16 tokens the attention kernel takes on every CPU)."""
+    model = tiny(kind, dtype)
     shapes = [chain] + ([tree] if tokens >= 3 else [])
     for shape in shapes:
         make = lambda: shape(tokens, model.vocab_size)  # noqa: E731
@@ -84,11 +85,15 @@ def test_a_store_with_cache_relative_positions_keeps_its_keys_as_written() -> No
 
 
 def test_forwards_the_compiled_layers_do_not_take_keep_the_lean_decoder() -> None:
-    """bf16, more tokens than the kernels take, a prefill over an empty store, recorded attention weights (H2O):
-    the lean decoder's Python runs them, and says so by leaving the plans alone."""
-    model = tiny("llama")
+    """More tokens than the kernels take (fp32, and bf16 past what its attention kernel takes), a prefill over an
+    empty store, recorded attention weights (H2O): the lean decoder's Python runs them, and says so by leaving
+    the plans alone."""
+    model, wide = tiny("llama"), tiny("llama", torch.bfloat16)
     compiled = model.decoder.compiled
-    assert not forward(tiny("llama", torch.bfloat16), lambda: chain(2, 256), compiled=True)["took"]
+    assert forward(wide, lambda: chain(2, 256), compiled=True)["took"]
+    attention = wide.attention_kernel
+    too_many = attention.max_tokens(torch.bfloat16, wide.module.model.layers[0].self_attn.head_dim) + 1
+    assert not forward(wide, lambda: chain(too_many, 256), compiled=True)["took"]
     assert not forward(model, lambda: chain(17, 256), compiled=True)["took"]
 
     def recorded() -> TokenBatch:
@@ -173,3 +178,33 @@ def test_the_embedded_models_compiled_forwards_are_the_same_bits() -> None:
         finally:
             model.decoder.compiled = own
         assert all(torch.equal(a, b) for a, b in zip(compiled, lean))
+
+
+@pytest.mark.real_model
+def test_the_embedded_targets_bf16_compiled_forwards_are_the_same_bits() -> None:
+    """The bf16 target reading its Q4_1 blocks: steps and a verify of three tokens (a gathering level's query
+    log kept), with and without the compiled layers."""
+    from specstack.models import load_target
+
+    target = load_target(dtype=torch.bfloat16)[0]
+    tokens = [1, 504, 3458, 314, 253, 1345, 2330, 30]
+
+    def run() -> list[torch.Tensor]:
+        store = target.new_cache(16)
+        target.forward(TokenBatch.chain(tokens[:5], start=0, num_logits=1), store)
+        steps = [target.forward(TokenBatch.chain([t], start=5 + i, num_logits=1), store) for i, t in enumerate(tokens[5:8])]
+        store.truncate(5)
+        verify = TokenBatch.chain(tokens[5:8], start=5, num_logits=3)
+        verify.queries = QueryLog()
+        logits = target.forward(verify, store)
+        return [*steps, logits, verify.queries.queries.clone(), store.keys[:, :, :8].clone(), store.values[:, :, :8].clone()]
+
+    compiled = run()
+    plans = target.decoder.compiled.plans
+    assert {1, 3} <= set(plans) and all(plans[t].model is not None for t in (1, 3))
+    own, target.decoder.compiled = target.decoder.compiled, None
+    try:
+        lean = run()
+    finally:
+        target.decoder.compiled = own
+    assert all(torch.equal(a, b) for a, b in zip(compiled, lean))

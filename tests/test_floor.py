@@ -230,3 +230,10 @@ def test_a_cache_beyond_the_target_context_is_a_one_line_error(capsys) -> None:
     assert err.splitlines()[-1] == ("specstack floor: error: L2 target+full: 8190 cached + 4 new tokens exceed the model's 8192 "
                                     "positions; use a shorter --cache or fewer --tokens")
     assert "Traceback" not in err
+
+
+def test_bf16s_peak_is_at_least_fp32s() -> None:
+    """Where bf16 GEMMs are emulated (slower than fp32), the kernels widen bf16 to fp32: the floor takes fp32's rate."""
+    emulated = Machine(threads=1, read_bandwidth=1e10, gemm_peak={"float32": 1e11, "bfloat16": 2e10})
+    assert emulated.peak(torch.bfloat16) == 1e11 and emulated.peak("float32") == 1e11
+    assert MACHINE.peak("bfloat16") == 2e11  # faster bf16 products keep their own rate

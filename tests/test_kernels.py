@@ -13,12 +13,12 @@ import pytest
 import torch
 
 from specstack.native import find_compiler
-from specstack.packed_linear import MAX_STREAMED_ROWS, MAX_STREAMED_ROWS_AVX2, TILES_FROM, PackedLinear, RowsKernel, load_rows_kernel, onednn_available, onednn_bf16_available, pack_linears
+from specstack.packed_linear import MAX_STREAMED_ROWS, MAX_STREAMED_ROWS_AVX2, MAX_WIDENED_BF16_ROWS, TILES_FROM, PackedLinear, RowsKernel, load_rows_kernel, onednn_available, onednn_bf16_available, pack_linears
 
 ROWS_KERNEL = load_rows_kernel()
 # the most rows the streaming kernel takes: fp32 6, or 16 where it is built without AVX-512
 FP32_ROWS = ROWS_KERNEL.max_rows(torch.float32) if ROWS_KERNEL is not None else MAX_STREAMED_ROWS[torch.float32]
-BF16_ROWS = MAX_STREAMED_ROWS[torch.bfloat16]
+BF16_ROWS = MAX_STREAMED_ROWS[torch.bfloat16] if ROWS_KERNEL is None or ROWS_KERNEL.bf16_dots else MAX_WIDENED_BF16_ROWS  # the most bf16 rows the streaming kernel takes
 pytestmark = pytest.mark.skipif(not onednn_available(), reason="this torch build has no oneDNN linear ops")
 
 
@@ -93,19 +93,19 @@ def test_fp32_takes_up_to_sixteen_rows_where_the_kernel_is_built_without_avx512(
     assert narrow.applies(torch.randn(16, 64), weight, None) and not narrow.applies(torch.randn(17, 64), weight, None)
     assert wide.applies(torch.randn(6, 64), weight, None) and not wide.applies(torch.randn(7, 64), weight, None)
 
-needs_bf16_dots = pytest.mark.skipif(ROWS_KERNEL is None or not ROWS_KERNEL.bf16, reason="no AVX-512 bf16 dot products here: bf16 rows keep F.linear")
+needs_bf16_rows = pytest.mark.skipif(ROWS_KERNEL is None, reason="no C++ compiler here: bf16 rows keep F.linear")
 needs_tiles = pytest.mark.skipif(ROWS_KERNEL is None or not ROWS_KERNEL.tiles, reason="no AMX tiles here: wider bf16 products take oneDNN")
 BF16_KERNEL_ROWS = ROWS_KERNEL.max_rows(torch.bfloat16) if ROWS_KERNEL is not None else 0  # 6, or 32 on AMX tiles
 
 
-@needs_bf16_dots
+@needs_bf16_rows
 @pytest.mark.parametrize(("in_features", "out_features", "bias", "shape"), [
     (576, 1536, False, (1, 1)),  # the default target's MLP
     (1536, 576, True, (1, 2)),  # its down projection with a bias, two tokens
     (64, 1003, True, (BF16_ROWS,)),  # output rows not a multiple of four, the most rows the streaming kernel takes
     (32, 5, False, ()),  # the narrowest input it takes, a bare [H]
     (576, 1003, True, (1, 8)),  # a verify of eight: the tiles where there are tiles; a short last group of sixteen
-    (96, 40, False, (17,)),  # two B tiles, the second of one row
+    (96, 40, False, (min(17, BF16_KERNEL_ROWS),)),  # two B tiles, the second of one row (on tiles)
     (64, 1003, True, (max(BF16_KERNEL_ROWS, 1),)),  # the most rows the kernel takes
 ])
 def test_bf16_rows_take_the_kernel_and_are_the_linear_layer_rounded_once(monkeypatch, in_features, out_features, bias, shape) -> None:
@@ -128,7 +128,7 @@ def test_bf16_rows_take_the_kernel_and_are_the_linear_layer_rounded_once(monkeyp
     torch.testing.assert_close(got.double(), want, rtol=2**-8, atol=1e-5)
 
 
-@needs_bf16_dots
+@needs_bf16_rows
 def test_a_bf16_rows_outputs_are_the_same_bits_alone_or_among_others() -> None:
     """Up to the row count where the tiles take over (all the streaming kernel takes where there are none),
     a row's outputs are the same bits alone or among others; from there on, the same bits in any product
@@ -162,16 +162,27 @@ def test_the_tiles_sum_what_the_streaming_kernel_sums() -> None:
     torch.testing.assert_close(tiled.double(), exact, rtol=2**-8, atol=1e-5)
 
 
-@needs_compiler
-def test_bf16_rows_keep_f_linear_where_the_cpu_lacks_bf16_dot_products() -> None:
-    layer = packed(576, 40).to(torch.bfloat16)
-    without = attrs.evolve(layer._rows, bf16=False)
-    hidden = torch.randn(1, 576).bfloat16()
-    assert not without.applies(hidden, layer.weight, None)
-    assert not layer._rows.applies(torch.randn(1, 48).bfloat16(), torch.randn(40, 48).bfloat16(), None)  # in not a multiple of 32
-    layer._rows, layer._bf16_packs = without, False  # such a CPU has no oneDNN bf16 kernels either
+needs_widened_bf16 = pytest.mark.skipif(ROWS_KERNEL is None or ROWS_KERNEL.bf16_dots, reason="bf16 rows take AVX-512's bf16 dot products here, not widening")
+
+
+@needs_widened_bf16
+@pytest.mark.parametrize("rows", [1, 2, 5, 7, 16])
+def test_without_bf16_dot_products_bf16_rows_are_the_fp32_kernels_sums_rounded_once(monkeypatch, rows) -> None:
+    """Where the CPU has no bf16 dot products (AVX2), a bf16 product of up to MAX_WIDENED_BF16_ROWS rows is
+    the fp32 kernel's product of the same numbers widened (bias included), rounded once to bf16: bit for bit."""
+    layer = packed(576, 1003, bias=True).to(torch.bfloat16)
+    wide = packed(576, 1003, bias=True)  # fp32, the same numbers
+    with torch.no_grad():
+        wide.weight.copy_(layer.weight.float()), wide.bias.copy_(layer.bias.float())
+    hidden = (3 * torch.randn(rows, 576, generator=torch.Generator().manual_seed(rows))).bfloat16()  # [T, H]
+    dtypes = []
+    call = RowsKernel.__call__
+    monkeypatch.setattr(RowsKernel, "__call__", lambda self, x, *args: dtypes.append(x.dtype) or call(self, x, *args))
     with torch.inference_mode():
-        assert torch.equal(layer(hidden), torch.nn.functional.linear(hidden, layer.weight))
+        got = layer(hidden)  # [T, V] bf16
+        want = wide(hidden.float()).bfloat16()  # [T, V]
+    assert ROWS_KERNEL.max_rows(torch.bfloat16) == MAX_WIDENED_BF16_ROWS and dtypes == [torch.bfloat16, torch.float32]
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
 
 
 def test_the_kernel_leaves_what_it_does_not_take_to_onednn() -> None:

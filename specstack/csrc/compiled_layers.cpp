@@ -10,12 +10,45 @@
 // attention kernel's layout and its output back. A forward through here therefore gives the lean
 // decoder's bits. The MLP's activation stays with the caller between two calls (its torch kernel,
 // whose rounding this file would otherwise have to copy), so a layer's call begins with the previous
-// layer's down product and ends with this layer's gate and up products. float32 only.
+// layer's down product and ends with this layer's gate and up products. float32, or bfloat16 (rows,
+// weights, norms and cache; the attention kernel's queries widened to float32 and its output rounded to
+// bfloat16 to nearest even, as the lean decoder's .float() and .to(bfloat16) do).
 
 #include <stdint.h>
 #include <string.h>
 
 namespace {
+
+inline float bf16_to_float(uint16_t h) {  // exact
+    const uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+inline uint16_t float_to_bf16(float f) {  // to nearest even, as torch's cast (no NaNs come out of the attention kernel)
+    uint32_t bits;
+    memcpy(&bits, &f, 4);
+    return (uint16_t)((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
+}
+
+// d numbers of a row of the model's dtype as float32 (a query into the attention kernel's layout).
+inline void row_to_float(const char *row, bool bf16, int d, float *out) {
+    if (!bf16) {
+        memcpy(out, row, sizeof(float) * d);
+        return;
+    }
+    for (int c = 0; c < d; ++c) out[c] = bf16_to_float(((const uint16_t *)row)[c]);
+}
+
+// d float32 numbers as a row of the model's dtype (the attention kernel's output into o's input).
+inline void row_from_float(const float *row, bool bf16, int d, char *out) {
+    if (!bf16) {
+        memcpy(out, row, sizeof(float) * d);
+        return;
+    }
+    for (int c = 0; c < d; ++c) ((uint16_t *)out)[c] = float_to_bf16(row[c]);
+}
 
 typedef int (*linear_fn)(const void *w, const void *x, const void *bias, void *y, int n, int64_t out, int64_t in, int threads);
 typedef int (*norm_fn)(void *hidden, const void *delta, const void *weight, void *normed, int rows, int width, float eps, int bf16);
@@ -34,15 +67,15 @@ extern "C" {
 // One product y = W x + b: the kernel entry that reads the weight as stored, and what it reads.
 struct Product {
     linear_fn entry;
-    const void *weight;  // the float32 weight [out, in], or its blocks in the entry's format
-    const float *bias;   // [out] or null
+    const void *weight;  // the weight [out, in] in the model's dtype, or its blocks in the entry's format
+    const void *bias;    // [out] or null
     int64_t out, in;
 };
 
 // One layer: its four products (q/k/v and gate/up fused, as the lean decoder fuses them) and its norms.
 struct Layer {
     Product qkv, o, gate_up, down;
-    const float *input_norm, *post_norm;  // [hidden]
+    const void *input_norm, *post_norm;  // [hidden]
     float input_eps, post_eps, scale;     // the norms' epsilons, the attention's scaling
 };
 
@@ -53,29 +86,32 @@ struct Model {
     attend_fn attend;
     const Layer *layers;
     int count, heads, kv_heads, head_dim, hidden, inner;
-    const float *final_norm;
+    const void *final_norm;
     float final_eps;
+    int bf16;  // rows, weights, norms and cache in bfloat16; 0: float32
 };
 
-// One forward of t tokens: its rows, the KV store it writes, its scratch.
+// One forward of t tokens: its rows (in the model's dtype but for the attention kernel's float32 query
+// and output), the KV store it writes, its scratch.
 struct Step {
     int t, threads;
     int64_t cached;  // slots in the store before this forward: the new keys go to cached ... cached + t - 1
-    float *hidden;   // [t, hidden] the residual stream, updated in place
-    float *normed;   // [t, hidden] a norm's output (after the last layer: the decoder's output)
-    float *delta;    // [t, hidden] a product's output added to the residual stream
-    float *qkv;      // [t, heads + 2 kv_heads, head_dim]
+    void *hidden;    // [t, hidden] the residual stream, updated in place
+    void *normed;    // [t, hidden] a norm's output (after the last layer: the decoder's output)
+    void *delta;     // [t, hidden] a product's output added to the residual stream
+    void *qkv;       // [t, heads + 2 kv_heads, head_dim]
     float *query;    // [kv_heads, group * t, head_dim] the attention kernel's layout: row g * t + i, head g of the group, token i
     float *attended; // [kv_heads, group * t, head_dim] its output
-    float *merged;   // [t, heads * head_dim] the same, token by token: o's input
-    float *gate_up;  // [t, 2 inner]: the caller applies the activation
-    const float *act;  // [t, inner] the previous layer's activation times up (down's input)
-    const float *cos, *sin;  // [t, head_dim]
-    const uint8_t *sees;     // [t, t] among the new tokens, or null for a chain
-    float *keys, *values, *written;  // the store's [layers, kv_heads, capacity, head_dim] buffers; written null where it keeps none
+    void *merged;    // [t, heads * head_dim] the same, token by token: o's input
+    void *gate_up;   // [t, 2 inner]: the caller applies the activation
+    const void *act; // [t, inner] the previous layer's activation times up (down's input)
+    const void *cos, *sin;  // [t, head_dim]
+    const uint8_t *sees;    // [t, t] among the new tokens, or null for a chain
+    void *keys, *values, *written;  // the store's [layers, kv_heads, capacity, head_dim] buffers; written null where it keeps none
     int64_t capacity;
-    float *queries;  // [layers, heads, head_dim] the query log of a gathering level below, or null
+    void *queries;   // [layers, heads, head_dim] the query log of a gathering level below, or null
     int query_row;   // the row whose queries it logs
+    int amx, dp;     // the attention kernel's paths for a bfloat16 cache, as the lean decoder chooses them
 };
 
 // Layer `layer` of the forward (0 <= layer <= count): the previous layer's down product and residual add
@@ -84,42 +120,44 @@ struct Step {
 // 0, or the failing kernel's status (nonzero).
 int specstack_layer_step(const Model *m, const Step *s, int layer) {
     const int t = s->t, d = m->head_dim, hq = m->heads, hkv = m->kv_heads, group = hq / hkv, width = hq + 2 * hkv;
+    const bool bf16 = m->bf16 != 0;
+    const size_t elem = bf16 ? 2 : 4, row_bytes = elem * d;
     int status = 0;
-    const float *delta = nullptr;
+    const void *delta = nullptr;
     if (layer > 0) {
         const Product &down = m->layers[layer - 1].down;
         if ((status = down.entry(down.weight, s->act, down.bias, s->delta, t, down.out, down.in, s->threads))) return status;
         delta = s->delta;
     }
-    if (layer == m->count) return m->add_norm(s->hidden, delta, m->final_norm, s->normed, t, m->hidden, m->final_eps, 0);
+    if (layer == m->count) return m->add_norm(s->hidden, delta, m->final_norm, s->normed, t, m->hidden, m->final_eps, bf16);
     const Layer &l = m->layers[layer];
-    if ((status = m->add_norm(s->hidden, delta, l.input_norm, s->normed, t, m->hidden, l.input_eps, 0))) return status;
+    if ((status = m->add_norm(s->hidden, delta, l.input_norm, s->normed, t, m->hidden, l.input_eps, bf16))) return status;
     if ((status = l.qkv.entry(l.qkv.weight, s->normed, l.qkv.bias, s->qkv, t, l.qkv.out, l.qkv.in, s->threads))) return status;
-    if ((status = m->rotate(s->qkv, s->cos, s->sin, t, hq + hkv, d, (int64_t)width * d, 0))) return status;
+    if ((status = m->rotate(s->qkv, s->cos, s->sin, t, hq + hkv, d, (int64_t)width * d, bf16))) return status;
 
-    const int64_t head_stride = s->capacity * d, layer_stride = hkv * head_stride;
-    float *keys = s->keys + layer * layer_stride, *values = s->values + layer * layer_stride;
-    const size_t row_bytes = sizeof(float) * d;
+    const int64_t head_stride = s->capacity * d, layer_stride = hkv * head_stride;  // in numbers
+    char *keys = (char *)s->keys + layer * layer_stride * elem, *values = (char *)s->values + layer * layer_stride * elem;
+    const char *qkv = (const char *)s->qkv;
     for (int i = 0; i < t; ++i) {
-        const float *token = s->qkv + (int64_t)i * width * d;  // [width, d]
+        const char *token = qkv + (int64_t)i * width * row_bytes;  // [width, d]
         for (int h = 0; h < hkv; ++h) {
-            const int64_t slot = h * head_stride + (s->cached + i) * d;
-            memcpy(keys + slot, token + (hq + h) * d, row_bytes);
-            memcpy(values + slot, token + (hq + hkv + h) * d, row_bytes);
-            if (s->written) memcpy(s->written + layer * layer_stride + slot, token + (hq + h) * d, row_bytes);
+            const int64_t slot = (h * head_stride + (s->cached + i) * d) * elem;
+            memcpy(keys + slot, token + (hq + h) * row_bytes, row_bytes);
+            memcpy(values + slot, token + (hq + hkv + h) * row_bytes, row_bytes);
+            if (s->written) memcpy((char *)s->written + layer * layer_stride * elem + slot, token + (hq + h) * row_bytes, row_bytes);
         }
-        for (int head = 0; head < hq; ++head) memcpy(s->query + kernel_row(head, i, group, t) * d, token + head * d, row_bytes);
+        for (int head = 0; head < hq; ++head) row_to_float(token + head * row_bytes, bf16, d, s->query + kernel_row(head, i, group, t) * d);
     }
-    if (s->queries) memcpy(s->queries + (int64_t)layer * hq * d, s->qkv + (int64_t)s->query_row * width * d, row_bytes * hq);
+    if (s->queries) memcpy((char *)s->queries + (int64_t)layer * hq * row_bytes, qkv + (int64_t)s->query_row * width * row_bytes, row_bytes * hq);
 
     if ((status = m->attend(s->query, keys, values, head_stride, head_stride, hkv, group * t, t, d, s->cached + t, s->sees, l.scale,
-                            s->attended, s->threads, 0, 0, 0)))
+                            s->attended, s->threads, bf16, s->amx, s->dp)))
         return status;
     for (int head = 0; head < hq; ++head)  // back to token by token, heads side by side
         for (int i = 0; i < t; ++i)
-            memcpy(s->merged + ((int64_t)i * hq + head) * d, s->attended + kernel_row(head, i, group, t) * d, row_bytes);
+            row_from_float(s->attended + kernel_row(head, i, group, t) * d, bf16, d, (char *)s->merged + ((int64_t)i * hq + head) * row_bytes);
     if ((status = l.o.entry(l.o.weight, s->merged, l.o.bias, s->delta, t, l.o.out, l.o.in, s->threads))) return status;
-    if ((status = m->add_norm(s->hidden, s->delta, l.post_norm, s->normed, t, m->hidden, l.post_eps, 0))) return status;
+    if ((status = m->add_norm(s->hidden, s->delta, l.post_norm, s->normed, t, m->hidden, l.post_eps, bf16))) return status;
     return l.gate_up.entry(l.gate_up.weight, s->normed, l.gate_up.bias, s->gate_up, t, l.gate_up.out, l.gate_up.in, s->threads);
 }
 

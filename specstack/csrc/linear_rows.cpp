@@ -22,7 +22,9 @@
 // bfloat16 takes AVX-512's bf16 dot products (vdpbf16ps: pairs of bf16 products summed into float32
 // lanes), so the weights stream at half the bytes and are never widened; each output is summed in
 // float32 in one fixed order and rounded once to bf16 (to nearest even), bias included. Where the
-// compiler targets no such instructions, specstack_linear_rows_bf16_supported() says 0.
+// compiler targets no such instructions (specstack_linear_rows_bf16_dots() says 0), bf16 rows and weights
+// are widened to float32 and take the fp32 kernel's sums, then are rounded the same way (the section
+// "bfloat16 products widened to float32").
 //
 // Weights stored as GGUF's Q4_1 blocks (a model shipped that way): each 32 weights of a row are four-bit
 // codes q with a float16 scale d and offset m, w = d * q + m. The bf16 entry widens each block in
@@ -266,7 +268,6 @@ int widened_linear(const uint8_t *w, const float *x, const float *bias, float *y
     return 0;
 }
 
-#if defined(__AVX512BF16__)
 inline float bf16_to_float(uint16_t h) {
     const uint32_t bits = (uint32_t)h << 16;
     float f;
@@ -280,6 +281,53 @@ inline uint16_t float_to_bf16(float f) {  // round to nearest even (no NaNs reac
     return (uint16_t)((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
 }
 
+#if !defined(__AVX512BF16__)
+// ---- bfloat16 products widened to float32 (CPUs without AVX-512's bf16 dot products) -------------------
+//
+// Without vdpbf16ps (the AMD Zen 3 host: AVX2) bf16 is a storage format here. The input rows and the
+// weights are widened to float32 (exactly: a bf16 is the upper half of a float), their products summed as
+// the fp32 kernel sums them (widened_linear: the same order for any number of rows), the bias added, and
+// each output rounded once to bf16 (to nearest even), as bf16_outputs rounds. Q4_1 blocks widen to the
+// bf16 numbers the model holds (d * q + m in float32, then rounded to nearest even, as the GGUF reader and
+// torch's cast make them), so reading them gives the same bits as reading the bf16 weight, from 0.75 bytes
+// a weight instead of 2. vdpbf16ps sums in another order, so bf16 outputs differ between the two kinds of
+// CPU by rounding; on one CPU they are the same bits alone or in a verify.
+
+typedef uint32_t v8u __attribute__((vector_size(32), aligned(4)));
+
+constexpr int MAX_WIDENED_BF16_ROWS = 16;  // bf16 rows taken this way (packed_linear.py: MAX_STREAMED_ROWS_AVX2)
+
+inline v8 round_to_bf16(v8 x) {  // each lane to the nearest bf16 (ties to even), as a float32 with a zero lower half
+    const v8u bits = (v8u)x;
+    return (v8)((bits + 0x7FFFu + ((bits >> 16) & 1u)) & 0xFFFF0000u);
+}
+
+// Q4_1 blocks as the bf16 numbers they stand for, widened to float32.
+struct Q4_1_BF16 {
+    static constexpr int64_t BLOCK_BYTES = Q4_1::BLOCK_BYTES;
+    static inline void widen(const uint8_t *row, int64_t in, int64_t b, v8 q[4]) {
+        Q4_1::widen(row, in, b, q);
+        for (int k = 0; k < 4; ++k) q[k] = round_to_bf16(q[k]);
+    }
+};
+
+// y [n, out] bf16 = x [n, in] bf16 W^T + bias (bf16 or null), W stored as Format (widening to bf16 numbers):
+// the rows and the bias widened once, the fp32 product, each output rounded once.
+template <class Format>
+int widened_bf16_linear(const uint8_t *w, const uint16_t *x, const uint16_t *bias, uint16_t *y, int n, int64_t out, int64_t in, int threads) {
+    if (in < 32 || in % 32 != 0 || out < 1 || n < 1 || n > MAX_WIDENED_BF16_ROWS || threads < 1) return -1;
+    std::unique_ptr<float[]> room(new float[(size_t)n * in + (size_t)out + (size_t)n * out]);
+    float *xf = room.get(), *bf = xf + (size_t)n * in, *yf = bf + out;  // [n, in], [out], [n, out]
+    for (int64_t i = 0; i < (int64_t)n * in; ++i) xf[i] = bf16_to_float(x[i]);
+    if (bias)
+        for (int64_t r = 0; r < out; ++r) bf[r] = bf16_to_float(bias[r]);
+    if (widened_linear<Format>(w, xf, bias ? bf : nullptr, yf, n, out, in, threads) != 0) return -1;
+    for (int64_t i = 0; i < (int64_t)n * out; ++i) y[i] = float_to_bf16(yf[i]);
+    return 0;
+}
+#endif
+
+#if defined(__AVX512BF16__)
 // Whether a bf16 entry takes n rows through [out, in] on `threads` threads: in a multiple of 32, 1 to `most` rows.
 inline bool bf16_shape_taken(int n, int64_t out, int64_t in, int threads, int most) {
     return in >= 32 && in % 32 == 0 && out >= 1 && n >= 1 && n <= most && threads >= 1;
@@ -563,7 +611,9 @@ int specstack_linear_rows_avx512() {
 #endif
 }
 
-int specstack_linear_rows_bf16_supported() {
+// 1 where bf16 products take AVX-512's bf16 dot products (vdpbf16ps), 0 where they are widened to float32
+// (specstack_linear_rows_bf16 and _q4_1_bf16 run either way).
+int specstack_linear_rows_bf16_dots() {
 #if defined(__AVX512BF16__)
     return 1;
 #else
@@ -571,9 +621,9 @@ int specstack_linear_rows_bf16_supported() {
 #endif
 }
 
-// The same in bfloat16 (uint16_t bit patterns): w [out, in], x [n, in] with n <= MAX_BF16_ROWS, bias [out]
-// or null, y [n, out]. Returns 0, or -1 for shapes it does not take (in not a multiple of 32, more than
-// MAX_BF16_ROWS rows, or a build without AVX-512 bf16 instructions).
+// The same in bfloat16 (uint16_t bit patterns): w [out, in], x [n, in] with n <= MAX_BF16_ROWS (widened:
+// MAX_WIDENED_BF16_ROWS), bias [out] or null, y [n, out]. Returns 0, or -1 for shapes it does not take (in not
+// a multiple of 32, more rows).
 int specstack_linear_rows_bf16(const uint16_t *w, const uint16_t *x, const uint16_t *bias, uint16_t *y, int n, int64_t out, int64_t in, int threads) {
 #if defined(__AVX512BF16__)
     if (!bf16_shape_taken(n, out, in, threads, MAX_BF16_ROWS)) return -1;
@@ -585,15 +635,14 @@ int specstack_linear_rows_bf16(const uint16_t *w, const uint16_t *x, const uint1
         [&](int64_t r, int j) { return bf16_one_output(w + r * in, x + j * in, in); });
     return 0;
 #else
-    (void)w, (void)x, (void)bias, (void)y, (void)n, (void)out, (void)in, (void)threads;
-    return -1;
+    return widened_bf16_linear<BF16>((const uint8_t *)w, x, bias, y, n, out, in, threads);
 #endif
 }
 
 // The bf16 product with W stored as Q4_1 blocks: w [out, in / 32 * 24] (row_bytes_of<Q4_1>), x [n, in] bf16
 // with n <= MAX_Q4_ROWS, bias [out] bf16 or null, y [n, out] bf16: the same bits as
 // specstack_linear_rows_bf16 over the bf16 weights the blocks stand for. Returns 0, or -1 for shapes it
-// does not take (in not a multiple of 32, more than MAX_Q4_ROWS rows, a build without AVX-512 bf16).
+// does not take (in not a multiple of 32, more than MAX_Q4_ROWS rows; widened: MAX_WIDENED_BF16_ROWS).
 int specstack_linear_rows_q4_1_bf16(const uint8_t *w, const uint16_t *x, const uint16_t *bias, uint16_t *y, int n, int64_t out, int64_t in, int threads) {
 #if defined(__AVX512BF16__)
     if (!bf16_shape_taken(n, out, in, threads, MAX_Q4_ROWS)) return -1;
@@ -603,8 +652,7 @@ int specstack_linear_rows_q4_1_bf16(const uint8_t *w, const uint16_t *x, const u
         [&](int64_t r, int j) { return q4_one_output(w + r * row_bytes, x + j * in, in); });
     return 0;
 #else
-    (void)w, (void)x, (void)bias, (void)y, (void)n, (void)out, (void)in, (void)threads;
-    return -1;
+    return widened_bf16_linear<Q4_1_BF16>(w, x, bias, y, n, out, in, threads);
 #endif
 }
 
