@@ -35,6 +35,10 @@ SOURCE = SOURCES / "decode_attention.cpp"
 # tokens ("bf16 attention on AMX tiles"). Wider verifies and prefill chunks stay with SDPA.
 MAX_TOKENS = {torch.float32: 16, torch.bfloat16: 4}
 MAX_TOKENS_AMX = 16  # a bfloat16 cache where the kernel runs on AMX tiles
+# A bfloat16 cache on a CPU without AVX-512's bf16 dot products (AVX2), where SDPA's bf16 kernel has no bf16
+# instructions either: the widening kernel took 1.20-1.53x less time than the split SDPA path for 5-16 tokens
+# over 7,500 and 32,000 keys on the 2-core AMD host (docs/benchmarks.md, "bf16 on AVX2").
+MAX_TOKENS_WIDENED_BF16 = 16
 # Up to MAX_TOKENS[bfloat16] new tokens over fewer cached keys than this, widening stays faster than the
 # tiles' fixed costs: whole target forwards 0.93-0.96x with tiles over 512-1,024 keys, 1.01x over 2,048.
 AMX_MIN_KEYS = 2048
@@ -71,7 +75,11 @@ class DecodeKernel:
 
     def max_tokens(self, dtype: torch.dtype, d: int) -> int:
         """The most new tokens a cache of ``dtype`` with heads of width ``d`` hands the kernel."""
-        return MAX_TOKENS_AMX if self._tiles_fit(dtype, d) else MAX_TOKENS.get(dtype, 0)
+        if self._tiles_fit(dtype, d):
+            return MAX_TOKENS_AMX
+        if dtype == torch.bfloat16 and not self.dot_products:
+            return MAX_TOKENS_WIDENED_BF16
+        return MAX_TOKENS.get(dtype, 0)
 
     def tiles(self, dtype: torch.dtype, d: int, t: int, n: int) -> bool:
         """Whether ``t`` new tokens over ``n`` keys of such a cache run on AMX tiles rather than widened."""

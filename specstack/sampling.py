@@ -137,15 +137,16 @@ def sample(probs: torch.Tensor, generator: torch.Generator) -> int:
     return int(draw(probs, generator))
 
 
-def draw(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """[V] non-negative weights -> [1] one token drawn with probability proportional to its weight, on their device
-    without a host synchronisation: the first token whose cumulative weight exceeds u times the total, u uniform
-    in [0, 1) (inverse-CDF sampling). A token of weight zero adds nothing to the cumulative weight, so it is never
-    drawn; where u times the total rounds up to the total, u is taken just below it. One uniform and one scan:
-    ``torch.multinomial`` drew one exponential per token of the vocabulary: 1.24 ms a token for SmolLM2's 49,152
-    on the 2-core AVX2 host, this 93 µs (docs/benchmarks.md, "Sampling and gathering")."""
+def draw(probs: torch.Tensor, generator: torch.Generator, count: int = 1) -> torch.Tensor:
+    """[V] non-negative weights -> [count] tokens drawn independently (with replacement), each with probability
+    proportional to its weight, on their device without a host synchronisation: the first token whose cumulative
+    weight exceeds u times the total, u uniform in [0, 1) (inverse-CDF sampling). A token of weight zero adds
+    nothing to the cumulative weight, so it is never drawn; where u times the total rounds up to the total, u is
+    taken just below it. One uniform per token and one scan: ``torch.multinomial`` drew one exponential per token
+    of the vocabulary: 1.24 ms a token for SmolLM2's 49,152 on the 2-core AVX2 host, this 93 µs
+    (docs/benchmarks.md, "Sampling and gathering")."""
     cumulative = probs.float().cumsum(0)  # [V]
     total = cumulative[-1:]  # [1]
-    u = torch.rand(1, generator=generator, device=probs.device, dtype=torch.float32) * total  # [1]
-    u = torch.minimum(u, torch.nextafter(total, torch.zeros_like(total)))  # [1], below the total
-    return torch.searchsorted(cumulative, u, right=True)  # [1]
+    u = torch.rand(count, generator=generator, device=probs.device, dtype=torch.float32) * total  # [count]
+    u = torch.minimum(u, torch.nextafter(total, torch.zeros_like(total)))  # [count], below the total
+    return torch.searchsorted(cumulative, u, right=True)  # [count]

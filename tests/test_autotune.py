@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import attrs
 import pytest
 
 from specstack import Level, SpeculationStack
@@ -107,6 +108,13 @@ def test_a_level_verifying_a_tree_keeps_its_depth() -> None:
     tuning = autotune.tune(stack, list(range(1, 12)), calibration_tokens=8, max_gamma=2, repeats=1)
     assert tuning.gammas == (depth,) == tuple(level.gamma for level in autotune.verifying_levels(stack)) and depth > 2
     assert autotune.best_gammas(1e-6, [{t: 1.0 for t in range(1, 8)}] * 2, (0.9, 0.9), 1.0, 3, fixed=(None, 6))[0][1] == 6
+
+
+def test_the_description_says_when_no_gamma_is_predicted_to_win() -> None:
+    """A choice predicted slower than autoregressive decoding is still the best one, and the line says so."""
+    winning, losing = _tuning(1, acceptances=(0.9,)), attrs.evolve(_tuning(1, acceptances=(0.1,)), predicted_speedup=0.42)
+    assert "predicted 1.00x" in winning.describe() and "no γ" not in winning.describe()
+    assert losing.describe().endswith("predicted 0.42x); no γ up to 6 is predicted to beat autoregressive decoding at this acceptance and these forward costs")
 
 
 def _tuning(levels: int, *, acceptances: tuple[float, ...], max_gamma: int = 6) -> autotune.Tuning:

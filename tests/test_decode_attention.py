@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from specstack.batch import TokenBatch
-from specstack.decode_attention import AMX_MIN_KEYS, MAX_TOKENS, MAX_TOKENS_AMX, DecodeKernel, load_decode_kernel
+from specstack.decode_attention import AMX_MIN_KEYS, MAX_TOKENS, MAX_TOKENS_AMX, MAX_TOKENS_WIDENED_BF16, DecodeKernel, load_decode_kernel
 from specstack.native import find_compiler
 from specstack.hf import HFCausalLM
 from specstack.testing.llama import random_llama
@@ -81,6 +81,7 @@ def test_the_kernel_is_attention_up_to_rounding(t, n, d, kv_heads, group, tree) 
     (2, 2_000, 64, 3, 3),  # 6 rows: the few-row path
     (1, 2, 64, 3, 3), (3, 70, 64, 3, 3), (2, 515, 128, 2, 4), (3, 133, 72, 1, 8),
     (2, 300, 64, 2, 8),  # 16 rows: the GEMM path
+    (8, 1_000, 64, 3, 3), (16, 700, 64, 3, 3),  # verifies a CPU without bf16 dot products widens (AVX2)
 ])
 def test_a_bfloat16_cache_is_read_as_its_float32_values(t, n, d, kv_heads, group, tree) -> None:
     """bf16 queries, keys and values, widened (no AMX tiles): the output is the float32 kernel's on the
@@ -168,7 +169,8 @@ def test_it_applies_only_to_few_tokens_over_a_float32_or_bfloat16_cache() -> Non
     assert not KERNEL.applies(query, keys.bfloat16(), keys.bfloat16())  # mixed dtypes too
     for kernel in (KERNEL, WIDENING):
         for dtype in MAX_TOKENS:  # a wide verify or a prefill chunk
-            most = MAX_TOKENS_AMX if kernel.amx and dtype == torch.bfloat16 else MAX_TOKENS[dtype]
+            widened_bf16 = dtype == torch.bfloat16 and not kernel.amx and not kernel.dot_products  # no bf16 instructions for SDPA either
+            most = MAX_TOKENS_AMX if kernel.amx and dtype == torch.bfloat16 else MAX_TOKENS_WIDENED_BF16 if widened_bf16 else MAX_TOKENS[dtype]
             assert kernel.max_tokens(dtype, 64) == most
             assert kernel.applies(torch.randn(1, 9, most, 64, dtype=dtype), keys.to(dtype), keys.to(dtype))
             assert not kernel.applies(torch.randn(1, 9, most + 1, 64, dtype=dtype), keys.to(dtype), keys.to(dtype))

@@ -111,7 +111,7 @@ BF16_KERNEL_ROWS = ROWS_KERNEL.max_rows(torch.bfloat16) if ROWS_KERNEL is not No
 def test_bf16_rows_take_the_kernel_and_are_the_linear_layer_rounded_once(monkeypatch, in_features, out_features, bias, shape) -> None:
     """bf16: each output is the exact product of the bf16 numbers, summed in float32 and rounded once
     to bf16 (half a bf16 ulp, at most 2^-8 relative, plus the float32 sum's error); one more row than
-    the kernel takes goes to oneDNN (packed, where it has bf16 kernels; else F.linear)."""
+    the kernel takes goes to oneDNN (packed: its bf16 kernels, or where it has none the weight widened to fp32)."""
     calls = []
     call = RowsKernel.__call__
     monkeypatch.setattr(RowsKernel, "__call__", lambda self, *args: calls.append(1) or call(self, *args))
@@ -121,8 +121,9 @@ def test_bf16_rows_take_the_kernel_and_are_the_linear_layer_rounded_once(monkeyp
         got = layer(hidden)  # [..., out]
         assert layer._packed is None
         wide = torch.randn(BF16_KERNEL_ROWS + 1, in_features).bfloat16()
-        torch.testing.assert_close(layer(wide), torch.nn.functional.linear(wide, layer.weight, layer.bias), rtol=2**-7, atol=1e-2)  # wider: oneDNN
-    assert len(calls) == 1 and (layer._packed is not None) == onednn_bf16_available()
+        exact = torch.nn.functional.linear(wide.double(), layer.weight.double(), None if layer.bias is None else layer.bias.double())
+        torch.testing.assert_close(layer(wide).double(), exact, rtol=2**-7, atol=1e-2)  # wider: oneDNN
+    assert len(calls) == 1 and layer._packed is not None
     want = torch.nn.functional.linear(hidden.double(), layer.weight.double(), None if layer.bias is None else layer.bias.double())
     assert got.shape == want.shape == (*shape, out_features) and got.dtype == torch.bfloat16
     torch.testing.assert_close(got.double(), want, rtol=2**-8, atol=1e-5)
@@ -160,6 +161,23 @@ def test_the_tiles_sum_what_the_streaming_kernel_sums() -> None:
     step = 2.0 ** (torch.floor(torch.log2(exact.abs().clamp_min(1e-30))) - 7)  # one bf16 step at each output's size
     assert ((tiled.double() - streamed.double()).abs() <= step).all()
     torch.testing.assert_close(tiled.double(), exact, rtol=2**-8, atol=1e-5)
+
+
+@needs_compiler
+@pytest.mark.parametrize("bias", [False, True])
+def test_wider_bf16_products_without_onednn_bf16_kernels_are_the_fp32_product_rounded_once(bias) -> None:
+    """Where oneDNN has no bf16 kernels (AVX2), a bf16 product wider than the kernel takes (a prefill chunk) widens to
+    an fp32 copy of the weight packed once: each output the fp32 sum of the exact products, rounded once, so within
+    half a bf16 step (plus the fp32 sum's error) of the float64 product; emulated bf16 F.linear rounds more often."""
+    layer = packed(576, 1003, bias=bias).to(torch.bfloat16)
+    layer._bf16_packs = False  # as on such a CPU
+    hidden = (3 * torch.randn(40, 576, generator=torch.Generator().manual_seed(4))).bfloat16()  # [T, H]
+    with torch.inference_mode():
+        got = layer(hidden)  # [T, V] bf16
+    assert layer._packed is not None and layer._packed.dtype == torch.float32 and got.dtype == torch.bfloat16
+    exact = torch.nn.functional.linear(hidden.double(), layer.weight.double(), None if layer.bias is None else layer.bias.double())  # [T, V]
+    step = 2.0 ** (torch.floor(torch.log2(exact.abs().clamp_min(1e-30))) - 8)  # half a bf16 step at each output's size
+    assert ((got.double() - exact).abs() <= step * 1.01 + 1e-6).all()
 
 
 needs_widened_bf16 = pytest.mark.skipif(ROWS_KERNEL is None or ROWS_KERNEL.bf16_dots, reason="bf16 rows take AVX-512's bf16 dot products here, not widening")
@@ -222,15 +240,16 @@ def test_a_forward_recording_gradients_keeps_f_linear() -> None:
 
 
 @pytest.mark.parametrize("rows", [BF16_KERNEL_ROWS + 1, 64, 512])
-def test_wide_bf16_forwards_take_onednn_packed_where_it_has_bf16_kernels(rows) -> None:
-    """A verify wider than the kernel takes, or a prefill chunk: oneDNN's packed bf16 product,
-    the layer's own outputs up to bf16 rounding (F.linear itself where oneDNN has no bf16 kernels)."""
+def test_wide_bf16_forwards_take_onednn_packed(rows) -> None:
+    """A verify wider than the kernel takes, or a prefill chunk: oneDNN's packed bf16 product (where oneDNN
+    has no bf16 kernels its fp32 product over the weight widened), the layer's own outputs up to bf16 rounding."""
     layer = packed(576, 1003, bias=True).to(torch.bfloat16)
     hidden = torch.randn(1, rows, 576).bfloat16()  # [1, T, H]
     with torch.inference_mode():
         got = layer(hidden)  # [1, T, V]
     want = torch.nn.functional.linear(hidden.double(), layer.weight.double(), layer.bias.double())  # [1, T, V]
-    assert got.dtype == torch.bfloat16 and (layer._packed is not None) == onednn_bf16_available()
+    assert got.dtype == torch.bfloat16 and layer._packed is not None
+    assert layer._packed.dtype == (torch.bfloat16 if onednn_bf16_available() else torch.float32)
     torch.testing.assert_close(got.double(), want, rtol=2**-7, atol=1e-2)
 
 

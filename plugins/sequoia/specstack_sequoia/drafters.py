@@ -21,6 +21,7 @@ import torch
 
 from specstack import Draft, LevelStats, SpecstackError, warp
 from specstack.drafters import Drafter, ModelLevel
+from specstack.sampling import draw
 from specstack.types import DraftKind
 
 from .shape import TreeShape
@@ -123,7 +124,7 @@ class SequoiaDrafter(ModelLevel):
         if self.draft_kind is DraftKind.TREE_DETERMINISTIC:
             return logits.topk(min(count, logits.shape[0])).indices.tolist()
         if self.draft_kind is DraftKind.TREE_WITH_REPLACEMENT:
-            return torch.multinomial(q, count, replacement=True, generator=self.generator).tolist()
+            return draw(q, self.generator, count).tolist()  # i.i.d. draws from q (inverse CDF)
         return race(q, count, self.generator)
 
 
