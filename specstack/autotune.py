@@ -59,11 +59,14 @@ class Tuning:
         return best_gammas(self.draft_cost, self.verify_costs, acceptances, self.verify_costs[-1][1], self.max_gamma, self.fixed)
 
     def describe(self) -> str:
-        """One line: the choice, what it was made from, and, where even the best choice is predicted slower than
-        autoregressive decoding, that this stack cannot win here at the measured acceptance and costs."""
+        """One line: the choice and what it was made from; where a level verifies a tree, that the prediction prices
+        it as a chain of its depth; else, where even the best choice is predicted slower than autoregressive
+        decoding, that no γ is."""
         gammas = ", ".join(f"γ{i + 1}={g}" for i, g in enumerate(self.gammas))
         accept = ", ".join(f"{a:.2f}" for a in self.acceptances)
         chosen = f"gamma=auto chose {gammas} (acceptance {accept} over {self.calibration_tokens} calibration tokens; predicted {self.predicted_speedup:.2f}x)"
+        if any(g is not None for g in self.fixed):
+            return f"{chosen}; a tree is priced as a chain of its depth, so the prediction is rough"
         if self.predicted_speedup >= 1.0:
             return chosen
         return f"{chosen}; no γ up to {self.max_gamma} is predicted to beat autoregressive decoding at this acceptance and these forward costs"
