@@ -36,8 +36,9 @@ SOURCE = SOURCES / "decode_attention.cpp"
 MAX_TOKENS = {torch.float32: 16, torch.bfloat16: 4}
 MAX_TOKENS_AMX = 16  # a bfloat16 cache where the kernel runs on AMX tiles
 # A bfloat16 cache on a CPU without AVX-512's bf16 dot products (AVX2), where SDPA's bf16 kernel has no bf16
-# instructions either: the widening kernel took 1.20-1.53x less time than the split SDPA path for 5-16 tokens
-# over 7,500 and 32,000 keys on the 2-core AMD host (docs/benchmarks.md, "bf16 on AVX2").
+# instructions either: the widening kernel took 1.40-1.80x less time than the split SDPA path for 5-16 tokens
+# over 7,500 and 32,000 keys on the 2-core AMD host (docs/benchmarks.md, "bf16 on AVX2"; examples/bf16_widened.py
+# --attention).
 MAX_TOKENS_WIDENED_BF16 = 16
 # Up to MAX_TOKENS[bfloat16] new tokens over fewer cached keys than this, widening stays faster than the
 # tiles' fixed costs: whole target forwards 0.93-0.96x with tiles over 512-1,024 keys, 1.01x over 2,048.

@@ -54,8 +54,8 @@ MAX_STREAMED_ROWS = {torch.float32: 6, torch.bfloat16: 6}
 MAX_STREAMED_ROWS_AVX2 = 16
 # Where the CPU has no bf16 dot products (AVX2), bf16 products of up to this many rows are widened to fp32 in
 # the kernel (csrc/linear_rows.cpp, MAX_WIDENED_BF16_ROWS): there oneDNN has no bf16 kernels and F.linear
-# emulates bf16, at 2-3x the kernel's time for one row through the target (docs/benchmarks.md, "bf16 on
-# AVX2: a storage format").
+# emulates bf16, at 2.3-2.4x the kernel's time for one row through the target's 120 layer products
+# (docs/benchmarks.md, "bf16 on AVX2: a storage format"; examples/bf16_widened.py --products).
 MAX_WIDENED_BF16_ROWS = 16
 # Where the CPU has AMX tiles (``RowsKernel.tiles``), bf16 products of TILES_FROM to MAX_TILE_ROWS rows take
 # them instead. The target's 120 layer products of 8-32 rows over their Q4_1 blocks measured 1.47-1.57x
@@ -165,8 +165,8 @@ class PackedLinear(torch.nn.Linear):
     """``nn.Linear`` whose CPU forward without autograd takes a few rows through the streaming kernel
     (fp32 and bf16) and more rows through oneDNN over a packed weight copy (fp32; bf16 where oneDNN has bf16
     kernels, and elsewhere an fp32 copy of the bf16 weight: the rows widened, the fp32 product rounded once to
-    bf16, 6.8x faster than ``F.linear``'s emulated bf16 for a 2,048-row prefill chunk on the AVX2 host, at
-    twice the bf16 weight's memory).
+    bf16; a 2,048-token bf16 prefill chunk 3.7-3.8x faster than through ``F.linear``'s emulated bf16 on the AVX2
+    host, at twice the bf16 weight's memory; examples/bf16_widened.py --prefill).
 
     The copy is remade whenever the weight changes (its storage, which ``.to()`` and ``.data =``
     replace, or its version counter, which an optimizer's in-place step advances), so it is never stale. It is a plain attribute, not a buffer:

@@ -17,20 +17,9 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "bf16.h"
+
 namespace {
-
-inline float bf16_to_float(uint16_t h) {  // exact
-    const uint32_t bits = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-}
-
-inline uint16_t float_to_bf16(float f) {  // to nearest even, as torch's cast (no NaNs come out of the attention kernel)
-    uint32_t bits;
-    memcpy(&bits, &f, 4);
-    return (uint16_t)((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
-}
 
 // d numbers of a row of the model's dtype as float32 (a query into the attention kernel's layout).
 inline void row_to_float(const char *row, bool bf16, int d, float *out) {

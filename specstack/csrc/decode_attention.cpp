@@ -39,6 +39,8 @@
 #include <string.h>
 
 #include <omp.h>
+
+#include "bf16.h"
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #define SPECSTACK_DP 1  // compiled for a CPU with AVX-512's bf16 dot products and conversions
 #include <immintrin.h>
@@ -401,12 +403,6 @@ constexpr int FEW_ROWS = 6;     // groups of up to this many rows take the softm
 
 inline v16 load16(const float *p) { return *(const v16 *)p; }
 inline void store16(float *p, v16 x) { *(v16 *)p = x; }
-
-inline uint16_t float_to_bf16(float f) {  // round to nearest even
-    uint32_t bits;
-    memcpy(&bits, &f, 4);
-    return (uint16_t)((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
-}
 
 // 16 x 16 floats transposed in registers: r[i] becomes column i.
 void transpose16(__m512 r[16]) {

@@ -43,6 +43,8 @@
 #include <memory>
 
 #include <omp.h>
+
+#include "bf16.h"
 #if defined(__AVX2__)
 #include <immintrin.h>
 #endif
@@ -268,19 +270,6 @@ int widened_linear(const uint8_t *w, const float *x, const float *bias, float *y
     return 0;
 }
 
-inline float bf16_to_float(uint16_t h) {
-    const uint32_t bits = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-}
-
-inline uint16_t float_to_bf16(float f) {  // round to nearest even (no NaNs reach here from finite weights)
-    uint32_t bits;
-    memcpy(&bits, &f, 4);
-    return (uint16_t)((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
-}
-
 #if !defined(__AVX512BF16__)
 // ---- bfloat16 products widened to float32 (CPUs without AVX-512's bf16 dot products) -------------------
 //
@@ -295,7 +284,7 @@ inline uint16_t float_to_bf16(float f) {  // round to nearest even (no NaNs reac
 
 typedef uint32_t v8u __attribute__((vector_size(32), aligned(4)));
 
-constexpr int MAX_WIDENED_BF16_ROWS = 16;  // bf16 rows taken this way (packed_linear.py: MAX_STREAMED_ROWS_AVX2)
+constexpr int MAX_WIDENED_BF16_ROWS = 16;  // bf16 rows taken this way (packed_linear.py: MAX_WIDENED_BF16_ROWS)
 
 inline v8 round_to_bf16(v8 x) {  // each lane to the nearest bf16 (ties to even), as a float32 with a zero lower half
     const v8u bits = (v8u)x;
