@@ -13,7 +13,9 @@ hierarchy; Sequoia (Chen et al., 2024) does the same for tree sizes against a ha
 
 Acceptance is assumed independent of γ (the i.i.d. model behind Leviathan et al.'s Eq. 1). Token
 trees keep their planned shape: a level verifying a tree keeps its γ (the tree's depth), and only the
-levels verifying chains are tuned.
+levels verifying chains are tuned. A tree level is priced from its calibration rounds instead of the
+chain formula (:class:`TreeRound`): the tokens a round emitted, and a tree forward as wide as its
+forwards were, timed.
 
 Acceptance also changes along a generation (a greedy text that falls into a repeated sentence is
 drafted almost perfectly), so a choice made from the first tokens can be wrong for the rest.
@@ -33,11 +35,33 @@ import torch
 
 from .drafters import ModelLevel
 from .errors import SpecstackError
-from .speedup import LevelCost, StackCost, at_least_one
+from .speedup import LevelCost, MeasuredLevelCost, StackCost, at_least_one
 from .stack import SpeculationStack, SpeculativeLevel
 from .types import DraftKind
 
 MODEL_FREE_DRAFT_COST = 1e-6  # seconds per drafted token of a drafter without a model (n-gram lookup)
+
+
+@attrs.frozen(kw_only=True)
+class TreeRound:
+    """A level verifying a token tree, as its calibration rounds measured it: the tree's depth (its γ,
+    kept), the tokens a round emitted on average, and the tokens its forwards fed on average (the
+    tree's nodes and the token before them), the width its forward is timed at."""
+
+    depth: int
+    emitted: float
+    width: int
+
+    @classmethod
+    def measured(cls, stats, depth: int) -> "TreeRound":
+        """From a level's calibration counters (``LevelStats``); a level that ran no round is priced as
+        a chain of its depth that emits one token a round."""
+        if not stats.rounds or not stats.forward_calls:
+            return cls(depth=depth, emitted=1.0, width=depth + 1)
+        return cls(depth=depth, emitted=stats.emitted / stats.rounds, width=max(1, round(stats.forward_tokens / stats.forward_calls)))
+
+    def cost(self, verify_costs: dict[int, float]) -> MeasuredLevelCost:
+        return MeasuredLevelCost(emitted=self.emitted, drafts=self.depth, verify_cost=verify_costs[self.width])
 
 
 @attrs.frozen(kw_only=True)
@@ -48,25 +72,24 @@ class Tuning:
     before: tuple[int, ...]  # the γ the calibration ran with
     acceptances: tuple[float, ...]  # α_i measured in the calibration run
     draft_cost: float  # t_0, seconds per drafted token of level 0
-    verify_costs: tuple[dict[int, float], ...]  # per verifying level: T -> seconds of a T-token forward
+    verify_costs: tuple[dict[int, float], ...]  # per verifying level: T -> seconds of a T-token forward (a tree's for a tree level)
     predicted_speedup: float
     calibration_tokens: int
     max_gamma: int  # the longest chain γ priced (verify_costs hold forwards up to max_gamma + 1 tokens)
-    fixed: tuple[int | None, ...]  # per verifying level: a tree's depth, kept; None: a chain, tuned
+    fixed: tuple[TreeRound | None, ...]  # per verifying level: a tree, kept and priced as measured; None: a chain, tuned
 
     def choose(self, acceptances: Sequence[float]) -> tuple[tuple[int, ...], float]:
         """The best γ per level for ``acceptances`` at the measured costs, and its predicted speedup."""
         return best_gammas(self.draft_cost, self.verify_costs, acceptances, self.verify_costs[-1][1], self.max_gamma, self.fixed)
 
     def describe(self) -> str:
-        """One line: the choice and what it was made from; where a level verifies a tree, that the prediction prices
-        it as a chain of its depth; else, where even the best choice is predicted slower than autoregressive
-        decoding, that no γ is."""
+        """One line: the choice and what it was made from (for a tree level, what its rounds emitted and how wide
+        its forwards were); where even the best choice is predicted slower than autoregressive decoding, that no γ is."""
         gammas = ", ".join(f"γ{i + 1}={g}" for i, g in enumerate(self.gammas))
         accept = ", ".join(f"{a:.2f}" for a in self.acceptances)
-        chosen = f"gamma=auto chose {gammas} (acceptance {accept} over {self.calibration_tokens} calibration tokens; predicted {self.predicted_speedup:.2f}x)"
-        if any(g is not None for g in self.fixed):
-            return f"{chosen}; a tree is priced as a chain of its depth, so the prediction is rough"
+        trees = "".join(f"; γ{i + 1} kept: a tree emitting {tree.emitted:.2f} tokens a round, forwards of {tree.width} tokens"
+                        for i, tree in enumerate(self.fixed) if tree is not None)
+        chosen = f"gamma=auto chose {gammas} (acceptance {accept} over {self.calibration_tokens} calibration tokens{trees}; predicted {self.predicted_speedup:.2f}x)"
         if self.predicted_speedup >= 1.0:
             return chosen
         return f"{chosen}; no γ up to {self.max_gamma} is predicted to beat autoregressive decoding at this acceptance and these forward costs"
@@ -109,14 +132,15 @@ def verifying_levels(stack: SpeculationStack) -> list[SpeculativeLevel]:
 
 
 def best_gammas(draft_cost: float, verify_costs: Sequence[dict[int, float]], acceptances: Sequence[float],
-                autoregressive_cost: float, max_gamma: int, fixed: Sequence[int | None] = ()) -> tuple[tuple[int, ...], float]:
-    """The γ per level (each 1 … ``max_gamma``, or ``fixed[i]`` where that is given) that maximises the
-    predicted speedup, and that speedup."""
+                autoregressive_cost: float, max_gamma: int, fixed: Sequence[TreeRound | None] = ()) -> tuple[tuple[int, ...], float]:
+    """The γ per level (each 1 … ``max_gamma``; a tree's depth where ``fixed[i]`` gives its measured
+    rounds) that maximises the predicted speedup, and that speedup."""
     fixed = tuple(fixed) or (None,) * len(verify_costs)
-    choices = [range(1, max_gamma + 1) if g is None else (g,) for g in fixed]
+    choices = [range(1, max_gamma + 1) if tree is None else (tree.depth,) for tree in fixed]
     best: tuple[tuple[int, ...], float] | None = None
     for gammas in itertools.product(*choices):
-        levels = [LevelCost(acceptance=a, gamma=g, verify_cost=costs[g + 1]) for a, g, costs in zip(acceptances, gammas, verify_costs)]
+        levels = [LevelCost(acceptance=a, gamma=g, verify_cost=costs[g + 1]) if tree is None else tree.cost(costs)
+                  for a, g, costs, tree in zip(acceptances, gammas, verify_costs, fixed)]
         speedup = StackCost(draft_cost=draft_cost, levels=levels, autoregressive_cost=autoregressive_cost).speedup
         if best is None or speedup > best[1] + 1e-12:
             best = (gammas, speedup)
@@ -136,9 +160,9 @@ def tune(stack: SpeculationStack, prompt: Sequence[int], *, calibration_tokens: 
     stats = calibration.levels  # bottom first: level 0, then one per verifying level
     acceptances = tuple(s.token_acceptance_rate for s in stats[1:])
     draft_cost = _draft_cost(levels[0].drafter, stats[0])
-    fixed = tuple(level.gamma if level.drafter.draft_kind is not DraftKind.CHAIN else None for level in levels)  # a tree's depth stays
-    most = max([max_gamma, *(g for g in fixed if g is not None)]) + 1
-    costs = tuple(_verify_costs(level, len(prompt), most, repeats, seed) for level in levels)
+    fixed = tuple(None if level.drafter.draft_kind is DraftKind.CHAIN else TreeRound.measured(s, level.gamma)  # a tree's shape stays
+                  for level, s in zip(levels, stats[1:]))
+    costs = tuple(_verify_costs(level, len(prompt), _widths(tree, max_gamma), repeats, seed) for level, tree in zip(levels, fixed))
     tuning = Tuning(gammas=before, before=before, acceptances=acceptances, draft_cost=draft_cost, verify_costs=costs,
                     predicted_speedup=0.0, calibration_tokens=len(calibration.tokens), max_gamma=max_gamma, fixed=fixed)
     gammas, speedup = tuning.choose(acceptances)
@@ -229,14 +253,22 @@ def _draft_cost(drafter, stats) -> float:
     return MODEL_FREE_DRAFT_COST
 
 
-def _verify_costs(level: SpeculativeLevel, context: int, most: int, repeats: int, seed: int) -> dict[int, float]:
-    """T -> seconds of the level's forward of T chain tokens over a cache as long as it holds in decoding."""
+def _widths(tree: TreeRound | None, max_gamma: int) -> tuple[int, ...]:
+    """The forward widths a level is timed at: a chain level's 1 … max_gamma + 1 tokens; a tree level's
+    single token (the autoregressive step, where it is the top) and its measured tree width."""
+    return tuple(range(1, max_gamma + 2)) if tree is None else tuple(sorted({1, tree.width}))
+
+
+def _verify_costs(level: SpeculativeLevel, context: int, widths: Sequence[int], repeats: int, seed: int) -> dict[int, float]:
+    """T -> seconds of the level's forward of T tokens over a cache as long as it holds in decoding:
+    a tree of T tokens where the level verifies trees, else a chain."""
     from .bench.floor import fill, time_forward
 
-    lm = level.lm
+    lm, most = level.lm, max(widths)
+    tree = level.drafter.draft_kind is not DraftKind.CHAIN
     cached = max(1, min(context, lm.capacity - most))
     store = lm.model.new_cache(cached + most, relative_positions=lm.policy.relative_positions)
     generator = torch.Generator(device="cpu").manual_seed(seed)
     fill(store, cached, generator)
-    return {t: time_forward(lm.model, store, cached=cached, tokens=t, tree=False, repeats=repeats, generator=generator)
-            for t in range(1, most + 1)}
+    return {t: time_forward(lm.model, store, cached=cached, tokens=t, tree=tree and t >= 2, repeats=repeats, generator=generator)
+            for t in widths}

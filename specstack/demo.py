@@ -102,7 +102,7 @@ def triforce_demo(args) -> int:
     reference = autoregressive.generate(prompt, args.max_new_tokens, seed=args.seed, progress=run.progress_printer("autoregressive"),
                                         prefill_progress=run.progress_printer("autoregressive: prefill", long_only=True))
     rows = []
-    replay = functools.cache(lambda: GreedyReference(session.target, prompt, list(reference.tokens)))  # made once, for every stack's certificate
+    replay = functools.cache(lambda: GreedyReference(session.target, prompt, list(reference.tokens), decoded_by=autoregressive))  # made once, for every stack's certificate
     for name, stack in stacks.items():
         shared = stack.share_prefill(autoregressive, prompt)  # the target's prefill, paid once
         rows.append(_demo_row(session, name, stack, mode or ("auto" if args.tune else None), args, prompt, reference, shared, replay))

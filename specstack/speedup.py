@@ -62,17 +62,39 @@ class LevelCost:
         return (self.gamma * draft_cost + self.verify_cost) / expected_emitted(self.acceptance, self.gamma)
 
 
+def _emitted(instance, attribute, value: float) -> None:
+    if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 1):
+        raise SpecstackError(f"{attribute.name} {value!r} is not allowed; a round emits at least 1 token")
+
+
+@attrs.frozen(kw_only=True)
+class MeasuredLevelCost:
+    """A verifying level whose round is measured rather than modelled: one verifying a token tree
+    (Sequoia, Medusa), whose output per round the chain formula E(α, γ) does not give. A round emits
+    ``emitted`` tokens on average (measured), costs ``drafts`` tokens' worth of its drafter's time
+    (the tree's depth: one draft step per layer of the tree) and one forward of the tree, ``verify_cost``:
+
+        t = (drafts · t_d + c_v) / emitted."""
+
+    emitted: float = attrs.field(validator=_emitted)
+    drafts: int = attrs.field(validator=at_least_one)
+    verify_cost: float = attrs.field(validator=_cost)
+
+    def time_per_token(self, draft_cost: float) -> float:
+        return (self.drafts * draft_cost + self.verify_cost) / self.emitted
+
+
 @attrs.frozen(kw_only=True)
 class StackCost:
     """A stack's costs: the draft's token, each verifying level bottom first, the autoregressive token."""
 
     draft_cost: float = attrs.field(validator=_cost)  # t_0
-    levels: tuple[LevelCost, ...] = attrs.field(converter=tuple)
+    levels: tuple[LevelCost | MeasuredLevelCost, ...] = attrs.field(converter=tuple)
     autoregressive_cost: float = attrs.field(validator=_cost)  # c_ar
 
     @levels.validator
     def _levels(self, attribute, value: tuple[LevelCost, ...]) -> None:
-        if not value or not all(isinstance(level, LevelCost) for level in value):
+        if not value or not all(isinstance(level, (LevelCost, MeasuredLevelCost)) for level in value):
             raise SpecstackError(f"levels {value!r} is not allowed; give at least one LevelCost, bottom first")
 
     def time_per_token(self) -> float:

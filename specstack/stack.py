@@ -256,12 +256,18 @@ class SpeculationStack:
         )
 
 
+    @property
+    def top_cache(self) -> CachedModel | None:
+        """The top level's model over its cache (what :meth:`share_prefill` copies between stacks), or
+        None where the top level has no model."""
+        return getattr(self.top, "lm", None)
+
     def share_prefill(self, source: "SpeculationStack", prompt: Sequence[int]) -> bool:
         """Give this stack's target level ``source``'s cache of ``prompt`` (same target, both over its
         full cache), so that ``generate(prompt, reuse_cache=True)`` prefills only the levels below it:
         stacks compared on one long prompt pay its full prefill once. False where the top levels
         are not both such levels (nothing is copied)."""
-        mine, theirs = getattr(self.top, "lm", None), getattr(source.top, "lm", None)
+        mine, theirs = self.top_cache, source.top_cache
         if mine is None or theirs is None or not mine.can_adopt(theirs):
             return False
         mine.adopt(theirs, prompt)

@@ -60,16 +60,16 @@ def test_tune_sets_the_chosen_gammas_on_the_levels_and_stays_lossless(monkeypatc
     stack, target = _three_levels()
     seen = []
 
-    def fake_costs(level, context, most, repeats, seed):
-        seen.append((level.lm.stats.name, context, most))
-        return {t: (0.1 if level.lm.stats.name == "middle" else 1.0) for t in range(1, most + 1)}
+    def fake_costs(level, context, widths, repeats, seed):
+        seen.append((level.lm.stats.name, context, widths))
+        return {t: (0.1 if level.lm.stats.name == "middle" else 1.0) for t in widths}
 
     monkeypatch.setattr(autotune, "_verify_costs", fake_costs)
     prompt = list(range(1, 12))
     tuning = autotune.tune(stack, prompt, calibration_tokens=24, max_gamma=5)
     levels = autotune.verifying_levels(stack)
     assert [level.lm.stats.name for level in levels] == ["middle", "target"]
-    assert seen == [("middle", len(prompt), 6), ("target", len(prompt), 6)]
+    assert seen == [("middle", len(prompt), (1, 2, 3, 4, 5, 6)), ("target", len(prompt), (1, 2, 3, 4, 5, 6))]
     assert tuning.before == (2, 6)
     assert tuning.gammas == tuple(level.gamma for level in levels)
     assert all(1 <= g <= 5 for g in tuning.gammas)
@@ -96,29 +96,68 @@ def test_autoregressive_stack_cannot_be_tuned() -> None:
         autotune.tune(stack, [1, 2, 3])
 
 
-def test_a_level_verifying_a_tree_keeps_its_depth() -> None:
-    """A tree's nodes are not a chain's tokens: tuning its depth by a chain's per-token acceptance cut
-    Medusa's trees to depth 1 (the demo measured it). Its level keeps γ; the chain levels are tuned."""
+def _medusa(tree_size: int = 4, **options):
     from specstack import Registry
     from specstack_medusa.heads import synthetic_heads
 
     target = SyntheticLM(vocab_size=16, seed=2, sharpness=2.0)
-    stack = Registry.create().stack("medusa", target=target, heads=synthetic_heads(16, token_input=True))
+    return Registry.create().stack("medusa", target=target, heads=synthetic_heads(16, token_input=True), tree_size=tree_size, **options)
+
+
+def test_a_level_verifying_a_tree_keeps_its_depth() -> None:
+    """A tree's nodes are not a chain's tokens: tuning its depth by a chain's per-token acceptance cut
+    Medusa's trees to depth 1 (the demo measured it). Its level keeps γ; the chain levels are tuned."""
+    stack = _medusa()
     depth = autotune.verifying_levels(stack)[0].gamma
     tuning = autotune.tune(stack, list(range(1, 12)), calibration_tokens=8, max_gamma=2, repeats=1)
     assert tuning.gammas == (depth,) == tuple(level.gamma for level in autotune.verifying_levels(stack)) and depth > 2
-    assert autotune.best_gammas(1e-6, [{t: 1.0 for t in range(1, 8)}] * 2, (0.9, 0.9), 1.0, 3, fixed=(None, 6))[0][1] == 6
+    tree = autotune.TreeRound(depth=6, emitted=2.0, width=9)
+    assert autotune.best_gammas(1e-6, [{t: 1.0 for t in range(1, 10)}] * 2, (0.9, 0.9), 1.0, 3, fixed=(None, tree))[0][1] == 6
+
+
+def test_a_tree_level_is_priced_by_what_its_calibration_rounds_emitted_and_fed(monkeypatch) -> None:
+    """The tree level's round: the tokens its calibration rounds emitted on average, over one forward as
+    wide as its forwards fed on average, timed as a tree (a chain of its depth priced Medusa's trees at
+    0.50-0.71x where they ran 1.11-2.09x)."""
+    stack = _medusa(tree_size=8, min_prob=0.0)  # every node kept: a tree wider than a chain of its depth
+    timed = []
+
+    def fake_costs(level, context, widths, repeats, seed):
+        timed.append(widths)
+        return {t: 1.0 + 0.1 * t for t in widths}
+
+    calibrations = []
+    generate = SpeculationStack.generate
+    monkeypatch.setattr(SpeculationStack, "generate", lambda *args, **kw: calibrations.append(generate(*args, **kw)) or calibrations[-1])
+    monkeypatch.setattr(autotune, "_verify_costs", fake_costs)
+    tuning = autotune.tune(stack, list(range(1, 12)), calibration_tokens=24, max_gamma=2)
+    stats = calibrations[0].levels[-1]  # the target level's counters over the calibration's decoding
+    (tree,) = tuning.fixed
+    assert tree.emitted == pytest.approx(stats.emitted / stats.rounds) and tree.emitted > 1
+    assert tree.width == round(stats.forward_tokens / stats.forward_calls) > tree.depth + 1  # its nodes and the token before them
+    assert timed == [(1, tree.width)]
+    round_seconds = tree.depth * tuning.draft_cost + (1.0 + 0.1 * tree.width)
+    assert tuning.predicted_speedup == pytest.approx(1.1 / (round_seconds / tree.emitted))
+
+
+def test_measured_level_cost_prices_a_round_from_its_measured_output() -> None:
+    from specstack.speedup import MeasuredLevelCost, StackCost
+
+    level = MeasuredLevelCost(emitted=2.5, drafts=3, verify_cost=2.0)
+    assert level.time_per_token(0.5) == pytest.approx((3 * 0.5 + 2.0) / 2.5)
+    assert StackCost(draft_cost=0.5, levels=[level], autoregressive_cost=1.0).speedup == pytest.approx(2.5 / 3.5)
+    with pytest.raises(SpecstackError, match="emitted 0.5 is not allowed; a round emits at least 1 token"):
+        MeasuredLevelCost(emitted=0.5, drafts=3, verify_cost=2.0)
 
 
 def test_the_description_says_when_no_gamma_is_predicted_to_win() -> None:
     """A choice predicted slower than autoregressive decoding is still the best one, and the line says so; where a
-    level verifies a tree, the line says the prediction prices it as a chain instead (measured: medusa-lookup
-    predicted 0.71x, then 2.09x at 32K in bf16)."""
+    level verifies a tree, the line says what its rounds emitted and how wide its forwards were."""
     winning, losing = _tuning(1, acceptances=(0.9,)), attrs.evolve(_tuning(1, acceptances=(0.1,)), predicted_speedup=0.42)
     assert "predicted 1.00x" in winning.describe() and "no γ" not in winning.describe()
     assert losing.describe().endswith("predicted 0.42x); no γ up to 6 is predicted to beat autoregressive decoding at this acceptance and these forward costs")
-    tree = attrs.evolve(losing, fixed=(6,))
-    assert tree.describe().endswith("predicted 0.42x); a tree is priced as a chain of its depth, so the prediction is rough")
+    tree = attrs.evolve(winning, fixed=(autotune.TreeRound(depth=6, emitted=3.25, width=9),))
+    assert tree.describe().endswith("calibration tokens; γ1 kept: a tree emitting 3.25 tokens a round, forwards of 9 tokens; predicted 1.00x)")
 
 
 def _tuning(levels: int, *, acceptances: tuple[float, ...], max_gamma: int = 6) -> autotune.Tuning:
@@ -208,7 +247,7 @@ def test_gamma_options_ask_for_a_tuning(options: list[str], rest: list[str], mod
 
 
 def test_adaptive_tuning_hands_back_a_retuner_and_auto_does_not(monkeypatch) -> None:
-    monkeypatch.setattr(autotune, "_verify_costs", lambda level, context, most, repeats, seed: {t: 1.0 for t in range(1, most + 1)})
+    monkeypatch.setattr(autotune, "_verify_costs", lambda level, context, widths, repeats, seed: {t: 1.0 for t in widths})
     stack, _ = _three_levels()
     prompt = list(range(1, 12))
     assert autotune.tuned(stack, prompt, "auto", calibration_tokens=8)[1] is None

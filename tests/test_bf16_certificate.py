@@ -27,6 +27,7 @@ import torch
 
 from specstack import Kind, Registry, SpeculationStack
 from specstack.data import book_tokens
+from specstack.errors import SpecstackError
 from specstack.hf import HFCausalLM
 from specstack.kvstore import KVStore
 from specstack.testing.certificate import GreedyReference
@@ -96,7 +97,8 @@ def references(models, prompts):
     def reference(kind: str) -> GreedyReference:
         if kind not in made:
             stacks[kind] = Registry.create().stack("autoregressive", target=models[0])
-            made[kind] = GreedyReference(models[0], prompts[kind], stacks[kind].generate(prompts[kind], NEW_TOKENS).tokens)
+            tokens = stacks[kind].generate(prompts[kind], NEW_TOKENS).tokens
+            made[kind] = GreedyReference(models[0], prompts[kind], tokens, decoded_by=stacks[kind])  # copies its prefill
         return made[kind]
 
     reference.stacks = stacks
@@ -159,6 +161,21 @@ def test_the_replay_reproduces_autoregressive_decoding(references) -> None:
     """Every token autoregressive decoding emitted is the argmax of the replayed l1 (raises otherwise)."""
     reference = references("held-out")
     assert reference.logits(len(reference.tokens) - 1).argmax() == reference.tokens[-1]
+
+
+def test_a_replay_that_copies_the_prefill_computes_the_logits_of_one_that_pays_it(models, prompts, references) -> None:
+    """The replay given the autoregressive stack's prefilled cache (as the demo does) replays the same logits,
+    bit for bit, as one that prefills the prompt itself, in the same chunks."""
+    copied = references("austen")
+    paid = GreedyReference(models[0], prompts["austen"], copied.tokens)
+    for i in range(len(copied.tokens)):
+        assert torch.equal(copied.logits(i), paid.logits(i)), f"generated token {i}"
+
+
+def test_a_replay_copies_only_a_prefill_made_in_its_own_chunks(models, prompts, references) -> None:
+    copied = references("austen")
+    with pytest.raises(SpecstackError, match="prefilled in chunks of 64 tokens"):
+        GreedyReference(models[0], prompts["austen"], copied.tokens, prefill_chunk=64, decoded_by=references.stacks["austen"])
 
 
 # -- the certificate fails on broken components ----------------------------------------------------------
