@@ -18,6 +18,9 @@ change in one process; their outputs are checked against the shipped kernel's.
     python examples/attention_bounds.py --tokens 1 8 --keys 7500 --source /tmp/variant.cpp
     git show eb3bf99:specstack/csrc/decode_attention.cpp > /tmp/before.cpp   # docs/benchmarks.md, fp32 on AVX2
     python examples/attention_bounds.py --dtype float32 --tokens 1 2 3 4 6 8 12 16 --source /tmp/before.cpp
+    mkdir -p /tmp/before && cp specstack/csrc/*.h /tmp/before/   # a version that includes the shared headers builds beside them
+    git show 792743f:specstack/csrc/decode_attention.cpp > /tmp/before/decode_attention.cpp   # bf16 widened into scratch
+    python examples/attention_bounds.py --tokens 1 2 4 --keys 7500 32000 --source /tmp/before/decode_attention.cpp
 """
 
 from __future__ import annotations

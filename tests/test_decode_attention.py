@@ -78,7 +78,8 @@ def test_the_kernel_is_attention_up_to_rounding(t, n, d, kv_heads, group, tree) 
 @pytest.mark.parametrize("tree", [False, True])
 @pytest.mark.parametrize(("t", "n", "d", "kv_heads", "group"), [
     (1, 7_000, 64, 3, 3), (4, 2_000, 64, 3, 3),  # the default target's step and its widest bf16 verify
-    (2, 2_000, 64, 3, 3),  # 6 rows: the few-row path
+    (2, 2_000, 64, 3, 3),  # 6 rows: the few-row path (two threes of rows)
+    (2, 901, 64, 2, 2), (5, 909, 64, 1, 1), (7, 1_205, 64, 1, 1),  # 4, 5 and 7 rows: pairs, a three and a pair, two threes and a row
     (1, 2, 64, 3, 3), (3, 70, 64, 3, 3), (2, 515, 128, 2, 4), (3, 133, 72, 1, 8),
     (2, 300, 64, 2, 8),  # 16 rows: the GEMM path
     (8, 1_000, 64, 3, 3), (16, 700, 64, 3, 3),  # verifies a CPU without bf16 dot products widens (AVX2)

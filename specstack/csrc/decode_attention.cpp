@@ -17,7 +17,12 @@
 // gave eight, just what two FMA units of four cycles' latency need, and stalled whenever a load was
 // late (AMD Zen 3, AVX2: attention over 7,500 keys 1.16x faster at 3 tokens, 1.37x at 8, 1.47x at 16).
 // A bfloat16 block is widened to float32 as it is read (exact: a bf16 is the top half of a float), so
-// the cache is read at half the bytes.
+// the cache is read at half the bytes: on the few-row path straight into the registers of the products,
+// three query rows at a time (a group of three heads), so each key and value is widened once per three
+// rows and nothing is stored between reading and using it; the GEMM path widens a block into scratch once.
+// (AMD Zen 3, AVX2, from memory, against widening each block into scratch and reading it back for pairs
+// of rows: bf16 attention 1.25x faster at one token and 1.68x at two over 7,500 keys, 1.31x and 1.43x
+// over 32,000; examples/attention_bounds.py --source.)
 //
 // On a CPU with AMX (Intel's tile registers and their bf16 products), a bfloat16 cache takes the tiles
 // instead, for any number of rows: sixteen keys by sixteen query rows are scored per tile product
@@ -38,9 +43,12 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <type_traits>
+
 #include <omp.h>
 
 #include "bf16.h"
+#include <immintrin.h>
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #define SPECSTACK_DP 1  // compiled for a CPU with AVX-512's bf16 dot products and conversions
 #include <immintrin.h>
@@ -76,7 +84,11 @@ constexpr float LOWEST = -87.33f;  // exp(LOWEST) is the smallest normal float; 
 inline v8 load8(const float *p) { return *(const v8 *)p; }
 inline void store8(float *p, v8 x) { *(v8 *)p = x; }
 inline v8 splat(float x) { return v8{x, x, x, x, x, x, x, x}; }
+#ifdef __AVX2__
+inline v8 load8_bf16(const uint16_t *p) { return (v8)_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16); }
+#else
 inline v8 load8_bf16(const uint16_t *p) { return (v8)(__builtin_convertvector(*(const v8h *)p, v8i) << 16); }
+#endif
 inline vw loadw(const float *p) { return *(const vw *)p; }
 inline void storew(float *p, vw x) { *(vw *)p = x; }
 inline float hsum(v8 x) { return ((x[0] + x[4]) + (x[1] + x[5])) + ((x[2] + x[6]) + (x[3] + x[7])); }
@@ -114,35 +126,54 @@ inline v8 sums8(v8 x0, v8 x1, v8 x2, v8 x3, v8 x4, v8 x5, v8 x6, v8 x7) {
     return __builtin_shufflevector(u0, u1, 0, 1, 2, 3, 8, 9, 10, 11) + __builtin_shufflevector(u0, u1, 4, 5, 6, 7, 12, 13, 14, 15);
 }
 
+// Eight numbers of a cached row as float32: float32 read as is, bfloat16 widened as it is read (exact: a
+// bf16 is the top half of a float), so the few-row path reads a bf16 cache at half the bytes and stores
+// nothing between reading it and using it.
+inline v8 row8(const float *p) { return load8(p); }
+inline v8 row8(const uint16_t *p) { return load8_bf16(p); }
+
 // s[r * BLOCK + j] = q_r . k_j for keys j < len (q already scaled) of one row, eight keys at a time.
-void row_scores(const float *qr, int d, const float *k, int len, float *sr) {
+template <typename T>
+void row_scores(const float *qr, int d, const T *k, int len, float *sr) {
     int j = 0;
     for (; j + 8 <= len; j += 8) {
-        const float *kj = k + (int64_t)j * d;
+        const T *kj = k + (int64_t)j * d;
         v8 a0{}, a1{}, a2{}, a3{}, a4{}, a5{}, a6{}, a7{};
         for (int c = 0; c < d; c += 8) {
             const v8 x = load8(qr + c);
-            a0 += x * load8(kj + c), a1 += x * load8(kj + d + c), a2 += x * load8(kj + 2 * d + c), a3 += x * load8(kj + 3 * d + c);
-            a4 += x * load8(kj + 4 * d + c), a5 += x * load8(kj + 5 * d + c), a6 += x * load8(kj + 6 * d + c), a7 += x * load8(kj + 7 * d + c);
+            a0 += x * row8(kj + c), a1 += x * row8(kj + d + c), a2 += x * row8(kj + 2 * d + c), a3 += x * row8(kj + 3 * d + c);
+            a4 += x * row8(kj + 4 * d + c), a5 += x * row8(kj + 5 * d + c), a6 += x * row8(kj + 6 * d + c), a7 += x * row8(kj + 7 * d + c);
         }
         store8(sr + j, sums8(a0, a1, a2, a3, a4, a5, a6, a7));
     }
+    if (j + 4 <= len) {  // four keys left: summed as the pair and triple paths sum them, so every path gives the same bits
+        const T *kj = k + (int64_t)j * d;
+        v8 a0{}, a1{}, a2{}, a3{};
+        for (int c = 0; c < d; c += 8) {
+            const v8 x = load8(qr + c);
+            a0 += x * row8(kj + c), a1 += x * row8(kj + d + c), a2 += x * row8(kj + 2 * d + c), a3 += x * row8(kj + 3 * d + c);
+        }
+        const v8 sums = sums8(a0, a1, a2, a3, a0, a1, a2, a3);
+        for (int i = 0; i < 4; ++i) sr[j + i] = sums[i];
+        j += 4;
+    }
     for (; j < len; ++j) {
         v8 a{};
-        for (int c = 0; c < d; c += 8) a += load8(qr + c) * load8(k + (int64_t)j * d + c);
+        for (int c = 0; c < d; c += 8) a += load8(qr + c) * row8(k + (int64_t)j * d + c);
         sr[j] = hsum(a);
     }
 }
 
-// The same for two rows at once, four keys at a time: each key loaded once for both.
-void pair_scores(const float *q0, const float *q1, int d, const float *k, int len, float *s0, float *s1) {
+// The same for two rows at once, four keys at a time: each key read once for both.
+template <typename T>
+void pair_scores(const float *q0, const float *q1, int d, const T *k, int len, float *s0, float *s1) {
     int j = 0;
     for (; j + 4 <= len; j += 4) {
-        const float *kj = k + (int64_t)j * d;
+        const T *kj = k + (int64_t)j * d;
         v8 a0{}, a1{}, a2{}, a3{}, b0{}, b1{}, b2{}, b3{};
         for (int c = 0; c < d; c += 8) {
             const v8 x = load8(q0 + c), y = load8(q1 + c);
-            const v8 k0 = load8(kj + c), k1 = load8(kj + d + c), k2 = load8(kj + 2 * d + c), k3 = load8(kj + 3 * d + c);
+            const v8 k0 = row8(kj + c), k1 = row8(kj + d + c), k2 = row8(kj + 2 * d + c), k3 = row8(kj + 3 * d + c);
             a0 += x * k0, a1 += x * k1, a2 += x * k2, a3 += x * k3;
             b0 += y * k0, b1 += y * k1, b2 += y * k2, b3 += y * k3;
         }
@@ -152,28 +183,58 @@ void pair_scores(const float *q0, const float *q1, int d, const float *k, int le
     if (j < len) row_scores(q0, d, k + (int64_t)j * d, len - j, s0 + j), row_scores(q1, d, k + (int64_t)j * d, len - j, s1 + j);
 }
 
+// The same for three rows at once (a one-token step of a model with groups of three), four keys at a
+// time: twelve sums in registers, each key read once for the three.
+template <typename T>
+void triple_scores(const float *q0, const float *q1, const float *q2, int d, const T *k, int len, float *s0, float *s1, float *s2) {
+    int j = 0;
+    for (; j + 4 <= len; j += 4) {
+        const T *kj = k + (int64_t)j * d;
+        v8 a0{}, a1{}, a2{}, a3{}, b0{}, b1{}, b2{}, b3{}, e0{}, e1{}, e2{}, e3{};
+        for (int c = 0; c < d; c += 8) {
+            const v8 x = load8(q0 + c), y = load8(q1 + c), z = load8(q2 + c);
+            v8 key = row8(kj + c);
+            a0 += x * key, b0 += y * key, e0 += z * key;
+            key = row8(kj + d + c);
+            a1 += x * key, b1 += y * key, e1 += z * key;
+            key = row8(kj + 2 * d + c);
+            a2 += x * key, b2 += y * key, e2 += z * key;
+            key = row8(kj + 3 * d + c);
+            a3 += x * key, b3 += y * key, e3 += z * key;
+        }
+        const v8 ab = sums8(a0, a1, a2, a3, b0, b1, b2, b3), ee = sums8(e0, e1, e2, e3, e0, e1, e2, e3);
+        for (int i = 0; i < 4; ++i) s0[j + i] = ab[i], s1[j + i] = ab[4 + i], s2[j + i] = ee[i];
+    }
+    if (j < len) {
+        const T *rest = k + (int64_t)j * d;
+        row_scores(q0, d, rest, len - j, s0 + j), row_scores(q1, d, rest, len - j, s1 + j), row_scores(q2, d, rest, len - j, s2 + j);
+    }
+}
+
 // acc = acc * keep + sum_j p[j] v_j for one row, 64 columns at a time in registers.
-void row_values(const float *p, float keep, int d, const float *v, int len, float *acc) {
+template <typename T>
+void row_values(const float *p, float keep, int d, const T *v, int len, float *acc) {
     int c0 = 0;
     for (; c0 + 64 <= d; c0 += 64) {
         v8 a[8];
         for (int i = 0; i < 8; ++i) a[i] = load8(acc + c0 + 8 * i) * splat(keep);
         for (int j = 0; j < len; ++j) {
             const v8 w = splat(p[j]);
-            const float *vj = v + (int64_t)j * d + c0;
-            for (int i = 0; i < 8; ++i) a[i] += w * load8(vj + 8 * i);
+            const T *vj = v + (int64_t)j * d + c0;
+            for (int i = 0; i < 8; ++i) a[i] += w * row8(vj + 8 * i);
         }
         for (int i = 0; i < 8; ++i) store8(acc + c0 + 8 * i, a[i]);
     }
     for (; c0 < d; c0 += 8) {  // a head dimension that is not a multiple of 64
         v8 a = load8(acc + c0) * splat(keep);
-        for (int j = 0; j < len; ++j) a += splat(p[j]) * load8(v + (int64_t)j * d + c0);
+        for (int j = 0; j < len; ++j) a += splat(p[j]) * row8(v + (int64_t)j * d + c0);
         store8(acc + c0, a);
     }
 }
 
-// The same for two rows at once, 32 columns at a time: each value loaded once for both.
-void pair_values(const float *p0, const float *p1, float keep0, float keep1, int d, const float *v, int len, float *acc0, float *acc1) {
+// The same for two rows at once, 32 columns at a time: each value read once for both.
+template <typename T>
+void pair_values(const float *p0, const float *p1, float keep0, float keep1, int d, const T *v, int len, float *acc0, float *acc1) {
     if (d % 32 != 0) {
         row_values(p0, keep0, d, v, len, acc0), row_values(p1, keep1, d, v, len, acc1);
         return;
@@ -183,13 +244,39 @@ void pair_values(const float *p0, const float *p1, float keep0, float keep1, int
         for (int i = 0; i < 4; ++i) a[i] = load8(acc0 + c0 + 8 * i) * splat(keep0), b[i] = load8(acc1 + c0 + 8 * i) * splat(keep1);
         for (int j = 0; j < len; ++j) {
             const v8 w0 = splat(p0[j]), w1 = splat(p1[j]);
-            const float *vj = v + (int64_t)j * d + c0;
+            const T *vj = v + (int64_t)j * d + c0;
             for (int i = 0; i < 4; ++i) {
-                const v8 x = load8(vj + 8 * i);
+                const v8 x = row8(vj + 8 * i);
                 a[i] += w0 * x, b[i] += w1 * x;
             }
         }
         for (int i = 0; i < 4; ++i) store8(acc0 + c0 + 8 * i, a[i]), store8(acc1 + c0 + 8 * i, b[i]);
+    }
+}
+
+// The same for three rows at once, 32 columns at a time: twelve sums in registers, each value read once
+// for the three.
+template <typename T>
+void triple_values(const float *const p[3], const float keep[3], int d, const T *v, int len, float *const acc[3]) {
+    if (d % 32 != 0) {
+        for (int r = 0; r < 3; ++r) row_values(p[r], keep[r], d, v, len, acc[r]);
+        return;
+    }
+    for (int c0 = 0; c0 < d; c0 += 32) {
+        v8 a[4], b[4], e[4];
+        for (int i = 0; i < 4; ++i) {
+            a[i] = load8(acc[0] + c0 + 8 * i) * splat(keep[0]), b[i] = load8(acc[1] + c0 + 8 * i) * splat(keep[1]);
+            e[i] = load8(acc[2] + c0 + 8 * i) * splat(keep[2]);
+        }
+        for (int j = 0; j < len; ++j) {
+            const v8 w0 = splat(p[0][j]), w1 = splat(p[1][j]), w2 = splat(p[2][j]);
+            const T *vj = v + (int64_t)j * d + c0;
+            for (int i = 0; i < 4; ++i) {
+                const v8 x = row8(vj + 8 * i);
+                a[i] += w0 * x, b[i] += w1 * x, e[i] += w2 * x;
+            }
+        }
+        for (int i = 0; i < 4; ++i) store8(acc[0] + c0 + 8 * i, a[i]), store8(acc[1] + c0 + 8 * i, b[i]), store8(acc[2] + c0 + 8 * i, e[i]);
     }
 }
 
@@ -278,38 +365,58 @@ const float *widened(const void *rows, bool bf16, int d, int len, float *out) {
     return out;
 }
 
-// Scores of all rows: pairs of rows, then an odd last row alone.
-void block_scores(const float *q, int rows, int d, const float *k, int len, float *s) {
+// How many threes of rows the few-row path takes before its pairs and an odd last row: a bfloat16 block
+// is widened as it is read, so each key and value read for three rows instead of two saves a third of the
+// widening (attention over 7,500 keys 1.4x faster at one token); float32 rows keep pairs (threes were
+// slower). Where four rows are left, two pairs take them.
+template <typename T>
+inline int triples(int rows) { return std::is_same<T, float>::value ? 0 : rows % 3 == 1 && rows >= 4 ? (rows - 4) / 3 : rows / 3; }
+
+// Scores of all rows from a block stored as T (float32, or bfloat16 widened as it is read).
+template <typename T>
+void block_scores(const float *q, int rows, int d, const T *k, int len, float *s) {
     int r = 0;
+    for (const int end = 3 * triples<T>(rows); r < end; r += 3)
+        triple_scores(q + r * d, q + (r + 1) * d, q + (r + 2) * d, d, k, len, s + r * BLOCK, s + (r + 1) * BLOCK, s + (r + 2) * BLOCK);
     for (; r + 2 <= rows; r += 2) pair_scores(q + r * d, q + (r + 1) * d, d, k, len, s + r * BLOCK, s + (r + 1) * BLOCK);
     if (r < rows) row_scores(q + r * d, d, k, len, s + r * BLOCK);
 }
 
-// acc_r = acc_r * keep_r + sum_j p[r * BLOCK + j] v_j for all rows: pairs of rows, then an odd last row alone.
-void accumulate_values(const float *p, const float *keep, int rows, int d, const float *v, int len, float *acc) {
+// acc_r = acc_r * keep_r + sum_j p[r * BLOCK + j] v_j for all rows, split as block_scores splits them.
+template <typename T>
+void accumulate_values(const float *p, const float *keep, int rows, int d, const T *v, int len, float *acc) {
     int r = 0;
+    for (const int end = 3 * triples<T>(rows); r < end; r += 3) {
+        const float *ps[3] = {p + r * BLOCK, p + (r + 1) * BLOCK, p + (r + 2) * BLOCK};
+        float *accs[3] = {acc + r * d, acc + (r + 1) * d, acc + (r + 2) * d};
+        triple_values(ps, keep + r, d, v, len, accs);
+    }
     for (; r + 2 <= rows; r += 2) pair_values(p + r * BLOCK, p + (r + 1) * BLOCK, keep[r], keep[r + 1], d, v, len, acc + r * d, acc + (r + 1) * d);
     if (r < rows) row_values(p + r * BLOCK, keep[r], d, v, len, acc + r * d);
 }
 
 // s[r * BLOCK + j] = q_r . k_j for the block's len keys (rows of d, float32 or bfloat16); kt is
-// scratch of d * BLOCK floats. A bfloat16 block is widened once, then read by every row.
+// scratch of d * BLOCK floats for the GEMM path's transposed keys.
 void score_block(const float *q, int rows, int d, const void *k, bool bf16, int len, float *kt, float *s) {
     if (rows >= GEMM_ROWS && d % (2 * W) == 0) {
         transpose_keys(k, bf16, d, len, kt);  // [D, BLOCK]
         small_gemm(q, d, kt, BLOCK, d, s, BLOCK, rows, BLOCK, nullptr);  // [rows, D] x [D, BLOCK]
+    } else if (bf16) {
+        block_scores(q, rows, d, (const uint16_t *)k, len, s);
     } else {
-        block_scores(q, rows, d, widened(k, bf16, d, len, kt), len, s);  // kt as scratch for the widened keys
+        block_scores(q, rows, d, (const float *)k, len, s);
     }
 }
 
 // acc_r = acc_r * keep_r + sum_j p[r * BLOCK + j] v_j over the block's len values; vw is scratch of
-// BLOCK * d floats.
+// BLOCK * d floats for the GEMM path's widened values.
 void accumulate_block(const float *p, const float *keep, int rows, int d, const void *v, bool bf16, int len, float *vw, float *acc) {
     if (rows >= GEMM_ROWS && d % (2 * W) == 0) {
         small_gemm(p, BLOCK, widened(v, bf16, d, len, vw), d, len, acc, d, rows, d, keep);  // acc * keep + [rows, len] x [len, D]
+    } else if (bf16) {
+        accumulate_values(p, keep, rows, d, (const uint16_t *)v, len, acc);
     } else {
-        accumulate_values(p, keep, rows, d, widened(v, bf16, d, len, vw), len, acc);
+        accumulate_values(p, keep, rows, d, (const float *)v, len, acc);
     }
 }
 
