@@ -37,7 +37,7 @@ from .drafters import ModelLevel
 from .errors import SpecstackError
 from .speedup import LevelCost, MeasuredLevelCost, StackCost, at_least_one
 from .stack import SpeculationStack, SpeculativeLevel
-from .types import DraftKind
+from .types import DraftKind, LevelStats
 
 MODEL_FREE_DRAFT_COST = 1e-6  # seconds per drafted token of a drafter without a model (n-gram lookup)
 
@@ -53,7 +53,7 @@ class TreeRound:
     width: int
 
     @classmethod
-    def measured(cls, stats, depth: int) -> "TreeRound":
+    def measured(cls, stats: LevelStats, depth: int) -> "TreeRound":
         """From a level's calibration counters (``LevelStats``); a level that ran no round is priced as
         a chain of its depth that emits one token a round."""
         if not stats.rounds or not stats.forward_calls:

@@ -93,9 +93,9 @@ class StackCost:
     autoregressive_cost: float = attrs.field(validator=_cost)  # c_ar
 
     @levels.validator
-    def _levels(self, attribute, value: tuple[LevelCost, ...]) -> None:
+    def _levels(self, attribute, value: tuple[LevelCost | MeasuredLevelCost, ...]) -> None:
         if not value or not all(isinstance(level, (LevelCost, MeasuredLevelCost)) for level in value):
-            raise SpecstackError(f"levels {value!r} is not allowed; give at least one LevelCost, bottom first")
+            raise SpecstackError(f"levels {value!r} is not allowed; give at least one LevelCost or MeasuredLevelCost, bottom first")
 
     def time_per_token(self) -> float:
         """t_n: the top level's time per emitted token."""

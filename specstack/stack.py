@@ -255,7 +255,6 @@ class SpeculationStack:
             prefill_seconds=prefill_seconds, stopped_by=stopped,
         )
 
-
     @property
     def top_cache(self) -> CachedModel | None:
         """The top level's model over its cache (what :meth:`share_prefill` copies between stacks), or

@@ -48,10 +48,11 @@
 #include <omp.h>
 
 #include "bf16.h"
-#include <immintrin.h>
+#if defined(__AVX2__)
+#include <immintrin.h>  // one conversion instruction to widen eight bf16 numbers (load8_bf16)
+#endif
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #define SPECSTACK_DP 1  // compiled for a CPU with AVX-512's bf16 dot products and conversions
-#include <immintrin.h>
 #if defined(__AMX_BF16__)
 #define SPECSTACK_AMX 1  // and with AMX tiles
 #include "amx_tiles.h"
@@ -84,7 +85,7 @@ constexpr float LOWEST = -87.33f;  // exp(LOWEST) is the smallest normal float; 
 inline v8 load8(const float *p) { return *(const v8 *)p; }
 inline void store8(float *p, v8 x) { *(v8 *)p = x; }
 inline v8 splat(float x) { return v8{x, x, x, x, x, x, x, x}; }
-#ifdef __AVX2__
+#ifdef __AVX2__  // GCC compiles the conversion below to two 128-bit conversions and an insert
 inline v8 load8_bf16(const uint16_t *p) { return (v8)_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16); }
 #else
 inline v8 load8_bf16(const uint16_t *p) { return (v8)(__builtin_convertvector(*(const v8h *)p, v8i) << 16); }

@@ -100,8 +100,9 @@ class GreedyReference:
         self._exact = len(self.prompt) - 1  # decoding feeds the prompt's last token again, alone
 
     def _lender(self) -> CachedModel | None:
-        """``decoded_by``'s cache of the prompt where a copy of it is this replay's prefill: the same
-        target over a complete cache, prefilled in the same chunks; None where there is none."""
+        """``decoded_by``'s cache of the prompt, whose copy is this replay's prefill; None where no stack
+        was given. A stack whose top level is not this target over a complete cache, or that prefills in
+        other chunks, cannot lend it (its keys would not be the replay's bits) and is refused."""
         if self.decoded_by is None:
             return None
         cache = self.decoded_by.top_cache
