@@ -58,7 +58,7 @@ class TreeRound:
         a chain of its depth that emits one token a round."""
         if not stats.rounds or not stats.forward_calls:
             return cls(depth=depth, emitted=1.0, width=depth + 1)
-        return cls(depth=depth, emitted=stats.emitted / stats.rounds, width=max(1, round(stats.forward_tokens / stats.forward_calls)))
+        return cls(depth=depth, emitted=stats.emitted / stats.rounds, width=round(stats.forward_tokens / stats.forward_calls))  # every forward feeds a token at least
 
     def cost(self, verify_costs: dict[int, float]) -> MeasuredLevelCost:
         return MeasuredLevelCost(emitted=self.emitted, drafts=self.depth, verify_cost=verify_costs[self.width])
@@ -160,7 +160,7 @@ def tune(stack: SpeculationStack, prompt: Sequence[int], *, calibration_tokens: 
     stats = calibration.levels  # bottom first: level 0, then one per verifying level
     acceptances = tuple(s.token_acceptance_rate for s in stats[1:])
     draft_cost = _draft_cost(levels[0].drafter, stats[0])
-    fixed = tuple(None if level.drafter.draft_kind is DraftKind.CHAIN else TreeRound.measured(s, level.gamma)  # a tree's shape stays
+    fixed = tuple(TreeRound.measured(s, level.gamma) if _verifies_trees(level) else None  # a tree's shape stays
                   for level, s in zip(levels, stats[1:]))
     costs = tuple(_verify_costs(level, len(prompt), _widths(tree, max_gamma), repeats, seed) for level, tree in zip(levels, fixed))
     tuning = Tuning(gammas=before, before=before, acceptances=acceptances, draft_cost=draft_cost, verify_costs=costs,
@@ -253,6 +253,11 @@ def _draft_cost(drafter, stats) -> float:
     return MODEL_FREE_DRAFT_COST
 
 
+def _verifies_trees(level: SpeculativeLevel) -> bool:
+    """Whether ``level``'s drafter drafts token trees (their shape kept, priced as measured) rather than chains."""
+    return level.drafter.draft_kind is not DraftKind.CHAIN
+
+
 def _widths(tree: TreeRound | None, max_gamma: int) -> tuple[int, ...]:
     """The forward widths a level is timed at: a chain level's 1 … max_gamma + 1 tokens; a tree level's
     single token (the autoregressive step, where it is the top) and its measured tree width."""
@@ -264,8 +269,7 @@ def _verify_costs(level: SpeculativeLevel, context: int, widths: Sequence[int], 
     a tree of T tokens where the level verifies trees, else a chain."""
     from .bench.floor import fill, time_forward
 
-    lm, most = level.lm, max(widths)
-    tree = level.drafter.draft_kind is not DraftKind.CHAIN
+    lm, most, tree = level.lm, max(widths), _verifies_trees(level)
     cached = max(1, min(context, lm.capacity - most))
     store = lm.model.new_cache(cached + most, relative_positions=lm.policy.relative_positions)
     generator = torch.Generator(device="cpu").manual_seed(seed)
