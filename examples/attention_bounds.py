@@ -11,8 +11,9 @@ over its layers, in three settings alternated in one process (best of seven):
 * in cache, one thread: against two threads it says whether that work scales with the cores (it is compute).
 
 The floor is the cache's bytes read once at the bandwidth ``specstack.floor.measure_bandwidth`` measures.
-``--source`` builds other versions of ``csrc/decode_attention.cpp`` side by side (from memory only), to compare a
-change in one process; their outputs are checked against the shipped kernel's.
+``--group`` sets the query heads per KV head, so that T tokens make other numbers of rows. ``--source`` builds
+other versions of ``csrc/decode_attention.cpp`` side by side (from memory only), to compare a change in one
+process; their outputs are checked against the shipped kernel's.
 
     python examples/attention_bounds.py --tokens 1 8 16 --keys 7500 32000
     python examples/attention_bounds.py --tokens 1 8 --keys 7500 --source /tmp/variant.cpp
@@ -21,6 +22,8 @@ change in one process; their outputs are checked against the shipped kernel's.
     mkdir -p /tmp/before && cp specstack/csrc/*.h /tmp/before/   # a version that includes the shared headers builds beside them
     git show 792743f:specstack/csrc/decode_attention.cpp > /tmp/before/decode_attention.cpp   # bf16 widened into scratch
     python examples/attention_bounds.py --tokens 1 2 4 --keys 7500 32000 --source /tmp/before/decode_attention.cpp
+    git show e67c971:specstack/csrc/decode_attention.cpp > /tmp/before/decode_attention.cpp   # the GEMM path from 8 rows
+    python examples/attention_bounds.py --dtype float32 --group 4 --tokens 2 3 --keys 7500 32000 --source /tmp/before/decode_attention.cpp
 """
 
 from __future__ import annotations
@@ -64,11 +67,12 @@ def main() -> None:
     parser.add_argument("--keys", type=int, nargs="+", default=[7500])
     parser.add_argument("--source", type=Path, nargs="*", default=[], help="other versions of decode_attention.cpp to time beside the shipped one")
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="the cache's and queries' dtype")
+    parser.add_argument("--group", type=int, default=None, help="query heads per KV head (default: the target's), so that T tokens make group x T rows")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     shape = ModelShape.from_config(AutoConfig.from_pretrained(prepare_target()))
-    layers, kv_heads, group, dim = shape.layers, shape.kv_heads, shape.heads // shape.kv_heads, shape.head_dim
+    layers, kv_heads, group, dim = shape.layers, shape.kv_heads, args.group or shape.heads // shape.kv_heads, shape.head_dim
     shipped = built()
     others = {str(path): built(path) for path in args.source}
     bandwidth = measure_bandwidth()
@@ -95,7 +99,7 @@ def main() -> None:
             best = best_seconds(calls)
             torch.set_num_threads(args.threads)
             line = "  ".join(f"{name} {1e3 * s:.2f} ms ({s / floor:.2f}x)" for name, s in best.items())
-            print(f"N={n} T={t:2d} tiles={shipped.tiles(dtype, dim, t, n)} floor {1e3 * floor:.2f} ms | {line}")
+            print(f"N={n} T={t:2d} rows={group * t:2d} tiles={shipped.tiles(dtype, dim, t, n)} floor {1e3 * floor:.2f} ms | {line}")
 
 
 if __name__ == "__main__":

@@ -61,9 +61,10 @@ def random_tree_mask(t: int, generator: torch.Generator) -> torch.Tensor:
     (2, 515, 128, 2, 4),  # a wider head
     (7, 133, 72, 1, 8),  # a head dimension that is not a multiple of 64
     (8, 300, 64, 1, 8),  # 64 query rows, the most it takes
-    (4, 3_000, 64, 3, 3), (2, 200, 64, 3, 3),  # the few-row path and the GEMM path around GEMM_ROWS (8)
-    (11, 400, 64, 2, 1),  # 11 rows: the GEMM's blocks of six and four, then one row left over
-    (3, 300, 80, 1, 3),  # 9 rows of heads of 80: the three left over in two vectors of columns
+    (2, 200, 64, 3, 3), (4, 3_000, 64, 3, 3), (13, 300, 64, 1, 1),  # 6, 12 and 13 rows: around GEMM_ROWS (8 with AVX-512, 13 with AVX2)
+    (2, 400, 64, 2, 4), (3, 400, 64, 2, 3), (11, 400, 64, 2, 1),  # 8, 9 and 11 rows: few-row pairs with AVX2, the GEMM's rows left over with AVX-512
+    (7, 400, 64, 1, 5),  # 35 rows: the GEMM's blocks of six and four, then one row left over
+    (5, 300, 80, 1, 3),  # 15 rows of heads of 80: the three left over in two vectors of columns
     (7, 250, 96, 1, 2),  # 14 rows of heads of 96: two left over in four vectors (AVX2)
 ])
 def test_the_kernel_is_attention_up_to_rounding(t, n, d, kv_heads, group, tree) -> None:
@@ -81,6 +82,7 @@ def test_the_kernel_is_attention_up_to_rounding(t, n, d, kv_heads, group, tree) 
     (2, 2_000, 64, 3, 3),  # 6 rows: the few-row path (two threes of rows)
     (2, 901, 64, 2, 2), (5, 909, 64, 1, 1), (7, 1_205, 64, 1, 1),  # 4, 5 and 7 rows: pairs, a three and a pair, two threes and a row
     (1, 2, 64, 3, 3), (3, 70, 64, 3, 3), (2, 515, 128, 2, 4), (3, 133, 72, 1, 8),
+    (3, 1_000, 64, 3, 3), (5, 300, 64, 1, 2),  # 9 and 10 rows: threes, then two pairs (the few-row path with AVX2)
     (2, 300, 64, 2, 8),  # 16 rows: the GEMM path
     (8, 1_000, 64, 3, 3), (16, 700, 64, 3, 3),  # verifies a CPU without bf16 dot products widens (AVX2)
 ])

@@ -10,12 +10,13 @@
 // Rows are the query heads of a group folded into the query length: row r = g * T + t is head g of
 // the group and token t.
 //
-// Two ways to score a block. Few rows (a one-token step: G rows) take each key row against each query
-// row (dot products along D, summed across lanes). Many rows (a verify) transpose the block's keys
-// once and run both products as a small GEMM, six rows by two vectors of columns in registers, in
-// vectors as wide as the machine has (16 floats with AVX-512): twelve sums in flight, where four rows
-// gave eight, just what two FMA units of four cycles' latency need, and stalled whenever a load was
-// late (AMD Zen 3, AVX2: attention over 7,500 keys 1.16x faster at 3 tokens, 1.37x at 8, 1.47x at 16).
+// Two ways to score a block. Few rows (a one-token step: G rows; with AVX2, verifies of up to 12 rows)
+// take each key row against each query row (dot products along D, summed across lanes). Many rows (a
+// wide verify) transpose the block's keys once and run both products as a small GEMM, six rows by two
+// vectors of columns in registers, in vectors as wide as the machine has (16 floats with AVX-512):
+// twelve sums in flight, where four rows gave eight, just what two FMA units of four cycles' latency
+// need, and stalled whenever a load was late (AMD Zen 3, AVX2: attention over 7,500 keys 1.37x faster
+// at 8 tokens, 1.47x at 16).
 // A bfloat16 block is widened to float32 as it is read (exact: a bf16 is the top half of a float), so
 // the cache is read at half the bytes: on the few-row path straight into the registers of the products,
 // three query rows at a time (a group of three heads), so each key and value is widened once per three
@@ -74,7 +75,14 @@ typedef float vw __attribute__((vector_size(4 * W), aligned(4)));
 constexpr int BLOCK = 64;       // keys scored at once: 16 KB of fp32 keys with D = 64
 constexpr int MAX_ROWS = 64;    // query rows per KV head (G * T)
 constexpr int MAX_DIM = 256;    // head dimension
-constexpr int GEMM_ROWS = 8;    // from this many rows on a block is scored as a GEMM (docs/benchmarks.md)
+// From this many rows on a block is scored as a GEMM (docs/benchmarks.md; as_gemm). The GEMM transposes a
+// block's keys (and widens a bf16 block's values) at the same cost however few rows share them: on the AMD
+// Zen 3 host (AVX2) eight to eleven rows took 1.03-1.29x less time on the few-row path than as a GEMM over
+// 7,500 and 32,000 keys, fp32 and bf16 alike; twelve rows 1.04-1.19x less in fp32 and 0.93-1.06x as much in
+// bf16; 14 and 15 rows about the same either way. So there the GEMM starts at 13 rows, for both dtypes
+// (a bf16 cache then gives the float32 kernel's bits on its numbers); where vectors hold 16 floats
+// (AVX-512) at 8, as measured on the Intel host.
+constexpr int GEMM_ROWS = W == 16 ? 8 : 13;
 // Whether each work item asks for its next block of keys and values while it computes the current one:
 // on the Intel host (AVX-512) the one-token case over 32,000 keys took 1.21x less time with it; on the AMD
 // Zen 3 host (AVX2) 1.09x more (1.09-1.12x at one and two tokens over 7,500 and 32,000 keys; no change from
@@ -419,10 +427,13 @@ void accumulate_values(const float *p, const float *keep, int rows, int d, const
     if (r < rows) row_values(p + r * BLOCK, keep[r], d, v, len, acc + r * d);
 }
 
+// Whether a block's rows take the GEMM path rather than the few-row path.
+inline bool as_gemm(int rows, int d) { return rows >= GEMM_ROWS && d % (2 * W) == 0; }
+
 // s[r * BLOCK + j] = q_r . k_j for the block's len keys (rows of d, float32 or bfloat16); kt is
 // scratch of d * BLOCK floats for the GEMM path's transposed keys.
 void score_block(const float *q, int rows, int d, const void *k, bool bf16, int len, float *kt, float *s, Ahead ahead) {
-    if (rows >= GEMM_ROWS && d % (2 * W) == 0) {
+    if (as_gemm(rows, d)) {
         transpose_keys(k, bf16, d, len, kt, bf16 ? Ahead{} : ahead);  // [D, BLOCK]; bf16 scores here are bound by the arithmetic
         small_gemm(q, d, kt, BLOCK, d, s, BLOCK, rows, BLOCK, nullptr);  // [rows, D] x [D, BLOCK]
     } else if (bf16) {
@@ -435,7 +446,7 @@ void score_block(const float *q, int rows, int d, const void *k, bool bf16, int 
 // acc_r = acc_r * keep_r + sum_j p[r * BLOCK + j] v_j over the block's len values; vw is scratch of
 // BLOCK * d floats for the GEMM path's widened values.
 void accumulate_block(const float *p, const float *keep, int rows, int d, const void *v, bool bf16, int len, float *vw, float *acc) {
-    if (rows >= GEMM_ROWS && d % (2 * W) == 0) {
+    if (as_gemm(rows, d)) {
         small_gemm(p, BLOCK, widened(v, bf16, d, len, vw), d, len, acc, d, rows, d, keep);  // acc * keep + [rows, len] x [len, D]
     } else if (bf16) {
         accumulate_values(p, keep, rows, d, (const uint16_t *)v, len, acc);
