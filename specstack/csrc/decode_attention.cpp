@@ -10,13 +10,13 @@
 // Rows are the query heads of a group folded into the query length: row r = g * T + t is head g of
 // the group and token t.
 //
-// Two ways to score a block. Few rows (a one-token step: G rows; with AVX2, verifies of up to 12 rows)
-// take each key row against each query row (dot products along D, summed across lanes). Many rows (a
-// wide verify) transpose the block's keys once and run both products as a small GEMM, six rows by two
-// vectors of columns in registers, in vectors as wide as the machine has (16 floats with AVX-512):
-// twelve sums in flight, where four rows gave eight, just what two FMA units of four cycles' latency
-// need, and stalled whenever a load was late (AMD Zen 3, AVX2: attention over 7,500 keys 1.37x faster
-// at 8 tokens, 1.47x at 16).
+// Two ways to score a block. Few rows (a one-token step: G rows; with AVX2, verifies of up to 24 rows)
+// take each key row against each query row (dot products along D, summed across lanes), six rows at a
+// time, then threes, pairs and a row. Many rows (a wide verify) transpose the block's keys once and run
+// both products as a small GEMM, six rows by two vectors of columns in registers, in vectors as wide as
+// the machine has (16 floats with AVX-512): twelve sums in flight, where four rows gave eight, just what
+// two FMA units of four cycles' latency need, and stalled whenever a load was late (AMD Zen 3, AVX2:
+// attention over 7,500 keys 1.37x faster at 8 tokens, 1.47x at 16, against four rows).
 // A bfloat16 block is widened to float32 as it is read (exact: a bf16 is the top half of a float), so
 // the cache is read at half the bytes: on the few-row path straight into the registers of the products,
 // three query rows at a time (a group of three heads), so each key and value is widened once per three
@@ -76,13 +76,13 @@ constexpr int BLOCK = 64;       // keys scored at once: 16 KB of fp32 keys with 
 constexpr int MAX_ROWS = 64;    // query rows per KV head (G * T)
 constexpr int MAX_DIM = 256;    // head dimension
 // From this many rows on a block is scored as a GEMM (docs/benchmarks.md; as_gemm). The GEMM transposes a
-// block's keys (and widens a bf16 block's values) at the same cost however few rows share them: on the AMD
-// Zen 3 host (AVX2) eight to eleven rows took 1.03-1.29x less time on the few-row path than as a GEMM over
-// 7,500 and 32,000 keys, fp32 and bf16 alike; twelve rows 1.04-1.19x less in fp32 and 0.93-1.06x as much in
-// bf16; 14 and 15 rows about the same either way. So there the GEMM starts at 13 rows, for both dtypes
-// (a bf16 cache then gives the float32 kernel's bits on its numbers); where vectors hold 16 floats
-// (AVX-512) at 8, as measured on the Intel host.
-constexpr int GEMM_ROWS = W == 16 ? 8 : 13;
+// block's keys (and widens a bf16 block's values) at the same cost however few rows share them, while the
+// few-row path takes six rows at a time, each key and value read (and widened) once for the six. On the AMD
+// Zen 3 host (AVX2), with the sixes, up to 18 rows took 1.02-1.32x less time on the few-row path than as a
+// GEMM over 7,500 and 32,000 keys, fp32 and bf16 alike, and 24 rows 1.06-1.12x less in fp32 and 1.02x more in
+// bf16. So there the GEMM starts at 25 rows, for both dtypes (a bf16 cache then gives the float32 kernel's
+// bits on its numbers); where vectors hold 16 floats (AVX-512) at 8, as measured on the Intel host.
+constexpr int GEMM_ROWS = W == 16 ? 8 : 25;
 // Whether each work item asks for its next block of keys and values while it computes the current one:
 // on the Intel host (AVX-512) the one-token case over 32,000 keys took 1.21x less time with it; on the AMD
 // Zen 3 host (AVX2) 1.09x more (1.09-1.12x at one and two tokens over 7,500 and 32,000 keys; no change from
@@ -241,6 +241,33 @@ void triple_scores(const float *q0, const float *q1, const float *q2, int d, con
     }
 }
 
+// The same for six rows at once (a two-token verify of a model with groups of three), two keys at a
+// time: twelve sums in registers, each key widened once for the six. The block's last len % 4 keys are
+// summed as the other paths sum them (row_scores), so every path gives the same bits. q [6, d], s [6, BLOCK].
+template <typename T>
+void six_scores(const float *q, int d, const T *k, int len, float *s, Ahead ahead = {}) {
+    const int grouped = len - len % 4;  // keys summed by sums8's tree; the rest by hsum, as row_scores does
+    for (int j = 0; j < grouped; j += 2) {
+        const T *kj = k + (int64_t)j * d;
+        if (j % 4 == 0) ahead.ask(j, 4);
+        v8 a[6], b[6];
+        for (int r = 0; r < 6; ++r) a[r] = v8{}, b[r] = v8{};
+        for (int c = 0; c < d; c += 8) {
+            const v8 k0 = row8(kj + c), k1 = row8(kj + d + c);
+            for (int r = 0; r < 6; ++r) {
+                const v8 x = load8(q + r * d + c);
+                a[r] += x * k0, b[r] += x * k1;
+            }
+        }
+        const v8 first = sums8(a[0], b[0], a[1], b[1], a[2], b[2], a[3], b[3]), rest = sums8(a[4], b[4], a[5], b[5], a[4], b[4], a[5], b[5]);
+        for (int r = 0; r < 4; ++r) s[r * BLOCK + j] = first[2 * r], s[r * BLOCK + j + 1] = first[2 * r + 1];
+        for (int r = 0; r < 2; ++r) s[(4 + r) * BLOCK + j] = rest[2 * r], s[(4 + r) * BLOCK + j + 1] = rest[2 * r + 1];
+    }
+    ahead.ask(grouped, len - grouped);
+    if (grouped < len)
+        for (int r = 0; r < 6; ++r) row_scores(q + r * d, d, k + (int64_t)grouped * d, len - grouped, s + r * BLOCK + grouped);
+}
+
 // acc = acc * keep + sum_j p[j] v_j for one row, 64 columns at a time in registers.
 template <typename T>
 void row_values(const float *p, float keep, int d, const T *v, int len, float *acc) {
@@ -307,6 +334,29 @@ void triple_values(const float *const p[3], const float keep[3], int d, const T 
             }
         }
         for (int i = 0; i < 4; ++i) store8(acc[0] + c0 + 8 * i, a[i]), store8(acc[1] + c0 + 8 * i, b[i]), store8(acc[2] + c0 + 8 * i, e[i]);
+    }
+}
+
+// The same for six rows at once, 16 columns at a time: twelve sums in registers, each value widened once
+// for the six. p [6, BLOCK], keep [6], acc [6, d].
+template <typename T>
+void six_values(const float *p, const float *keep, int d, const T *v, int len, float *acc) {
+    if (d % 16 != 0) {
+        for (int r = 0; r < 6; ++r) row_values(p + r * BLOCK, keep[r], d, v, len, acc + r * d);
+        return;
+    }
+    for (int c0 = 0; c0 < d; c0 += 16) {
+        v8 a[6], b[6];
+        for (int r = 0; r < 6; ++r) a[r] = load8(acc + r * d + c0) * splat(keep[r]), b[r] = load8(acc + r * d + c0 + 8) * splat(keep[r]);
+        for (int j = 0; j < len; ++j) {
+            const T *vj = v + (int64_t)j * d + c0;
+            const v8 x = row8(vj), y = row8(vj + 8);
+            for (int r = 0; r < 6; ++r) {
+                const v8 w = splat(p[r * BLOCK + j]);
+                a[r] += w * x, b[r] += w * y;
+            }
+        }
+        for (int r = 0; r < 6; ++r) store8(acc + r * d + c0, a[r]), store8(acc + r * d + c0 + 8, b[r]);
     }
 }
 
@@ -397,10 +447,10 @@ const float *widened(const void *rows, bool bf16, int d, int len, float *out) {
     return out;
 }
 
-// How many threes of rows the few-row path takes before its pairs and an odd last row: a bfloat16 block
-// is widened as it is read, so each key and value read for three rows instead of two saves a third of the
-// widening (the header's figures: 1.25x at one token over 7,500 keys); float32 rows keep pairs (threes were
-// slower). Where four rows are left, two pairs take them.
+// How many threes of the rows the sixes leave the few-row path takes before its pairs and an odd last row:
+// a bfloat16 block is widened as it is read, so each key and value read for three rows instead of two saves
+// a third of the widening (the header's figures: 1.25x at one token over 7,500 keys); float32 rows keep
+// pairs (threes were slower). Where four rows are left, two pairs take them.
 template <typename T>
 inline int triples(int rows) { return std::is_same<T, float>::value ? 0 : rows % 3 == 1 && rows >= 4 ? (rows - 4) / 3 : rows / 3; }
 
@@ -408,7 +458,8 @@ inline int triples(int rows) { return std::is_same<T, float>::value ? 0 : rows %
 template <typename T>
 void block_scores(const float *q, int rows, int d, const T *k, int len, float *s, Ahead ahead) {
     int r = 0;
-    for (const int end = 3 * triples<T>(rows); r < end; r += 3, ahead = {})
+    for (; r + 6 <= rows; r += 6, ahead = {}) six_scores(q + r * d, d, k, len, s + r * BLOCK, ahead);
+    for (const int end = r + 3 * triples<T>(rows - r); r < end; r += 3, ahead = {})
         triple_scores(q + r * d, q + (r + 1) * d, q + (r + 2) * d, d, k, len, s + r * BLOCK, s + (r + 1) * BLOCK, s + (r + 2) * BLOCK, ahead);
     for (; r + 2 <= rows; r += 2, ahead = {}) pair_scores(q + r * d, q + (r + 1) * d, d, k, len, s + r * BLOCK, s + (r + 1) * BLOCK, ahead);
     if (r < rows) row_scores(q + r * d, d, k, len, s + r * BLOCK, ahead);
@@ -418,7 +469,8 @@ void block_scores(const float *q, int rows, int d, const T *k, int len, float *s
 template <typename T>
 void accumulate_values(const float *p, const float *keep, int rows, int d, const T *v, int len, float *acc) {
     int r = 0;
-    for (const int end = 3 * triples<T>(rows); r < end; r += 3) {
+    for (; r + 6 <= rows; r += 6) six_values(p + r * BLOCK, keep + r, d, v, len, acc + r * d);
+    for (const int end = r + 3 * triples<T>(rows - r); r < end; r += 3) {
         const float *ps[3] = {p + r * BLOCK, p + (r + 1) * BLOCK, p + (r + 2) * BLOCK};
         float *accs[3] = {acc + r * d, acc + (r + 1) * d, acc + (r + 2) * d};
         triple_values(ps, keep + r, d, v, len, accs);
