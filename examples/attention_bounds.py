@@ -69,6 +69,8 @@ def main() -> None:
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="the cache's and queries' dtype")
     parser.add_argument("--group", type=int, default=None, help="query heads per KV head (default: the target's), so that T tokens make group x T rows")
     args = parser.parse_args()
+    if args.group is not None and args.group < 1:
+        parser.error(f"--group {args.group} is not allowed; use 1 or more query heads per KV head")
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     shape = ModelShape.from_config(AutoConfig.from_pretrained(prepare_target()))

@@ -83,7 +83,7 @@ def test_the_kernel_is_attention_up_to_rounding(t, n, d, kv_heads, group, tree) 
     (2, 2_000, 64, 3, 3),  # 6 rows: the few-row path (a six)
     (2, 901, 64, 2, 2), (5, 909, 64, 1, 1), (7, 1_205, 64, 1, 1),  # 4, 5 and 7 rows: pairs, a three and a pair, a six and a row
     (1, 2, 64, 3, 3), (3, 70, 64, 3, 3), (2, 515, 128, 2, 4), (3, 133, 72, 1, 8),
-    (3, 1_000, 64, 3, 3), (5, 300, 64, 1, 2), (2, 300, 64, 2, 8),  # 9, 10, 16 rows: a six, then a three, two pairs, two pairs after two sixes
+    (3, 1_000, 64, 3, 3), (5, 300, 64, 1, 2), (2, 300, 64, 2, 8),  # 9, 10, 16 rows: a six and a three; a six and two pairs; two sixes and two pairs
     (8, 1_000, 64, 3, 3), (16, 700, 64, 3, 3),  # 24 and 48 rows: four sixes (AVX2), the GEMM path
 ])
 def test_a_bfloat16_cache_is_read_as_its_float32_values(t, n, d, kv_heads, group, tree) -> None:

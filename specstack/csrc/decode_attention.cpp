@@ -19,8 +19,9 @@
 // attention over 7,500 keys 1.37x faster at 8 tokens, 1.47x at 16, against four rows).
 // A bfloat16 block is widened to float32 as it is read (exact: a bf16 is the top half of a float), so
 // the cache is read at half the bytes: on the few-row path straight into the registers of the products,
-// three query rows at a time (a group of three heads), so each key and value is widened once per three
-// rows and nothing is stored between reading and using it; the GEMM path widens a block into scratch once.
+// six query rows at a time and then threes (a group of three heads), so each key and value is widened once
+// per six or three rows and nothing is stored between reading and using it; the GEMM path widens a block
+// into scratch once.
 // (AMD Zen 3, AVX2, from memory, against widening each block into scratch and reading it back for pairs
 // of rows: bf16 attention 1.25x faster at one token and 1.68x at two over 7,500 keys, 1.31x and 1.43x
 // over 32,000; examples/attention_bounds.py --source.)
