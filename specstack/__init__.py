@@ -6,7 +6,7 @@ The pieces, lowest first: a :class:`Drafter` proposes tokens with their probabil
 from the top level. Components are found by name through a :class:`Registry`.
 """
 
-from .drafters import Drafter, MergedDrafter, ModelDrafter, PromptLookupDrafter
+from .drafters import Drafter, LookupFirstDrafter, MergedDrafter, ModelDrafter, PromptLookupDrafter
 from .errors import SpecstackError
 from .model import CachedModel, CausalLM, KVCache
 from .policies import CachePolicy, CacheState, EvictionPolicy, FullCache, GatheringPolicy, StreamingLLM
@@ -20,7 +20,7 @@ from .verify import GreedyVerifier, SpeculativeSamplingVerifier, Verifier
 
 __all__ = [
     "CachePolicy", "CacheState", "EvictionPolicy", "GatheringPolicy", "CachedModel", "Capability", "CausalLM", "Draft", "Drafter", "FullCache",
-    "GenerationResult", "GreedyVerifier", "KVCache", "Kind", "Level", "LevelStats", "MergedDrafter", "ModelDrafter",
+    "GenerationResult", "GreedyVerifier", "KVCache", "Kind", "Level", "LevelStats", "LookupFirstDrafter", "MergedDrafter", "ModelDrafter",
     "PromptLookupDrafter", "Registry", "Retrieval", "SamplingConfig", "SpecstackError", "SpeculationStack",
     "SpeculativeLevel", "SpeculativeSamplingVerifier", "StackRecipe", "StreamingLLM", "Verdict", "Verifier",
     "sample", "warp",

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
-from .drafters import PromptLookupDrafter
+import functools
+
+import attrs
+
+from .drafters import LookupFirstDrafter, PromptLookupDrafter
 from .hookspecs import hookimpl
 from .policies import FullCache, StreamingLLM
 from .retrieval import AUTO, STRIDE, Retrieval
@@ -65,6 +69,16 @@ def _triforce(registry, *, target, draft, gamma1: int = 2, gamma2: int = 6, budg
     return [_streaming_draft(draft, sinks, draft_window), _view(target, retrieval, gamma1), _full(target, gamma2)]
 
 
+def _triforce_hybrid(registry, *, target, draft, gamma1: int = 2, gamma2: int = 6, budget: int | str = AUTO, chunk_size: int = 8,
+                     stride: int = STRIDE, draft_window: int = 256, sinks: int = 16, max_ngram: int = 3, min_ngram: int = 3) -> list[Level]:
+    """TriForce whose level 0 copies where the text repeats: prompt lookup's chain where the last
+    ``min_ngram``+ tokens occurred before, else the draft model's own chain (:class:`LookupFirstDrafter`)."""
+    lookup = registry.drafter("prompt-lookup", vocab=target.vocab_size, max_ngram=max_ngram, min_ngram=min_ngram)
+    level0 = attrs.evolve(_streaming_draft(draft, sinks, draft_window), model_drafter=functools.partial(LookupFirstDrafter, lookup=lookup))
+    retrieval = Retrieval(budget=budget, chunk_size=chunk_size, stride=stride)
+    return [level0, _view(target, retrieval, gamma1), _full(target, gamma2)]
+
+
 def _triforce_lookup(registry, *, target, gamma1: int = 4, gamma2: int = 6, budget: int | str = AUTO, chunk_size: int = 8,
                      stride: int = STRIDE, max_ngram: int = 3) -> list[Level]:
     lookup = registry.drafter("prompt-lookup", vocab=target.vocab_size, max_ngram=max_ngram)
@@ -111,6 +125,8 @@ def specstack_stacks() -> list:
         StackRecipe(name="speculative", description="draft model -> target (classic speculative decoding)", build=_speculative, needs_draft=True),
         StackRecipe(name="prompt-lookup", description="n-gram prompt lookup -> target", build=_prompt_lookup),
         StackRecipe(name="triforce", description="draft+StreamingLLM -> target+Retrieval -> target (TriForce)", build=_triforce, needs_draft=True),
+        StackRecipe(name="triforce-hybrid", description="prompt lookup where it matches 3+ tokens, else draft+StreamingLLM -> target+Retrieval -> target",
+                    build=_triforce_hybrid, needs_draft=True),
         StackRecipe(name="triforce-lookup", description="prompt lookup -> target+Retrieval -> target", build=_triforce_lookup),
         StackRecipe(name="retrieval-flat", description="target+Retrieval -> target (retrieval without hierarchy)", build=_retrieval_flat),
         StackRecipe(name="streaming-hierarchy", description="draft+StreamingLLM -> target+StreamingLLM -> target", build=_streaming_hierarchy, needs_draft=True),

@@ -118,6 +118,52 @@ class ModelDrafter(ModelLevel):
 
 
 @attrs.define(eq=False, kw_only=True)
+class LookupFirstDrafter(ModelLevel):
+    """A draft model that lets prompt lookup draft first: where the context's last tokens occurred
+    before, lookup's copied chain is the draft, and the model (a one-layer draft over a StreamingLLM
+    window, say, which cannot copy from far back) drafts only where nothing matches.
+
+    Lossless for any ``lookup``: which part drafts is a function of the committed prefix alone, never
+    of a random draw, so every round is an ordinary speculative round with that part's chain and its
+    proposal distribution (one-hot for lookup, the model's warped rows for the model). The model's
+    cache catches up on the tokens it did not draft when it drafts next (:meth:`CachedModel.logits`
+    feeds what it has not seen), and only it hears the verdicts on its own drafts (``observe``).
+    Level 0 of ``triforce-hybrid``: TriForce's draft (Sun et al., 2024) with prompt lookup (Saxena, 2023).
+    """
+
+    name: ClassVar[str] = "lookup+model"
+
+    lookup: Drafter
+    _model: ModelDrafter = attrs.field(init=False)
+    _model_drafted: bool = attrs.field(init=False, default=False)  # whether the last draft was the model's
+
+    def __attrs_post_init__(self) -> None:
+        if self.lookup.draft_kind is not DraftKind.CHAIN or isinstance(self.lookup, ModelLevel):
+            raise SpecstackError(f"lookup-first drafting takes a model-free chain drafter; got {type(self.lookup).__name__}")
+        self._model = ModelDrafter(lm=self.lm, sampling=self.sampling, generator=self.generator, stop_tokens=self.stop_tokens)
+
+    def reset(self) -> None:
+        self.lookup.reset()
+        self._model.reset()
+
+    def prefill(self, prompt: Sequence[int]) -> None:
+        self.lookup.prefill(prompt)
+        self._model.prefill(prompt)
+
+    def propose(self, prefix: Sequence[int], n: int) -> Draft:
+        draft = self.lookup.propose(prefix, n)
+        self._model_drafted = len(draft) == 0
+        if self._model_drafted:
+            return self._model.propose(prefix, n)
+        self.lm.stats.drafted += len(draft)
+        return draft  # on the CPU: the verifying level moves it
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        if self._model_drafted:
+            self._model.observe(drafted, accepted)
+
+
+@attrs.define(eq=False, kw_only=True)
 class PromptLookupDrafter(Drafter):
     """Prompt-lookup (n-gram) drafting (Saxena, 2023): find the latest earlier occurrence of the last
     ``max_ngram`` … ``min_ngram`` tokens and propose what followed it. Deterministic, so the proposal

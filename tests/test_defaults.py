@@ -25,7 +25,7 @@ from specstack.synthetic import SyntheticLM, greedy_decode
 from specstack.types import LevelStats
 from tests.test_real_model import models, prompt  # noqa: F401  (module-scoped fixtures: the embedded default)
 
-RETRIEVAL_RECIPES = ["triforce", "triforce-lookup", "retrieval-flat", "self-speculative", "hierarchical"]
+RETRIEVAL_RECIPES = ["triforce", "triforce-hybrid", "triforce-lookup", "retrieval-flat", "self-speculative", "hierarchical"]
 
 
 def _gather_before_auto(keys: torch.Tensor, queries: torch.Tensor, budget: int, chunk_size: int) -> torch.Tensor:
@@ -119,7 +119,7 @@ def test_auto_on_a_named_policy_keeps_that_policys_own_budget() -> None:
 
 
 @pytest.mark.parametrize("length", [1, 2, 5, 17, 40])
-@pytest.mark.parametrize("name", ["triforce", "triforce-lookup", "retrieval-flat", "hierarchical"])
+@pytest.mark.parametrize("name", ["triforce", "triforce-hybrid", "triforce-lookup", "retrieval-flat", "hierarchical"])
 def test_default_stacks_are_lossless_at_any_prompt_length(name, length) -> None:
     target = SyntheticLM(vocab_size=24, seed=4, sharpness=2.0)
     draft = SyntheticLM(vocab_size=24, seed=5, base=target, noise=0.5)

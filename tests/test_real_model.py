@@ -62,6 +62,7 @@ def generate(stack, autoregressive, prompt):
         ("retrieval-flat", SMALL),
         ("streaming-hierarchy", {"window": 256}),
         ("triforce-lookup", SMALL),
+        ("triforce-hybrid", SMALL),  # prompt lookup where it matches, else the draft
         ("speculative", {"gamma": 4}),
         ("prompt-lookup", {}),
         ("self-speculative", {"policy": "h2o", "budget": 256}),  # the plugins at level 1
