@@ -74,9 +74,9 @@ def _triforce_hybrid(registry, *, target, draft, gamma1: int = 2, gamma2: int = 
     """TriForce whose level 0 copies where the text repeats: prompt lookup's chain where the last
     ``min_ngram``+ tokens occurred before, else the draft model's own chain (:class:`LookupFirstDrafter`)."""
     lookup = registry.drafter("prompt-lookup", vocab=target.vocab_size, max_ngram=max_ngram, min_ngram=min_ngram)
-    level0 = attrs.evolve(_streaming_draft(draft, sinks, draft_window), model_drafter=functools.partial(LookupFirstDrafter, lookup=lookup))
-    retrieval = Retrieval(budget=budget, chunk_size=chunk_size, stride=stride)
-    return [level0, _view(target, retrieval, gamma1), _full(target, gamma2)]
+    draft_level, *above = _triforce(registry, target=target, draft=draft, gamma1=gamma1, gamma2=gamma2, budget=budget, chunk_size=chunk_size,
+                                    stride=stride, draft_window=draft_window, sinks=sinks)
+    return [attrs.evolve(draft_level, model_drafter=functools.partial(LookupFirstDrafter, lookup=lookup)), *above]
 
 
 def _triforce_lookup(registry, *, target, gamma1: int = 4, gamma2: int = 6, budget: int | str = AUTO, chunk_size: int = 8,

@@ -118,7 +118,7 @@ class ModelDrafter(ModelLevel):
 
 
 @attrs.define(eq=False, kw_only=True)
-class LookupFirstDrafter(ModelLevel):
+class LookupFirstDrafter(ModelDrafter):
     """A draft model that lets prompt lookup draft first: where the context's last tokens occurred
     before, lookup's copied chain is the draft, and the model (a one-layer draft over a StreamingLLM
     window, say, which cannot copy from far back) drafts only where nothing matches.
@@ -134,33 +134,31 @@ class LookupFirstDrafter(ModelLevel):
     name: ClassVar[str] = "lookup+model"
 
     lookup: Drafter
-    _model: ModelDrafter = attrs.field(init=False)
     _model_drafted: bool = attrs.field(init=False, default=False)  # whether the last draft was the model's
 
     def __attrs_post_init__(self) -> None:
         if self.lookup.draft_kind is not DraftKind.CHAIN or isinstance(self.lookup, ModelLevel):
             raise SpecstackError(f"lookup-first drafting takes a model-free chain drafter; got {type(self.lookup).__name__}")
-        self._model = ModelDrafter(lm=self.lm, sampling=self.sampling, generator=self.generator, stop_tokens=self.stop_tokens)
 
     def reset(self) -> None:
         self.lookup.reset()
-        self._model.reset()
+        super().reset()
 
     def prefill(self, prompt: Sequence[int]) -> None:
         self.lookup.prefill(prompt)
-        self._model.prefill(prompt)
+        super().prefill(prompt)
 
     def propose(self, prefix: Sequence[int], n: int) -> Draft:
         draft = self.lookup.propose(prefix, n)
         self._model_drafted = len(draft) == 0
         if self._model_drafted:
-            return self._model.propose(prefix, n)
-        self.lm.stats.drafted += len(draft)
+            return super().propose(prefix, n)
+        self.lm.stats.drafted += len(draft)  # this level's count: lookup's tokens and the model's
         return draft  # on the CPU: the verifying level moves it
 
     def observe(self, drafted: int, accepted: int) -> None:
         if self._model_drafted:
-            self._model.observe(drafted, accepted)
+            super().observe(drafted, accepted)
 
 
 @attrs.define(eq=False, kw_only=True)
