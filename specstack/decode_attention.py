@@ -11,7 +11,8 @@ bfloat16 cache takes them instead: bf16 tile products for the scores and for the
 softmax in float32, the weights rounded to bf16 (as SDPA's bf16 kernels round them). Three query rows
 or fewer per KV head (a one-token step with GQA groups of three), where the CPU has AVX-512's bf16 dot
 products (with or without AMX), take them in registers instead, with the same rounding (1.13x faster
-than the tiles over 7,500 and 32,000 keys). It is built and loaded by
+than the tiles over 7,500 and 32,000 keys); without AMX, a verify's rows take the same dot products,
+block by block (1.6-1.8x faster than widening at 4-16 tokens over 32,000 keys). It is built and loaded by
 :mod:`specstack.native`; where it cannot be built, :func:`load_decode_kernel` returns None and
 attention stays with SDPA.
 
@@ -40,6 +41,10 @@ MAX_TOKENS_AMX = 16  # a bfloat16 cache where the kernel runs on AMX tiles
 # over 7,500 and 32,000 keys on the 2-core AMD host (docs/benchmarks.md, "bf16 on AVX2"; examples/bf16_widened.py
 # --attention).
 MAX_TOKENS_WIDENED_BF16 = 16
+# A bfloat16 cache with heads of 64 or 128 on a CPU with AVX-512's bf16 dot products (and no AMX tiles): a verify's
+# rows take the dot products too, 1.6-1.8x faster than widening at 4-16 tokens over 32,000 keys on the AMD Zen 4
+# host (docs/benchmarks.md, "bf16 verifies in dot products"), where SDPA took 2.7-3.6x the kernel's time.
+MAX_TOKENS_DOT_PRODUCTS = 16
 # Up to MAX_TOKENS[bfloat16] new tokens over fewer cached keys than this, widening stays faster than the
 # tiles' fixed costs: whole target forwards 0.93-0.96x with tiles over 512-1,024 keys, 1.01x over 2,048.
 AMX_MIN_KEYS = 2048
@@ -54,7 +59,7 @@ class DecodeKernel:
     max_rows: int
     max_dim: int
     amx: bool = False  # a bfloat16 cache takes AMX tiles (the CPU has them and Linux lends them)
-    dot_products: bool = False  # a bfloat16 cache of up to three query rows (heads of 64 or 128) takes AVX-512's bf16 dot products
+    dot_products: bool = False  # a bfloat16 cache (heads of 64 or 128) takes AVX-512's bf16 dot products: up to three query rows always, more without tiles
 
     def __reduce__(self):
         """Pickled (a model sent to a bench worker) as a request to load it again where it lands."""
@@ -78,6 +83,8 @@ class DecodeKernel:
         """The most new tokens a cache of ``dtype`` with heads of width ``d`` hands the kernel."""
         if self._tiles_fit(dtype, d):
             return MAX_TOKENS_AMX
+        if dtype == torch.bfloat16 and self.dot_products and d in (64, 128):
+            return MAX_TOKENS_DOT_PRODUCTS
         if dtype == torch.bfloat16 and not self.dot_products:
             return MAX_TOKENS_WIDENED_BF16
         return MAX_TOKENS.get(dtype, 0)

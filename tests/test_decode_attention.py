@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from specstack.batch import TokenBatch
-from specstack.decode_attention import AMX_MIN_KEYS, MAX_TOKENS, MAX_TOKENS_AMX, MAX_TOKENS_WIDENED_BF16, DecodeKernel, load_decode_kernel
+from specstack.decode_attention import AMX_MIN_KEYS, MAX_TOKENS, MAX_TOKENS_AMX, MAX_TOKENS_DOT_PRODUCTS, MAX_TOKENS_WIDENED_BF16, DecodeKernel, load_decode_kernel
 from specstack.native import find_compiler
 from specstack.hf import HFCausalLM
 from specstack.testing.llama import random_llama
@@ -122,23 +122,31 @@ def test_a_bfloat16_cache_on_amx_tiles_is_attention_up_to_the_weights_rounding(m
 
 
 @needs_dot_products
+@pytest.mark.parametrize("tree", [False, True])
 @pytest.mark.parametrize(("t", "n", "d", "kv_heads", "group"), [
     (1, 7_000, 64, 3, 3),  # the default target's one-token step
     (1, 2, 64, 3, 3), (1, 70, 64, 3, 3),  # one cached key; a cache shorter than a block per thread
     (1, 1_000, 64, 2, 2), (1, 517, 64, 4, 1), (1, 301, 128, 1, 3),  # fewer rows, a wider head, ranges ending mid-pair
     (3, 900, 64, 1, 1),  # three tokens of one query head: three rows under the causal mask
+    # more rows (a verify), block by block: the default target's verifies, up to the widest it takes
+    (2, 7_000, 64, 3, 3), (5, 2_000, 64, 3, 3), (8, 1_000, 64, 3, 3), (16, 900, 64, 3, 3),
+    (8, 300, 64, 1, 8),  # 64 rows, sixteen passes of four
+    (3, 70, 64, 3, 3), (4, 5, 64, 3, 3),  # a cache shorter than a block per thread; nothing cached but the new tokens
+    (2, 515, 128, 2, 4), (3, 133, 128, 1, 3), (5, 1_001, 64, 1, 3),  # wider heads (two rows a pass); ranges ending mid-block and mid-pair
 ])
-def test_up_to_three_rows_take_bf16_dot_products_with_or_without_tiles(t, n, d, kv_heads, group) -> None:
-    """Three query rows or fewer take bf16 dot products in registers where the CPU has them, AMX or not
-    (the kernel told there are no tiles, as on an AVX-512 bf16 CPU without AMX): the weights rounded to
-    bf16 as on the tiles, so the same bound holds; told to use neither, the result is the widened one."""
-    query, keys, values, sees = bf16_inputs(t, n, d, kv_heads, group, False)
+def test_bf16_dot_products_are_attention_up_to_the_weights_rounding(t, n, d, kv_heads, group, tree) -> None:
+    """A bfloat16 cache takes bf16 dot products where the CPU has them: three query rows or fewer in
+    registers, AMX or not, and more rows block by block where there are no tiles (the kernel told there
+    are none, as on an AVX-512 bf16 CPU without AMX). The weights are rounded to bf16 as on the tiles,
+    so the same bound holds; told to use neither, the result is the widened one. A wrong layout, mask
+    or rescale moves an output by the values' scale."""
+    query, keys, values, sees = bf16_inputs(t, n, d, kv_heads, group, tree and t > 1)
     no_tiles = attrs.evolve(KERNEL, amx=False)
     got = no_tiles.attend(query, keys, values, None, sees)  # [1, T, Hq, D]
     want = reference(query, keys, values, sees)  # [1, T, Hq, D], float64
     bound = 2**-8 * want.abs() + 2**-9 * values.abs().amax()  # its own rounding, the weights'
     assert ((got.double() - want).abs() <= bound).all(), float((got.double() - want).abs().max())
-    assert not torch.equal(got, WIDENING.attend(query, keys, values, None, sees)) or n < 3  # another path than widening
+    assert not torch.equal(got, WIDENING.attend(query, keys, values, None, sees)) or n - t < 3  # another path than widening (one cached key weighs 1 either way)
 
 
 def bf16_inputs(t, n, d, kv_heads, group, tree):
@@ -173,7 +181,9 @@ def test_it_applies_only_to_few_tokens_over_a_float32_or_bfloat16_cache() -> Non
     for kernel in (KERNEL, WIDENING):
         for dtype in MAX_TOKENS:  # a wide verify or a prefill chunk
             widened_bf16 = dtype == torch.bfloat16 and not kernel.amx and not kernel.dot_products  # no bf16 instructions for SDPA either
-            most = MAX_TOKENS_AMX if kernel.amx and dtype == torch.bfloat16 else MAX_TOKENS_WIDENED_BF16 if widened_bf16 else MAX_TOKENS[dtype]
+            dot_products = dtype == torch.bfloat16 and not kernel.amx and kernel.dot_products
+            most = (MAX_TOKENS_AMX if kernel.amx and dtype == torch.bfloat16 else MAX_TOKENS_WIDENED_BF16 if widened_bf16
+                    else MAX_TOKENS_DOT_PRODUCTS if dot_products else MAX_TOKENS[dtype])
             assert kernel.max_tokens(dtype, 64) == most
             assert kernel.applies(torch.randn(1, 9, most, 64, dtype=dtype), keys.to(dtype), keys.to(dtype))
             assert not kernel.applies(torch.randn(1, 9, most + 1, 64, dtype=dtype), keys.to(dtype), keys.to(dtype))

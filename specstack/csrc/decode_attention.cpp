@@ -35,7 +35,8 @@
 // weights' rounding is the only one the widening path does not make (as in SDPA's bf16 kernels).
 // Three query rows or fewer (a one-token step of a model with groups of three or fewer) can take
 // AVX-512's bf16 dot products in registers instead, on any CPU that has them (attend_range_dp), the
-// weights rounded as on the tiles, the next blocks prefetched.
+// weights rounded as on the tiles, the next blocks prefetched; more rows (a verify) take the same dot
+// products where there are no tiles, a block laid out once for all rows (attend_range_dp_rows).
 // Compiled at first use by specstack/decode_attention.py; plain C++ with GCC vector types (and Intel
 // intrinsics for the AMX path), no torch headers. Not built with -ffast-math: the -infinities of the
 // merge must stay.
@@ -601,7 +602,7 @@ inline v16 load16(const float *p) { return *(const v16 *)p; }
 inline void store16(float *p, v16 x) { *(v16 *)p = x; }
 
 // 16 x 16 floats transposed in registers: r[i] becomes column i.
-void transpose16(__m512 r[16]) {
+__attribute__((always_inline)) inline void transpose16(__m512 r[16]) {
     __m512 t[16];
     for (int i = 0; i < 16; i += 2) t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]), t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
     for (int i = 0; i < 16; i += 4) {  // r[i + c] lane L: column 4L + c of rows i .. i+3
@@ -710,6 +711,137 @@ void attend_range_dp_any(const float *q, int rows, int d, float scale, const uin
     static const Range ranges[2][DP_ROWS] = {{attend_range_dp<1, 4>, attend_range_dp<2, 4>, attend_range_dp<3, 4>},
                                              {attend_range_dp<1, 8>, attend_range_dp<2, 8>, attend_range_dp<3, 8>}};
     ranges[d == 128][rows - 1](q, scale, k, v, begin, end, m, l, acc);
+}
+
+// ---- More than three rows: the same dot products, the outputs in memory ------------------------------
+//
+// A verify gives each KV head G x T rows, more than the register path holds. Here a block of 64 keys is
+// laid out once for all its rows, its keys transposed into words (a vector of sixteen keys per pair of
+// dimensions) and its values interleaved by key pairs, as the register path lays out sixteen; then four rows
+// at a time (two with heads of 128) score the block (sixteen sums in flight), run the online softmax over its
+// 64 scores, and add the weighted values into their outputs, which are loaded and stored once a block. The
+// roundings are the register path's: q's bf16 numbers exact, the products exact and summed in float32, the
+// weights rounded to bf16; the bits differ from it where its blocks of sixteen keys rescale the sums.
+// A vdpbf16ps does 32 multiply-adds where an FMA does 16 (8 on AVX2's widths), so on the AMD Zen 4 host
+// (AVX-512 bf16, no AMX) attention over 32,000 keys took 1.6-1.8x less time at 4-16 tokens than widening the
+// block to float32 for the GEMM path, 1.1-1.4x at two (docs/benchmarks.md, "bf16 verifies in dot products").
+
+constexpr int DP_ROWS_BLOCK = 64;  // keys a block: four vectors of sixteen
+
+// The block's keys [0, len) transposed into words, kt [d / 2, 4, 16] (word w of key 16u + i at (w * 4 + u) * 16
+// + i), and its values interleaved by key pairs, vi [DP_ROWS_BLOCK / 2, D16, 32] bf16 (pair p's columns 16c .. 16c+15
+// as a0 b0 a1 b1 ...); keys and values past len are zeros.
+template <int D16>
+void dp_rows_layout(const uint16_t *k, const uint16_t *v, int len, float *kt, uint16_t *vi) {
+    constexpr int d = 16 * D16, WORDS = d / 2;
+    const __m512i low = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
+                                         39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);  // a0 b0 a1 b1 ... a15 b15
+    const __m512i high = _mm512_add_epi16(low, _mm512_set1_epi16(16));                            // a16 b16 ... a31 b31
+    for (int u = 0; u < 4; ++u)
+        for (int c = 0; c < WORDS; c += TILE) {
+            __m512 t[TILE];
+            for (int i = 0; i < TILE; ++i) t[i] = 16 * u + i < len ? _mm512_loadu_ps(k + (16 * u + i) * d + 2 * c) : _mm512_setzero_ps();
+            transpose16(t);
+            for (int w = 0; w < TILE; ++w) _mm512_storeu_ps(kt + ((c + w) * 4 + u) * 16, t[w]);
+        }
+    for (int j = 0; j < DP_ROWS_BLOCK; j += 2) {
+        const uint16_t *va = v + j * d, *vb = va + d;
+        uint16_t *out = vi + (j / 2) * D16 * 32;
+        for (int c = 0; c < D16; c += 2) {
+            const __m512i a = j < len ? _mm512_loadu_si512(va + 16 * c) : _mm512_setzero_si512();
+            const __m512i e = j + 1 < len ? _mm512_loadu_si512(vb + 16 * c) : _mm512_setzero_si512();
+            _mm512_storeu_si512(out + 32 * c, _mm512_permutex2var_epi16(a, low, e));
+            _mm512_storeu_si512(out + 32 * (c + 1), _mm512_permutex2var_epi16(a, high, e));
+        }
+    }
+}
+
+// G rows (their queries as bf16 words, qw [G, d / 2]) through one laid-out block of len keys: scores, the online
+// softmax (running maxima top and sums sum), and the weighted values added into acc [G, d].
+template <int G, int D16>
+void dp_rows(const uint32_t *qw, float scale, const float *kt, const uint16_t *vi, int len, float *top, float *sum, float *acc) {
+    constexpr int d = 16 * D16, WORDS = d / 2;
+    __m512 s[G][4];
+    for (int r = 0; r < G; ++r)
+        for (int u = 0; u < 4; ++u) s[r][u] = _mm512_setzero_ps();
+    for (int w = 0; w < WORDS; ++w) {
+        __m512 x[4];
+        for (int u = 0; u < 4; ++u) x[u] = _mm512_loadu_ps(kt + (w * 4 + u) * 16);
+        for (int r = 0; r < G; ++r) {
+            const __m512bh qb = (__m512bh)_mm512_set1_epi32((int)qw[r * WORDS + w]);
+            for (int u = 0; u < 4; ++u) s[r][u] = _mm512_dpbf16_ps(s[r][u], (__m512bh)x[u], qb);
+        }
+    }
+    alignas(64) uint32_t weights[G][DP_ROWS_BLOCK / 2];  // row r's weights as bf16 pairs: word p holds keys 2p, 2p+1
+    float rescale[G];
+    for (int r = 0; r < G; ++r) {
+        __m512 x[4];
+        for (int u = 0; u < 4; ++u) {
+            const int valid = len - 16 * u < 0 ? 0 : len - 16 * u > 16 ? 16 : len - 16 * u;
+            x[u] = _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), (__mmask16)((1u << valid) - 1), s[r][u], _mm512_set1_ps(scale));
+        }
+        const float next = fmaxf(top[r], _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(x[0], x[1]), _mm512_max_ps(x[2], x[3]))));
+        __m512 kept[4];
+        for (int u = 0; u < 4; ++u) {
+            const __m512 e = (__m512)expv<v16, v16i>((v16)x[u] - next);
+            kept[u] = _mm512_mask_mov_ps(_mm512_setzero_ps(), _mm512_cmp_ps_mask(x[u], _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ), e);
+        }
+        rescale[r] = expf(top[r] - next);  // 0 on the first block (top = -inf)
+        sum[r] = sum[r] * rescale[r] + _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(kept[0], kept[1]), _mm512_add_ps(kept[2], kept[3])));
+        top[r] = next;
+        _mm512_store_si512(weights[r], (__m512i)_mm512_cvtne2ps_pbh(kept[1], kept[0]));
+        _mm512_store_si512(weights[r] + 16, (__m512i)_mm512_cvtne2ps_pbh(kept[3], kept[2]));
+    }
+    __m512 o[G][D16];
+    for (int r = 0; r < G; ++r)
+        for (int c = 0; c < D16; ++c) o[r][c] = _mm512_mul_ps(_mm512_loadu_ps(acc + r * d + 16 * c), _mm512_set1_ps(rescale[r]));
+    for (int p = 0; p < (len + 1) / 2; ++p)
+        for (int c = 0; c < D16; ++c) {
+            const __m512bh x = (__m512bh)_mm512_loadu_si512(vi + (p * D16 + c) * 32);
+            for (int r = 0; r < G; ++r) o[r][c] = _mm512_dpbf16_ps(o[r][c], x, (__m512bh)_mm512_set1_epi32((int)weights[r][p]));
+        }
+    for (int r = 0; r < G; ++r)
+        for (int c = 0; c < D16; ++c) _mm512_storeu_ps(acc + r * d + 16 * c, o[r][c]);
+}
+
+// One work item as attend_range_dp, for any number of rows, d = 16 * D16; scratch as scratch_floats(d).
+template <int D16>
+void attend_range_dp_rows(const float *q, int rows, float scale, const uint16_t *k, const uint16_t *v, int64_t begin, int64_t end,
+                       float *scratch, float *m, float *l, float *acc) {
+    constexpr int d = 16 * D16, WORDS = d / 2, G = D16 == 4 ? 4 : 2;  // G rows a pass: G * D16 outputs and 4G sums in registers
+    float *kt = scratch;
+    uint16_t *vi = (uint16_t *)(kt + WORDS * 64);
+    uint32_t *qw = (uint32_t *)(vi + DP_ROWS_BLOCK / 2 * D16 * 32);
+    for (int r = 0; r < rows; ++r) {
+        m[r] = -INFINITY, l[r] = 0.0f;
+        for (int w = 0; w < WORDS; ++w)
+            qw[r * WORDS + w] = (uint32_t)float_to_bf16(q[r * d + 2 * w]) | (uint32_t)float_to_bf16(q[r * d + 2 * w + 1]) << 16;
+    }
+    for (int i = 0; i < rows * d; ++i) acc[i] = 0.0f;
+    for (int64_t b = begin; b < end; b += DP_ROWS_BLOCK) {
+        const int len = (int)(end - b < DP_ROWS_BLOCK ? end - b : DP_ROWS_BLOCK);
+        if (b + DP_ROWS_BLOCK < end)
+            for (int line = 0; line < DP_ROWS_BLOCK * d * 2; line += 64) {  // the next block, keys and values
+                _mm_prefetch((const char *)(k + (b + DP_ROWS_BLOCK) * d) + line, _MM_HINT_T0);
+                _mm_prefetch((const char *)(v + (b + DP_ROWS_BLOCK) * d) + line, _MM_HINT_T0);
+            }
+        dp_rows_layout<D16>(k + b * d, v + b * d, len, kt, vi);
+        int r = 0;
+        for (; r + G <= rows; r += G) dp_rows<G, D16>(qw + r * WORDS, scale, kt, vi, len, m + r, l + r, acc + r * d);
+        switch (rows - r) {
+            case 3: dp_rows<3, D16>(qw + r * WORDS, scale, kt, vi, len, m + r, l + r, acc + r * d); break;
+            case 2: dp_rows<2, D16>(qw + r * WORDS, scale, kt, vi, len, m + r, l + r, acc + r * d); break;
+            case 1: dp_rows<1, D16>(qw + r * WORDS, scale, kt, vi, len, m + r, l + r, acc + r * d); break;
+            default: break;
+        }
+    }
+}
+
+// attend_range_dp_rows for heads of 64 or 128.
+void attend_range_dp_rows_any(const float *q, int rows, int d, float scale, const uint16_t *k, const uint16_t *v, int64_t begin, int64_t end,
+                           float *scratch, float *m, float *l, float *acc) {
+    if (d == 64) attend_range_dp_rows<4>(q, rows, scale, k, v, begin, end, scratch, m, l, acc);
+    else attend_range_dp_rows<8>(q, rows, scale, k, v, begin, end, scratch, m, l, acc);
 }
 
 #ifdef SPECSTACK_AMX
@@ -903,7 +1035,7 @@ extern "C" {
 int specstack_max_rows() { return MAX_ROWS; }
 int specstack_max_dim() { return MAX_DIM; }
 
-// 1 where a bfloat16 cache of up to three query rows can take bf16 dot products in registers.
+// 1 where a bfloat16 cache can take bf16 dot products (in registers up to three query rows, else row by row).
 int specstack_dp_bf16() {
 #ifdef SPECSTACK_DP
     return 1;
@@ -926,7 +1058,8 @@ int specstack_amx_bf16() {
 // sees [t, t] (token i sees own key j) or null for a chain. out [hkv, rows, d] float32. A bfloat16 cache
 // takes bf16 dot products in registers where dp is nonzero, specstack_dp_bf16() says 1, rows <= 3 and d is
 // 64 or 128; else the AMX path where amx is nonzero, specstack_amx_bf16() says 1 and d is a multiple of 32
-// (q then holds bf16 numbers); else it is widened. Returns 0, or -1 for shapes it does not take (the
+// (q then holds bf16 numbers); else bf16 dot products for any rows where dp is nonzero, specstack_dp_bf16()
+// says 1 and d is 64 or 128 (q holds bf16 numbers); else it is widened. Returns 0, or -1 for shapes it does not take (the
 // caller falls back).
 int specstack_decode_attention(const float *q, const void *k, const void *v, int64_t k_head_stride, int64_t v_head_stride,
                                int hkv, int rows, int t, int d, int64_t n, const uint8_t *sees, float scale,
@@ -941,8 +1074,9 @@ int specstack_decode_attention(const float *q, const void *k, const void *v, int
     const int items = hkv * splits;
 #ifdef SPECSTACK_DP
     const bool registers = bf16 && dp != 0 && dp_fits(rows, d);
+    const bool dp_rows = bf16 && dp != 0 && !registers && (d == 64 || d == 128);
 #else
-    const bool registers = false;
+    const bool registers = false, dp_rows = false;
     (void)dp;
 #endif
 #ifdef SPECSTACK_AMX
@@ -981,6 +1115,13 @@ int specstack_decode_attention(const float *q, const void *k, const void *v, int
         if (tiles) {
             attend_range_amx(q + (int64_t)h * rows * d, rows, d, scale, (const uint16_t *)k + h * k_head_stride, (const uint16_t *)v + h * v_head_stride,
                              begin, end, scratch + (size_t)item * item_floats, item_m, item_l, item_acc);
+            continue;
+        }
+#endif
+#ifdef SPECSTACK_DP
+        if (dp_rows) {
+            attend_range_dp_rows_any(q + (int64_t)h * rows * d, rows, d, scale, (const uint16_t *)k + h * k_head_stride,
+                                     (const uint16_t *)v + h * v_head_stride, begin, end, scratch + (size_t)item * item_floats, item_m, item_l, item_acc);
             continue;
         }
 #endif
