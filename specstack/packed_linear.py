@@ -18,7 +18,7 @@ weights without widening them (docs/benchmarks.md, "bf16 linears through vdpbf16
 
 This module is the one place that choice is made. :func:`pack_linears` turns a model's ``nn.Linear``
 layers into :class:`PackedLinear` (the same module, parameters and state dict, another forward); each
-takes up to :data:`MAX_STREAMED_ROWS` rows (six; sixteen on AVX2) through the streaming kernel where it was built, packs its weight on its first wider CPU forward without
+takes up to :data:`MAX_STREAMED_ROWS` rows (six in fp32, sixteen in bf16; sixteen in fp32 on AVX2) through the streaming kernel where it was built, packs its weight on its first wider CPU forward without
 autograd (fp32, and bf16 where oneDNN has bf16 kernels: there ``F.linear`` reordered the weight on every
 call and cost 25-33 ms for 1-16 rows through the target's matrices, the packed kernel 17; where it has none,
 bf16 widened to an fp32 copy of the weight, each output rounded once), and keeps
@@ -46,7 +46,10 @@ ROWS_SOURCE = SOURCES / "linear_rows.cpp"
 # its prefetch) against oneDNN's packed kernel: fp32 target 1.05-1.11x at 5 and 6 tokens, bf16 target
 # 1.04-1.06x at 5 and 6, 0.98-1.02x at 8 (docs/benchmarks.md, "Prefetching the weights"). The draft,
 # whose weights stay in cache, gains nothing from 5 rows on in either dtype.
-MAX_STREAMED_ROWS = {torch.float32: 6, torch.bfloat16: 6}
+# bf16 (with AVX-512's bf16 dot products and no AMX tiles): up to 16, the Q4_1 blocks widened in passes of six
+# (csrc/linear_rows.cpp, MAX_Q4_ROWS): on the AMD Zen 4 host the bf16 target's forwards of 7-16 tokens took
+# 1.02-1.32x less time than with oneDNN's packed kernel (docs/benchmarks.md, "bf16 verifies in dot products").
+MAX_STREAMED_ROWS = {torch.float32: 6, torch.bfloat16: 16}
 # Where the kernel is built for narrower vectors than AVX-512 (AVX2), fp32 products of up to this many rows
 # take it: on the 2-core AMD Zen 3 host the target's 211 matrices took 30 / 38 / 48 ms for 8 / 12 / 16 rows
 # through it against oneDNN's packed kernel's 37 / 45 / 52, and the same at 24 (docs/benchmarks.md, "Up to
