@@ -820,10 +820,13 @@ void attend_range_dp_rows(const float *q, int rows, float scale, const uint16_t 
     for (int i = 0; i < rows * d; ++i) acc[i] = 0.0f;
     for (int64_t b = begin; b < end; b += DP_ROWS_BLOCK) {
         const int len = (int)(end - b < DP_ROWS_BLOCK ? end - b : DP_ROWS_BLOCK);
+        // The next block, keys and values, asked for into L2 while this one is laid out and computed: on the AMD Zen 4
+        // host 1.08-1.13x faster at 2-7 tokens over 32,000 keys than into L1, where the layout pass waited on it; two
+        // blocks ahead measured the same. (The register path's blocks of sixteen keep L1: 0.86x into L2 at one token.)
         if (b + DP_ROWS_BLOCK < end)
-            for (int line = 0; line < DP_ROWS_BLOCK * d * 2; line += 64) {  // the next block, keys and values
-                _mm_prefetch((const char *)(k + (b + DP_ROWS_BLOCK) * d) + line, _MM_HINT_T0);
-                _mm_prefetch((const char *)(v + (b + DP_ROWS_BLOCK) * d) + line, _MM_HINT_T0);
+            for (int line = 0; line < DP_ROWS_BLOCK * d * 2; line += 64) {
+                _mm_prefetch((const char *)(k + (b + DP_ROWS_BLOCK) * d) + line, _MM_HINT_T1);
+                _mm_prefetch((const char *)(v + (b + DP_ROWS_BLOCK) * d) + line, _MM_HINT_T1);
             }
         dp_rows_layout<D16>(k + b * d, v + b * d, len, kt, vi);
         int r = 0;
