@@ -774,18 +774,14 @@ void dp_rows(const uint32_t *qw, float scale, const float *kt, const uint16_t *v
     }
     alignas(64) uint32_t weights[G][DP_ROWS_BLOCK / 2];  // row r's weights as bf16 pairs: word p holds keys 2p, 2p+1
     float rescale[G];
+    __mmask16 valid[4];  // the block's keys in each vector of sixteen (past len: padding, weighing nothing)
+    for (int u = 0; u < 4; ++u) valid[u] = (__mmask16)((1u << (len - 16 * u < 0 ? 0 : len - 16 * u > 16 ? 16 : len - 16 * u)) - 1);
     for (int r = 0; r < G; ++r) {
         __m512 x[4];
-        for (int u = 0; u < 4; ++u) {
-            const int valid = len - 16 * u < 0 ? 0 : len - 16 * u > 16 ? 16 : len - 16 * u;
-            x[u] = _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), (__mmask16)((1u << valid) - 1), s[r][u], _mm512_set1_ps(scale));
-        }
+        for (int u = 0; u < 4; ++u) x[u] = _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), valid[u], s[r][u], _mm512_set1_ps(scale));
         const float next = fmaxf(top[r], _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(x[0], x[1]), _mm512_max_ps(x[2], x[3]))));
         __m512 kept[4];
-        for (int u = 0; u < 4; ++u) {
-            const __m512 e = (__m512)expv<v16, v16i>((v16)x[u] - next);
-            kept[u] = _mm512_mask_mov_ps(_mm512_setzero_ps(), _mm512_cmp_ps_mask(x[u], _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ), e);
-        }
+        for (int u = 0; u < 4; ++u) kept[u] = _mm512_maskz_mov_ps(valid[u], (__m512)expv<v16, v16i>((v16)x[u] - next));
         rescale[r] = expf(top[r] - next);  // 0 on the first block (top = -inf)
         sum[r] = sum[r] * rescale[r] + _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(kept[0], kept[1]), _mm512_add_ps(kept[2], kept[3])));
         top[r] = next;
@@ -804,10 +800,11 @@ void dp_rows(const uint32_t *qw, float scale, const float *kt, const uint16_t *v
         for (int c = 0; c < D16; ++c) _mm512_storeu_ps(acc + r * d + 16 * c, o[r][c]);
 }
 
-// One work item as attend_range_dp, for any number of rows, d = 16 * D16; scratch as scratch_floats(d).
+// One work item as attend_range_dp, for any number of rows, d = 16 * D16. scratch holds the laid-out block (kt: d / 2 * 64
+// floats; vi: as many) and the queries as words (rows * d / 2): at most 3 * 64 * d / 2 floats, within scratch_floats(d).
 template <int D16>
 void attend_range_dp_rows(const float *q, int rows, float scale, const uint16_t *k, const uint16_t *v, int64_t begin, int64_t end,
-                       float *scratch, float *m, float *l, float *acc) {
+                          float *scratch, float *m, float *l, float *acc) {
     constexpr int d = 16 * D16, WORDS = d / 2, G = D16 == 4 ? 4 : 2;  // G rows a pass: G * D16 outputs and 4G sums in registers
     float *kt = scratch;
     uint16_t *vi = (uint16_t *)(kt + WORDS * 64);
@@ -842,7 +839,7 @@ void attend_range_dp_rows(const float *q, int rows, float scale, const uint16_t 
 
 // attend_range_dp_rows for heads of 64 or 128.
 void attend_range_dp_rows_any(const float *q, int rows, int d, float scale, const uint16_t *k, const uint16_t *v, int64_t begin, int64_t end,
-                           float *scratch, float *m, float *l, float *acc) {
+                              float *scratch, float *m, float *l, float *acc) {
     if (d == 64) attend_range_dp_rows<4>(q, rows, scale, k, v, begin, end, scratch, m, l, acc);
     else attend_range_dp_rows<8>(q, rows, scale, k, v, begin, end, scratch, m, l, acc);
 }
@@ -1077,9 +1074,9 @@ int specstack_decode_attention(const float *q, const void *k, const void *v, int
     const int items = hkv * splits;
 #ifdef SPECSTACK_DP
     const bool registers = bf16 && dp != 0 && dp_fits(rows, d);
-    const bool dp_rows = bf16 && dp != 0 && !registers && (d == 64 || d == 128);
+    const bool dot_rows = bf16 && dp != 0 && !registers && (d == 64 || d == 128);  // attend_range_dp_rows where there are no tiles
 #else
-    const bool registers = false, dp_rows = false;
+    const bool registers = false, dot_rows = false;
     (void)dp;
 #endif
 #ifdef SPECSTACK_AMX
@@ -1122,7 +1119,7 @@ int specstack_decode_attention(const float *q, const void *k, const void *v, int
         }
 #endif
 #ifdef SPECSTACK_DP
-        if (dp_rows) {
+        if (dot_rows) {
             attend_range_dp_rows_any(q + (int64_t)h * rows * d, rows, d, scale, (const uint16_t *)k + h * k_head_stride,
                                      (const uint16_t *)v + h * v_head_stride, begin, end, scratch + (size_t)item * item_floats, item_m, item_l, item_acc);
             continue;
