@@ -12,7 +12,7 @@ softmax in float32, the weights rounded to bf16 (as SDPA's bf16 kernels round th
 or fewer per KV head (a one-token step with GQA groups of three), where the CPU has AVX-512's bf16 dot
 products (with or without AMX), take them in registers instead, with the same rounding (1.13x faster
 than the tiles over 7,500 and 32,000 keys); without AMX, a verify's rows take the same dot products,
-block by block (1.6-1.8x faster than widening at 4-16 tokens over 32,000 keys). It is built and loaded by
+block by block (1.5-1.7x faster than widening at 3-16 tokens over 32,000 keys). It is built and loaded by
 :mod:`specstack.native`; where it cannot be built, :func:`load_decode_kernel` returns None and
 attention stays with SDPA.
 
@@ -42,8 +42,8 @@ MAX_TOKENS_AMX = 16  # a bfloat16 cache where the kernel runs on AMX tiles
 # --attention).
 MAX_TOKENS_WIDENED_BF16 = 16
 # A bfloat16 cache with heads of 64 or 128 on a CPU with AVX-512's bf16 dot products (and no AMX tiles): a verify's
-# rows take the dot products too, 1.6-1.8x faster than widening at 4-16 tokens over 32,000 keys on the AMD Zen 4
-# host (docs/benchmarks.md, "bf16 verifies in dot products"), where SDPA took 2.7-3.6x the kernel's time.
+# rows take the dot products too, 1.5-1.7x faster than widening at 3-16 tokens over 32,000 keys on the AMD Zen 4
+# host (docs/benchmarks.md, "bf16 verifies in dot products"), where SDPA took 2.5-3.9x the kernel's time.
 MAX_TOKENS_DOT_PRODUCTS = 16
 # Up to MAX_TOKENS[bfloat16] new tokens over fewer cached keys than this, widening stays faster than the
 # tiles' fixed costs: whole target forwards 0.93-0.96x with tiles over 512-1,024 keys, 1.01x over 2,048.

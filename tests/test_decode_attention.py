@@ -121,9 +121,7 @@ def test_a_bfloat16_cache_on_amx_tiles_is_attention_up_to_the_weights_rounding(m
     assert ((got.double() - want).abs() <= bound).all(), float((got.double() - want).abs().max())
 
 
-@needs_dot_products
-@pytest.mark.parametrize("tree", [False, True])
-@pytest.mark.parametrize(("t", "n", "d", "kv_heads", "group"), [
+DOT_PRODUCT_SHAPES = [
     (1, 7_000, 64, 3, 3),  # the default target's one-token step
     (1, 2, 64, 3, 3), (1, 70, 64, 3, 3),  # one cached key; a cache shorter than a block per thread
     (1, 1_000, 64, 2, 2), (1, 517, 64, 4, 1), (1, 301, 128, 1, 3),  # fewer rows, a wider head, ranges ending mid-pair
@@ -133,14 +131,19 @@ def test_a_bfloat16_cache_on_amx_tiles_is_attention_up_to_the_weights_rounding(m
     (8, 300, 64, 1, 8),  # 64 rows, sixteen passes of four
     (3, 70, 64, 3, 3), (4, 5, 64, 3, 3),  # a cache shorter than a block per thread; nothing cached but the new tokens
     (2, 515, 128, 2, 4), (3, 133, 128, 1, 3), (5, 1_001, 64, 1, 3),  # wider heads (two rows a pass); ranges ending mid-block and mid-pair
-])
+]
+
+
+@needs_dot_products
+@pytest.mark.parametrize(("t", "n", "d", "kv_heads", "group", "tree"),
+                         [(*shape, tree) for shape in DOT_PRODUCT_SHAPES for tree in (False, True) if shape[0] > 1 or not tree])  # one token: no tree
 def test_bf16_dot_products_are_attention_up_to_the_weights_rounding(t, n, d, kv_heads, group, tree) -> None:
     """A bfloat16 cache takes bf16 dot products where the CPU has them: three query rows or fewer in
     registers, AMX or not, and more rows block by block where there are no tiles (the kernel told there
     are none, as on an AVX-512 bf16 CPU without AMX). The weights are rounded to bf16 as on the tiles,
     so the same bound holds; told to use neither, the result is the widened one. A wrong layout, mask
     or rescale moves an output by the values' scale."""
-    query, keys, values, sees = bf16_inputs(t, n, d, kv_heads, group, tree and t > 1)
+    query, keys, values, sees = bf16_inputs(t, n, d, kv_heads, group, tree)
     no_tiles = attrs.evolve(KERNEL, amx=False)
     got = no_tiles.attend(query, keys, values, None, sees)  # [1, T, Hq, D]
     want = reference(query, keys, values, sees)  # [1, T, Hq, D], float64

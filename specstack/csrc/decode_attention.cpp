@@ -630,6 +630,21 @@ __attribute__((always_inline)) inline void transpose16(__m512 r[16]) {
 // of sixteen scores, and the weights, rounded to bf16 as on the tiles, weigh the values by key pairs
 // (two keys' values interleaved, one dot product per sixteen columns per row).
 
+// vpermt2w indices that interleave two rows of 32 bf16 numbers, a and b, by pairs: a0 b0 a1 b1 ... a15 b15
+// (pairs_low) and a16 b16 ... a31 b31 (pairs_high), so that a dot product's word j holds both rows' column j.
+inline __m512i pairs_low() {
+    return _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+}
+inline __m512i pairs_high() { return _mm512_add_epi16(pairs_low(), _mm512_set1_epi16(16)); }
+
+// qw[r * d / 2 + w] = row r's dimensions 2w and 2w+1 as one word of two bf16 numbers, for rows of d (exact: q holds
+// bf16 numbers), so that one broadcast word multiplies a pair of dimensions in a dot product.
+inline void query_words(const float *q, int rows, int d, uint32_t *qw) {
+    for (int r = 0; r < rows; ++r)
+        for (int w = 0; w < d / 2; ++w)
+            qw[r * d / 2 + w] = (uint32_t)float_to_bf16(q[r * d + 2 * w]) | (uint32_t)float_to_bf16(q[r * d + 2 * w + 1]) << 16;
+}
+
 constexpr int DP_ROWS = 3;  // rows up to which a bfloat16 cache can take this path
 
 // One work item as attend_range_amx, for ROWS <= DP_ROWS rows and d = 16 * D16 (D16 a multiple of 2).
@@ -637,13 +652,9 @@ template <int ROWS, int D16>
 void attend_range_dp(const float *q, float scale, const uint16_t *k, const uint16_t *v, int64_t begin, int64_t end,
                      float *m, float *l, float *acc) {
     constexpr int d = 16 * D16, WORDS = d / 2;
-    const __m512i low = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
-                                         39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);  // a0 b0 a1 b1 ... a15 b15
-    const __m512i high = _mm512_add_epi16(low, _mm512_set1_epi16(16));                            // a16 b16 ... a31 b31
-    uint32_t qw[ROWS][WORDS];  // each row's dimension pairs as bf16 words (exact: q holds bf16 numbers)
-    for (int r = 0; r < ROWS; ++r)
-        for (int w = 0; w < WORDS; ++w)
-            qw[r][w] = (uint32_t)float_to_bf16(q[r * d + 2 * w]) | (uint32_t)float_to_bf16(q[r * d + 2 * w + 1]) << 16;
+    const __m512i low = pairs_low(), high = pairs_high();
+    uint32_t qw[ROWS][WORDS];  // each row's dimension pairs as bf16 words
+    query_words(q, ROWS, d, &qw[0][0]);
     __m512 o[ROWS][D16];
     float top[ROWS], sum[ROWS];
     for (int r = 0; r < ROWS; ++r) {
@@ -723,8 +734,8 @@ void attend_range_dp_any(const float *q, int rows, int d, float scale, const uin
 // roundings are the register path's: q's bf16 numbers exact, the products exact and summed in float32, the
 // weights rounded to bf16; the bits differ from it where its blocks of sixteen keys rescale the sums.
 // A vdpbf16ps does 32 multiply-adds where an FMA does 16 (8 on AVX2's widths), so on the AMD Zen 4 host
-// (AVX-512 bf16, no AMX) attention over 32,000 keys took 1.6-1.8x less time at 4-16 tokens than widening the
-// block to float32 for the GEMM path, 1.1-1.4x at two (docs/benchmarks.md, "bf16 verifies in dot products").
+// (AVX-512 bf16, no AMX) attention over 32,000 keys took 1.5-1.7x less time at 3-16 tokens than widening the
+// block to float32 for the GEMM path, 1.13x at two (docs/benchmarks.md, "bf16 verifies in dot products").
 
 constexpr int DP_ROWS_BLOCK = 64;  // keys a block: four vectors of sixteen
 
@@ -734,9 +745,7 @@ constexpr int DP_ROWS_BLOCK = 64;  // keys a block: four vectors of sixteen
 template <int D16>
 void dp_rows_layout(const uint16_t *k, const uint16_t *v, int len, float *kt, uint16_t *vi) {
     constexpr int d = 16 * D16, WORDS = d / 2;
-    const __m512i low = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
-                                         39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);  // a0 b0 a1 b1 ... a15 b15
-    const __m512i high = _mm512_add_epi16(low, _mm512_set1_epi16(16));                            // a16 b16 ... a31 b31
+    const __m512i low = pairs_low(), high = pairs_high();
     for (int u = 0; u < 4; ++u)
         for (int c = 0; c < WORDS; c += TILE) {
             __m512 t[TILE];
@@ -809,11 +818,8 @@ void attend_range_dp_rows(const float *q, int rows, float scale, const uint16_t 
     float *kt = scratch;
     uint16_t *vi = (uint16_t *)(kt + WORDS * 64);
     uint32_t *qw = (uint32_t *)(vi + DP_ROWS_BLOCK / 2 * D16 * 32);
-    for (int r = 0; r < rows; ++r) {
-        m[r] = -INFINITY, l[r] = 0.0f;
-        for (int w = 0; w < WORDS; ++w)
-            qw[r * WORDS + w] = (uint32_t)float_to_bf16(q[r * d + 2 * w]) | (uint32_t)float_to_bf16(q[r * d + 2 * w + 1]) << 16;
-    }
+    query_words(q, rows, d, qw);
+    for (int r = 0; r < rows; ++r) m[r] = -INFINITY, l[r] = 0.0f;
     for (int i = 0; i < rows * d; ++i) acc[i] = 0.0f;
     for (int64_t b = begin; b < end; b += DP_ROWS_BLOCK) {
         const int len = (int)(end - b < DP_ROWS_BLOCK ? end - b : DP_ROWS_BLOCK);
@@ -871,9 +877,7 @@ void interleave_queries(const float *q, int rows, int d, uint16_t *qv) {
 // vv[s][tile][pair][2 * col + i] = v[32 s + 2 pair + i][16 tile + col]: a block's 64 values (rows of d)
 // as the B operand of P x V (key pairs interleaved), two output tiles per 32 columns.
 void interleave_values(const uint16_t *v, int d, uint16_t *vv) {
-    const __m512i low = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
-                                         39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);  // a0 b0 a1 b1 ... a15 b15
-    const __m512i high = _mm512_add_epi16(low, _mm512_set1_epi16(16));                            // a16 b16 ... a31 b31
+    const __m512i low = pairs_low(), high = pairs_high();
     const int tiles = d / TILE;
     for (int j = 0; j < AMX_BLOCK; j += 2) {
         const int s = j / PAIRS, pair = j % PAIRS / 2;

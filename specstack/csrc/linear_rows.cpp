@@ -637,16 +637,12 @@ int specstack_linear_rows_q4_1_bf16(const uint8_t *w, const uint16_t *x, const u
 #if defined(__AVX512BF16__)
     if (!bf16_shape_taken(n, out, in, threads, MAX_Q4_ROWS)) return -1;
     const int64_t row_bytes = row_bytes_of<Q4_1>(in);
-    const auto one = [&](int64_t r, int j) { return q4_one_output(w + r * row_bytes, x + j * in, in); };
-    if (n <= MAX_Q4_FUSED_ROWS) {
-        bf16_outputs<MAX_Q4_FUSED_ROWS>(bias, y, n, out, threads, [&](int64_t first, float *sums) { q4_rows(w, x, n, in, first, sums); }, one);
-        return 0;
-    }
-    // More rows: passes of at most MAX_Q4_FUSED_ROWS, as even as they go, each widening the group's blocks again from
-    // L1 (every sum still the same dot products in the same order). On the AMD Zen 4 host the bf16 target's forwards
-    // of 7 / 8 / 12 / 16 tokens took 1.24-1.32x / 1.16-1.30x / 1.10-1.18x / 1.02-1.03x less time so than with oneDNN's
-    // packed kernel over the bf16 weights and the lean decoder's Python (over 1,024 and 7,500 cached keys); widening
-    // each group once into L1 and taking bf16_four_outputs over it measured 0.93-0.99x of this.
+    // Passes of at most MAX_Q4_FUSED_ROWS input rows (one pass up to six), as even as they go, each widening the
+    // group's blocks again (from L1 after the first): every sum the same dot products in the same order. On the AMD
+    // Zen 4 host the bf16 target's forwards of 7 / 8 / 12 / 16 tokens took 1.24-1.32x / 1.16-1.30x / 1.10-1.18x /
+    // 1.02-1.03x less time so than with oneDNN's packed kernel over the bf16 weights and the lean decoder's Python
+    // (over 1,024 and 7,500 cached keys); widening each group once into L1 and taking bf16_four_outputs over it
+    // measured 0.93-0.99x of this.
     const int passes = (n + MAX_Q4_FUSED_ROWS - 1) / MAX_Q4_FUSED_ROWS;
     bf16_outputs<MAX_Q4_ROWS>(
         bias, y, n, out, threads,
@@ -656,7 +652,8 @@ int specstack_linear_rows_q4_1_bf16(const uint8_t *w, const uint16_t *x, const u
                 q4_rows(w, x + j * in, m, in, first, sums + j * ROWS);
                 j += m;
             }
-        }, one);
+        },
+        [&](int64_t r, int j) { return q4_one_output(w + r * row_bytes, x + j * in, in); });
     return 0;
 #else
     return widened_bf16_linear<Q4_1_BF16>(w, x, bias, y, n, out, in, threads);
