@@ -125,6 +125,7 @@ DOT_PRODUCT_SHAPES = [
     (1, 7_000, 64, 3, 3),  # the default target's one-token step
     (1, 2, 64, 3, 3), (1, 70, 64, 3, 3),  # one cached key; a cache shorter than a block per thread
     (1, 1_000, 64, 2, 2), (1, 517, 64, 4, 1), (1, 301, 128, 1, 3),  # fewer rows, a wider head, ranges ending mid-pair
+    (1, 777, 64, 1, 4), (1, 1_001, 128, 2, 5), (2, 301, 128, 1, 3),  # four to six rows in registers where there are no tiles
     (3, 900, 64, 1, 1),  # three tokens of one query head: three rows under the causal mask
     # more rows (a verify), block by block: the default target's verifies, up to the widest it takes
     (2, 7_000, 64, 3, 3), (5, 2_000, 64, 3, 3), (8, 1_000, 64, 3, 3), (16, 900, 64, 3, 3),
@@ -150,6 +151,20 @@ def test_bf16_dot_products_are_attention_up_to_the_weights_rounding(t, n, d, kv_
     bound = 2**-8 * want.abs() + 2**-9 * values.abs().amax()  # its own rounding, the weights'
     assert ((got.double() - want).abs() <= bound).all(), float((got.double() - want).abs().max())
     assert not torch.equal(got, WIDENING.attend(query, keys, values, None, sees)) or n - t < 3  # another path than widening (one cached key weighs 1 either way)
+
+
+@needs_dot_products
+@pytest.mark.parametrize(("n", "d"), [(7_000, 64), (515, 64), (1_001, 128)])
+def test_the_first_token_of_a_two_token_verify_gets_the_one_token_steps_bits(n, d) -> None:
+    """Where there are no tiles, six query rows or fewer take the register path, whose rows do not share
+    arithmetic: the first token of a two-token verify (six rows a KV head) over n cached keys is the same bits
+    as a one-token step over them, so a bf16 verify's first position agrees with autoregressive decoding. A
+    verify that took the block-by-block path (its blocks of 64 keys rescale elsewhere) differs."""
+    query, keys, values, _ = bf16_inputs(2, n + 2, d, 3, 3, False)  # n cached keys and the verify's own two
+    no_tiles = attrs.evolve(KERNEL, amx=False)
+    verify = no_tiles.attend(query, keys, values, None, None)  # [1, 2, Hq, D]
+    step = no_tiles.attend(query[:, :, :1], keys[:, :, :n + 1], values[:, :, :n + 1], None, None)  # [1, 1, Hq, D]
+    assert torch.equal(verify[:, :1], step)
 
 
 def bf16_inputs(t, n, d, kv_heads, group, tree):

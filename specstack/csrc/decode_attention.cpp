@@ -620,7 +620,7 @@ __attribute__((always_inline)) inline void transpose16(__m512 r[16]) {
     }
 }
 
-// ---- Three rows or fewer: AVX-512's bf16 dot products, no tiles -----------------------------------
+// ---- Six rows or fewer: AVX-512's bf16 dot products, no tiles --------------------------------------
 //
 // A one-token step gives each KV head three query rows, and a 16 x 16 tile product then wastes 13 of
 // its rows, and the softmax gathers each row's scores back out of the tile. Here the weights and
@@ -628,7 +628,10 @@ __attribute__((always_inline)) inline void transpose16(__m512 r[16]) {
 // pair of dimensions, a lane a key), so each query row scores them with d / 2 bf16 dot products
 // (vdpbf16ps, whose products are exact and summed in float32), the online softmax runs on that vector
 // of sixteen scores, and the weights, rounded to bf16 as on the tiles, weigh the values by key pairs
-// (two keys' values interleaved, one dot product per sixteen columns per row).
+// (two keys' values interleaved, one dot product per sixteen columns per row). Each row's arithmetic is
+// its own, so its sums over a range of cached keys are the same bits at any number of rows: the first token of
+// a two-token verify (six rows, where there are no tiles) gets a one-token step's output. On the AMD Zen 4 host six rows here took 1.35x (7,500 keys)
+// and 1.41x (32,000) less time than the block-by-block path below; nine rows measured 1.06x, twelve 0.8x.
 
 // vpermt2w indices that interleave two rows of 32 bf16 numbers, a and b, by pairs: a0 b0 a1 b1 ... a15 b15
 // (pairs_low) and a16 b16 ... a31 b31 (pairs_high), so that a dot product's word j holds both rows' column j.
@@ -645,7 +648,16 @@ inline void query_words(const float *q, int rows, int d, uint32_t *qw) {
             qw[r * d / 2 + w] = (uint32_t)float_to_bf16(q[r * d + 2 * w]) | (uint32_t)float_to_bf16(q[r * d + 2 * w + 1]) << 16;
 }
 
-constexpr int DP_ROWS = 3;  // rows up to which a bfloat16 cache can take this path
+constexpr int DP_ROWS = 6;  // rows up to which a bfloat16 cache can take this path where there are no AMX tiles
+constexpr int DP_ROWS_BESIDE_TILES = 3;  // and where there are: more rows take the tiles (measured on the Intel host)
+// Whether each block asks for the one four ahead. On the Intel AMX host the path was 1.34x slower without
+// (docs/benchmarks.md, 2026-11-24); on the AMD Zen 4 host (no AMX) the hardware prefetcher alone took the one-token
+// case 1.42x (7,500 keys) and 1.50x (32,000) faster: the 64 prefetches a block crowd its loads.
+#ifdef SPECSTACK_AMX
+constexpr bool DP_PREFETCH = true;
+#else
+constexpr bool DP_PREFETCH = false;
+#endif
 
 // One work item as attend_range_amx, for ROWS <= DP_ROWS rows and d = 16 * D16 (D16 a multiple of 2).
 template <int ROWS, int D16>
@@ -663,7 +675,7 @@ void attend_range_dp(const float *q, float scale, const uint16_t *k, const uint1
     }
     for (int64_t b = begin; b < end; b += TILE) {
         const int len = (int)(end - b < TILE ? end - b : TILE);
-        if (b + 4 * TILE < end)
+        if (DP_PREFETCH && b + 4 * TILE < end)
             for (int line = 0; line < TILE * d * 2; line += 64) {  // the block four ahead, keys and values
                 _mm_prefetch((const char *)(k + (b + 4 * TILE) * d) + line, _MM_HINT_T0);
                 _mm_prefetch((const char *)(v + (b + 4 * TILE) * d) + line, _MM_HINT_T0);
@@ -682,7 +694,7 @@ void attend_range_dp(const float *q, float scale, const uint16_t *k, const uint1
         }
         for (int r = 0; r < ROWS; ++r) s[r] = _mm512_add_ps(s[r], s2[r]);
         const __mmask16 valid = (__mmask16)(len == TILE ? 0xFFFF : (1u << len) - 1);
-        __m512i weights[ROWS];  // the block's weights of each row as bf16 pairs: word j holds keys 2j, 2j+1 (upper half zero)
+        alignas(32) uint32_t weights[ROWS][TILE / 2];  // the block's weights of each row as bf16 pairs: word j holds keys 2j, 2j+1
         for (int r = 0; r < ROWS; ++r) {
             const __m512 x = _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), valid, s[r], _mm512_set1_ps(scale));
             const float next = fmaxf(top[r], _mm512_reduce_max_ps(x));
@@ -691,7 +703,7 @@ void attend_range_dp(const float *q, float scale, const uint16_t *k, const uint1
             const float rescale = expf(top[r] - next);  // 0 on the first block (top = -inf)
             sum[r] = sum[r] * rescale + _mm512_reduce_add_ps(kept), top[r] = next;
             for (int c = 0; c < D16; ++c) o[r][c] = _mm512_mul_ps(o[r][c], _mm512_set1_ps(rescale));
-            weights[r] = _mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(kept));
+            _mm256_store_si256((__m256i *)weights[r], (__m256i)_mm512_cvtneps_pbh(kept));
         }
         for (int j = 0; j < len; j += 2) {  // keys j, j+1 (a missing second key: zero values)
             const uint16_t *va = v + (b + j) * d, *vb = va + d;
@@ -699,7 +711,7 @@ void attend_range_dp(const float *q, float scale, const uint16_t *k, const uint1
                 const __m512i a = _mm512_loadu_si512(va + 16 * c), e = j + 1 < len ? _mm512_loadu_si512(vb + 16 * c) : _mm512_setzero_si512();
                 const __m512i lo = _mm512_permutex2var_epi16(a, low, e), hi = _mm512_permutex2var_epi16(a, high, e);
                 for (int r = 0; r < ROWS; ++r) {
-                    const __m512i pair = _mm512_permutexvar_epi32(_mm512_set1_epi32(j / 2), weights[r]);
+                    const __m512i pair = _mm512_set1_epi32((int)weights[r][j / 2]);  // broadcast from L1: no shuffle
                     o[r][c] = _mm512_dpbf16_ps(o[r][c], (__m512bh)lo, (__m512bh)pair);
                     o[r][c + 1] = _mm512_dpbf16_ps(o[r][c + 1], (__m512bh)hi, (__m512bh)pair);
                 }
@@ -712,19 +724,19 @@ void attend_range_dp(const float *q, float scale, const uint16_t *k, const uint1
     }
 }
 
-// Whether a work item of rows query rows with heads of d can take attend_range_dp.
-inline bool dp_fits(int rows, int d) { return rows <= DP_ROWS && (d == 64 || d == 128); }
+// Whether a work item of rows query rows with heads of d can take attend_range_dp, beside AMX tiles or not.
+inline bool dp_fits(int rows, int d, bool tiles) { return rows <= (tiles ? DP_ROWS_BESIDE_TILES : DP_ROWS) && (d == 64 || d == 128); }
 
 // attend_range_dp for rows rows and heads of d (dp_fits).
 void attend_range_dp_any(const float *q, int rows, int d, float scale, const uint16_t *k, const uint16_t *v, int64_t begin, int64_t end,
                          float *m, float *l, float *acc) {
     typedef void (*Range)(const float *, float, const uint16_t *, const uint16_t *, int64_t, int64_t, float *, float *, float *);
-    static const Range ranges[2][DP_ROWS] = {{attend_range_dp<1, 4>, attend_range_dp<2, 4>, attend_range_dp<3, 4>},
-                                             {attend_range_dp<1, 8>, attend_range_dp<2, 8>, attend_range_dp<3, 8>}};
+    static const Range ranges[2][DP_ROWS] = {{attend_range_dp<1, 4>, attend_range_dp<2, 4>, attend_range_dp<3, 4>, attend_range_dp<4, 4>, attend_range_dp<5, 4>, attend_range_dp<6, 4>},
+                                             {attend_range_dp<1, 8>, attend_range_dp<2, 8>, attend_range_dp<3, 8>, attend_range_dp<4, 8>, attend_range_dp<5, 8>, attend_range_dp<6, 8>}};
     ranges[d == 128][rows - 1](q, scale, k, v, begin, end, m, l, acc);
 }
 
-// ---- More than three rows: the same dot products, the outputs in memory ------------------------------
+// ---- More rows: the same dot products, the outputs in memory ----------------------------------------
 //
 // A verify gives each KV head G x T rows, more than the register path holds. Here a block of 64 keys is
 // laid out once for all its rows, its keys transposed into words (a vector of sixteen keys per pair of
@@ -825,7 +837,7 @@ void attend_range_dp_rows(const float *q, int rows, float scale, const uint16_t 
         const int len = (int)(end - b < DP_ROWS_BLOCK ? end - b : DP_ROWS_BLOCK);
         // The next block, keys and values, asked for into L2 while this one is laid out and computed: on the AMD Zen 4
         // host 1.08-1.13x faster at 2-7 tokens over 32,000 keys than into L1, where the layout pass waited on it; two
-        // blocks ahead measured the same. (The register path's blocks of sixteen keep L1: 0.86x into L2 at one token.)
+        // blocks ahead measured the same. (The register path asks for nothing there: see DP_PREFETCH.)
         if (b + DP_ROWS_BLOCK < end)
             for (int line = 0; line < DP_ROWS_BLOCK * d * 2; line += 64) {
                 _mm_prefetch((const char *)(k + (b + DP_ROWS_BLOCK) * d) + line, _MM_HINT_T1);
@@ -1039,7 +1051,8 @@ extern "C" {
 int specstack_max_rows() { return MAX_ROWS; }
 int specstack_max_dim() { return MAX_DIM; }
 
-// 1 where a bfloat16 cache can take bf16 dot products (in registers up to three query rows, else row by row).
+// 1 where a bfloat16 cache can take bf16 dot products (in registers up to six query rows, three beside AMX tiles, else
+// row by row).
 int specstack_dp_bf16() {
 #ifdef SPECSTACK_DP
     return 1;
@@ -1060,8 +1073,8 @@ int specstack_amx_bf16() {
 // q [hkv, rows, d] contiguous (rows = G * t); keys and values of head h at k + h * k_head_stride elements,
 // rows of d, n of them, the last t the new tokens' own; float32, or bfloat16 where kv_bf16 is nonzero.
 // sees [t, t] (token i sees own key j) or null for a chain. out [hkv, rows, d] float32. A bfloat16 cache
-// takes bf16 dot products in registers where dp is nonzero, specstack_dp_bf16() says 1, rows <= 3 and d is
-// 64 or 128; else the AMX path where amx is nonzero, specstack_amx_bf16() says 1 and d is a multiple of 32
+// takes bf16 dot products in registers where dp is nonzero, specstack_dp_bf16() says 1, rows <= 6 (3 where it
+// takes tiles) and d is 64 or 128; else the AMX path where amx is nonzero, specstack_amx_bf16() says 1 and d is a multiple of 32
 // (q then holds bf16 numbers); else bf16 dot products for any rows where dp is nonzero, specstack_dp_bf16()
 // says 1 and d is 64 or 128 (q holds bf16 numbers); else it is widened. Returns 0, or -1 for shapes it does not take (the
 // caller falls back).
@@ -1076,20 +1089,23 @@ int specstack_decode_attention(const float *q, const void *k, const void *v, int
     int splits = threads / gcd(hkv, threads);
     while (splits > 1 && past / splits < BLOCK) --splits;
     const int items = hkv * splits;
+#ifdef SPECSTACK_AMX
+    const bool tiles = bf16 && amx != 0 && d % PAIRS == 0 && amx_permitted();
+#else
+    const bool tiles = false;
+    (void)amx;
+#endif
 #ifdef SPECSTACK_DP
-    const bool registers = bf16 && dp != 0 && dp_fits(rows, d);
+    const bool registers = bf16 && dp != 0 && dp_fits(rows, d, tiles);
     const bool dot_rows = bf16 && dp != 0 && !registers && (d == 64 || d == 128);  // attend_range_dp_rows where there are no tiles
 #else
     const bool registers = false, dot_rows = false;
     (void)dp;
 #endif
 #ifdef SPECSTACK_AMX
-    const bool tiles = bf16 && amx != 0 && d % PAIRS == 0 && amx_permitted();
     const size_t item_floats = registers ? 0 : tiles ? amx_scratch_floats(d) : scratch_floats(d);  // the register path needs none
 #else
-    const bool tiles = false;
     const size_t item_floats = registers ? 0 : scratch_floats(d);
-    (void)amx;
 #endif
     const size_t own = (size_t)hkv * t * d;  // the new tokens' own keys (and values), as float32
     // one allocation per call: scaled queries, each item's partials and scratch, the own keys and values
