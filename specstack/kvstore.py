@@ -18,6 +18,7 @@ from typing import Callable
 
 import torch
 
+from . import host_memory
 from .errors import SpecstackError
 
 Rerotate = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (keys [L, H, n, D], delta [n]) -> keys
@@ -43,8 +44,8 @@ class KVStore:
     def __init__(self, *, layers: int, kv_heads: int, head_dim: int, capacity: int, dtype: torch.dtype,
                  device: torch.device | str = "cpu", relative_positions: bool = False, rerotate: Rerotate | None = None) -> None:
         shape = (layers, kv_heads, capacity, head_dim)
-        self.keys = torch.zeros(shape, dtype=dtype, device=device)  # [L, H, C, D]
-        self.values = torch.zeros(shape, dtype=dtype, device=device)  # [L, H, C, D]
+        self.keys = host_memory.zeros(shape, dtype=dtype, device=device)  # [L, H, C, D]; on 2 MB pages where it can
+        self.values = host_memory.zeros(shape, dtype=dtype, device=device)  # [L, H, C, D]
         self.slot_positions = torch.zeros(capacity, dtype=torch.long, device="cpu")  # [C]; host bookkeeping
         self.capacity = capacity
         self.length = 0
