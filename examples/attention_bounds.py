@@ -4,7 +4,8 @@ For each number of new tokens T, the kernel's ``DecodeKernel.attend`` over a cac
 embedded target's (its layers, KV heads, head width and query heads per KV head, read from its config), summed
 over its layers, in three settings alternated in one process (best of seven):
 
-* from memory: every layer its own cache, as a forward reads them;
+* from memory: every layer its own cache, as a forward reads them (on 2 MB pages where the kernel grants them, as
+  the KV store lays them out; ``--small-pages``: on 4 KB pages);
 * in cache: one layer's cache once per layer (5.8 MB at 7,500 keys, 25 MB at 32,000: within the last-level cache
   of the host this was measured on), so memory waits mostly vanish and what is left is the kernel's own
   arithmetic and data movement;
@@ -35,6 +36,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig
 
+from specstack import host_memory
 from specstack.decode_attention import load_decode_kernel
 from specstack.floor import ModelShape, measure_bandwidth
 from specstack.models import prepare_target
@@ -60,6 +62,14 @@ def best_seconds(calls: dict, repeats: int = 7) -> dict:
     return best
 
 
+def cache_buffer(layers: int, shape: tuple[int, int, int], dtype: torch.dtype, generator: torch.Generator, small_pages: bool) -> list[torch.Tensor]:
+    """Random keys (or values) of every layer, [1, Hkv, n, D] each, in one buffer laid out as the KV store's."""
+    buffer = torch.zeros((layers, *shape), dtype=dtype) if small_pages else host_memory.zeros((layers, *shape), dtype=dtype)  # [L, Hkv, n, D]
+    for layer in buffer:
+        layer.copy_(torch.randn(shape, generator=generator))
+    return [layer[None] for layer in buffer]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=2)
@@ -68,6 +78,7 @@ def main() -> None:
     parser.add_argument("--source", type=Path, nargs="*", default=[], help="other versions of decode_attention.cpp to time beside the shipped one")
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="the cache's and queries' dtype")
     parser.add_argument("--group", type=int, default=None, help="query heads per KV head (default: the target's), so that T tokens make group x T rows")
+    parser.add_argument("--small-pages", action="store_true", help="the cache on 4 KB pages (default: on 2 MB pages where the kernel grants them, as the KV store lays it)")
     args = parser.parse_args()
     if args.group is not None and args.group < 1:
         parser.error(f"--group {args.group} is not allowed; use 1 or more query heads per KV head")
@@ -81,8 +92,7 @@ def main() -> None:
     print(f"read bandwidth {bandwidth / 1e9:.1f} GB/s; kernel paths here: tiles={shipped.amx}, dot products={shipped.dot_products}")
     generator = torch.Generator().manual_seed(0)
     for n in args.keys:
-        keys = [torch.randn(1, kv_heads, n + max(args.tokens), dim, generator=generator).to(dtype) for _ in range(layers)]  # [1, Hkv, n + T, D] each
-        values = [torch.randn(1, kv_heads, n + max(args.tokens), dim, generator=generator).to(dtype) for _ in range(layers)]
+        keys, values = (cache_buffer(layers, (kv_heads, n + max(args.tokens), dim), dtype, generator, args.small_pages) for _ in range(2))  # [1, Hkv, n + T, D] each
         floor = shape.kv_elements(n) * dtype.itemsize / bandwidth  # the cache read once
         for t in args.tokens:
             query = torch.randn(1, kv_heads * group, t, dim, generator=generator).to(dtype)  # [1, Hq, T, D]

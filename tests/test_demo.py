@@ -76,3 +76,19 @@ def test_demo_in_bf16_certifies_each_stack_against_one_replayed_reference(capsys
         assert row["exactness"] == "identical to autoregressive decoding, token for token" or "certificate holds" in row["exactness"], row
     certified = sum(row["identical"] is False for row in record["stacks"])
     assert len(made) == min(certified, 1)
+
+
+def test_demo_times_the_autoregressive_reference_warm(capsys, threads, monkeypatch) -> None:
+    """Before the reference's clock starts, every model the stacks decode with (the target, and the draft
+    TriForce asks for) has decoded a few tokens of a short prompt, as ``specstack bench`` warms them: a
+    model's first step makes its compiled layers' plan, which a timed run would otherwise pay."""
+    from specstack.run import WARMUP_PROMPT
+    from specstack.stack import SpeculationStack
+
+    calls = []
+    generate = SpeculationStack.generate
+    monkeypatch.setattr(SpeculationStack, "generate", lambda self, prompt, *a, **k: calls.append((self.target, len(prompt))) or generate(self, prompt, *a, **k))
+    _demo_json(capsys, threads, "--stacks", "triforce", "--no-tune")
+    first_timed = next(i for i, (_, length) in enumerate(calls) if length > WARMUP_PROMPT)
+    warmed = [model for model, length in calls[:first_timed]]
+    assert calls[first_timed][0] in warmed and len({id(model) for model in warmed}) == 2  # the target and the draft

@@ -25,12 +25,11 @@ import torch
 from ..errors import SpecstackError
 from ..hf import transformers_attention
 from ..registry import Kind, Registry
+from ..run import WARMUP_PROMPT, WARMUP_TOKENS, warm_up
 from ..sampling import SamplingConfig
 from ..types import LevelStats
 from .models import Models
 
-WARMUP_PROMPT = 32
-WARMUP_TOKENS = 4
 
 
 @attrs.define(eq=False)
@@ -126,9 +125,7 @@ class RecipeStack:
         return self.recipe.options()
 
     def warm(self, run: RunSetup) -> None:
-        for model in (run.models.target, run.models.draft):
-            if model is not None:
-                run.registry.stack("autoregressive", target=model).generate(list(run.prompt), run.max_new_tokens)
+        warm_up(run.registry, [model for model in (run.models.target, run.models.draft) if model is not None], run.prompt)
 
     def measure(self, run: RunSetup, options: Mapping[str, Any]) -> Measurement:
         draft = run.models.draft if self.recipe.needs_draft else None
