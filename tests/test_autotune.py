@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import itertools
+
 import attrs
 import pytest
 
 from specstack import Level, SpeculationStack
 from specstack import autotune
 from specstack.errors import SpecstackError
+from specstack.speedup import LevelCost, StackCost
 from specstack.policies import StreamingLLM
 from specstack.synthetic import SyntheticLM, greedy_decode
 
@@ -42,6 +45,20 @@ def test_two_levels_are_tuned_jointly() -> None:
     cheap = autotune.best_gammas(0.01, [cheap_middle, top], [0.8, 0.9], 1.05, max_gamma=8)[0]
     dear = autotune.best_gammas(0.01, [dear_middle, top], [0.8, 0.9], 1.05, max_gamma=8)[0]
     assert cheap[0] > dear[0]
+
+
+def test_a_lower_gamma_never_exceeds_the_one_it_drafts_for() -> None:
+    """A middle level as cheap at any width (a model-free draft below it), a full cache dear from three tokens
+    (ms, as measured at 32K): the formula alone prefers a long γ1 under γ2 = 1, a round the middle level never
+    drafts (it is asked for one token), so the choice keeps γ1 <= γ2."""
+    middle = {t: 10.7 for t in range(1, 10)}
+    top = {1: 37.4, 2: 43.7, 3: 67.3, 4: 76.5, 5: 87.0, 6: 97.4, 7: 107.2, 8: 109.6, 9: 117.4}
+    gammas, speedup = autotune.best_gammas(0.01, [middle, top], [0.46, 0.83], 37.4, max_gamma=8)
+    assert gammas[0] <= gammas[1]
+    unconstrained = max(itertools.product(range(1, 9), repeat=2), key=lambda g: StackCost(
+        draft_cost=0.01, levels=[LevelCost(acceptance=a, gamma=x, verify_cost=c[x + 1]) for a, x, c in zip([0.46, 0.83], g, [middle, top])],
+        autoregressive_cost=37.4).speedup)
+    assert unconstrained[0] > unconstrained[1]  # what the constraint rules out here
 
 
 def _three_levels(device: str = "cpu") -> tuple[SpeculationStack, SyntheticLM]:
