@@ -153,7 +153,7 @@ def best_gammas(draft_cost: float, verify_costs: Sequence[dict[int, float]], acc
 
 
 def tune(stack: SpeculationStack, prompt: Sequence[int], *, calibration_tokens: int = 32, max_gamma: int = 8,
-         repeats: int = 3, seed: int = 0, prefill_progress=None, reuse_cache: bool = False) -> Tuning:
+         repeats: int = 5, seed: int = 0, prefill_progress=None, reuse_cache: bool = False) -> Tuning:
     """Calibrate on ``prompt``, then set the best γ on every verifying level of ``stack`` (see the module
     docstring); ``prefill_progress(done, total)`` follows the calibration run's prefill, which keeps
     what the caches hold of ``prompt`` with ``reuse_cache`` (see ``SpeculationStack.generate``)."""
@@ -272,12 +272,11 @@ def _widths(tree: TreeRound | None, max_gamma: int) -> tuple[int, ...]:
 def _verify_costs(level: SpeculativeLevel, context: int, widths: Sequence[int], repeats: int, seed: int) -> dict[int, float]:
     """T -> seconds of the level's forward of T tokens over a cache as long as it holds in decoding:
     a tree of T tokens where the level verifies trees, else a chain."""
-    from .bench.floor import fill, time_forward
+    from .bench.floor import fill, time_forwards
 
     lm, most, tree = level.lm, max(widths), _verifies_trees(level)
     cached = max(1, min(context, lm.capacity - most))
     store = lm.model.new_cache(cached + most, relative_positions=lm.policy.relative_positions)
     generator = torch.Generator(device="cpu").manual_seed(seed)
     fill(store, cached, generator)
-    return {t: time_forward(lm.model, store, cached=cached, tokens=t, tree=tree and t >= 2, repeats=repeats, generator=generator)
-            for t in widths}
+    return time_forwards(lm.model, store, cached=cached, widths=widths, tree=tree, repeats=repeats, generator=generator)

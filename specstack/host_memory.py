@@ -3,10 +3,10 @@
 A long cache is streamed whole by every forward, and on 4 KB pages it spans more pages than the CPU's TLB
 maps: the default target's cache of 32,000 tokens is 740 MB in bf16, 180,000 such pages, where an AMD Zen 4
 core's second-level TLB holds 3,072 (12 MB). On the Zen 4 host, with the store's keys and values on 2 MB
-pages, the bf16 target's forward over 32,000 cached tokens took 1.19x less time at one token and 1.32x less at
-two; over 7,500 (5.8 MB a layer, within the TLB's reach) 1.02-1.04x, and eight tokens, whose attention is
-arithmetic rather than memory, 1.0-1.02x (docs/benchmarks.md, "The KV cache on 2 MB pages"). The weights on
-such pages measured within noise.
+pages, the bf16 target's forward over 32,000 cached tokens took 1.19x less time at one token and 1.32x less
+at two; over 7,500 (5.8 MB a layer, within the TLB's reach) 1.02-1.04x; eight tokens, whose attention is
+arithmetic rather than memory, 1.0-1.02x. The weights on such pages measured within noise (docs/benchmarks.md,
+"The one-token path without software prefetch, six rows in registers, the cache on 2 MB pages, ...").
 
 Where the kernel has no transparent huge pages, or for another device, the buffer is an ordinary one.
 """

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from specstack import SpecstackError
 from specstack.batch import TokenBatch
-from specstack.bench.floor import Level, fill, measure, run_floor, tree_parents
+from specstack.bench.floor import Level, fill, measure, run_floor, time_forwards, tree_parents
 from specstack.cli import _parser, main
 from specstack.floor import Gemm, Machine, ModelShape, forward_floor, measure_machine
 from specstack.testing.llama import random_llama
@@ -160,6 +160,26 @@ def test_measure_times_every_level_and_rolls_back() -> None:
     for row, level in zip(rows, [levels[0]] * 6 + [levels[1]] * 3):
         assert row.seconds > 0 and row.ratio == row.seconds / row.floor.seconds
         assert row.floor == forward_floor(level.shape, torch.float32, row.tokens, row.cache, row.tokens, MACHINE)
+
+
+def test_widths_are_timed_in_turn_and_rolled_back() -> None:
+    """time_forwards takes the widths in turn within each repeat (one warm-up turn, then ``repeats``), so that a
+    slow spell of the machine falls on every width alike; each forward is rolled back to the cached slots."""
+    model = random_llama(layers=1, max_positions=128)
+    store = model.new_cache(40)
+    fill(store, 24, torch.Generator().manual_seed(0))
+    widths = []
+
+    class Recording:  # the model, noting each forward's width
+        vocab_size = model.vocab_size
+
+        def forward(self, batch, cache):
+            widths.append(len(batch.tokens))
+            return model.forward(batch, cache)
+
+    seconds = time_forwards(Recording(), store, cached=24, widths=(1, 3, 5), tree=True, repeats=2, generator=torch.Generator().manual_seed(1))
+    assert widths == [1, 3, 5] * 3
+    assert sorted(seconds) == [1, 3, 5] and all(s > 0 for s in seconds.values()) and len(store) == 24
 
 
 # -- the command ----------------------------------------------------------------------------------

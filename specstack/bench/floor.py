@@ -122,6 +122,19 @@ def time_forward(model, store, *, cached: int, tokens: int, tree: bool, repeats:
     return statistics.median(times)
 
 
+def time_forwards(model, store, *, cached: int, widths: Sequence[int], tree: bool, repeats: int, generator: torch.Generator) -> dict[int, float]:
+    """Median seconds of ``model.forward`` at each of ``widths`` tokens (trees from 2 tokens where ``tree``) over
+    ``store`` holding ``cached`` slots, the widths taken in turn within each repeat (after one warm-up turn), so
+    that a slow spell of a shared machine weighs on every width alike instead of on whichever was being timed."""
+    times: dict[int, list[float]] = {t: [] for t in widths}
+    for turn in range(1 + repeats):
+        for t in widths:
+            seconds = time_forward(model, store, cached=cached, tokens=t, tree=tree and t >= 2, repeats=1, generator=generator, warmup=0)
+            if turn > 0:
+                times[t].append(seconds)
+    return {t: statistics.median(seconds) for t, seconds in times.items()}
+
+
 def measure(levels: Sequence[Level], machine: Machine, *, tokens: Sequence[int], tree: bool = False, repeats: int = 5,
             seed: int = 0, progress: Callable[[str], None] | None = None) -> list[Row]:
     """Time every level's forward at each cache length and number of tokens (chains, and trees of
