@@ -652,7 +652,7 @@ constexpr int DP_ROWS = 6;  // rows up to which a bfloat16 cache can take this p
 constexpr int DP_ROWS_BESIDE_TILES = 3;  // and where there are: more rows take the tiles (measured on the Intel host)
 // Whether each block asks for the one four ahead. On the Intel AMX host the path was 1.34x slower without
 // (docs/benchmarks.md, 2026-11-24); on the AMD Zen 4 host (no AMX) the hardware prefetcher alone took the one-token
-// case 1.42x (7,500 keys) and 1.50x (32,000) faster: the 64 prefetches a block crowd its loads.
+// case 1.41-1.50x (7,500 keys) and 1.50-1.76x (32,000) faster, and no other distance or hint beat asking for nothing.
 #ifdef SPECSTACK_AMX
 constexpr bool DP_PREFETCH = true;
 #else
