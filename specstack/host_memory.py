@@ -13,36 +13,28 @@ Where the kernel has no transparent huge pages, or for another device, the buffe
 
 from __future__ import annotations
 
-import ctypes
 import math
-import sys
+import mmap
 
 import torch
 
 HUGE_PAGE = 2 << 20  # bytes of an x86-64 (and arm64 4K-granule) transparent huge page
-MADV_HUGEPAGE = 14  # <linux/mman.h>
 
 
 def zeros(shape: tuple[int, ...], *, dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
-    """``torch.zeros(shape)``; a CPU buffer of at least one 2 MB page on Linux lies on such pages where the
-    kernel grants them (the ``madvise`` comes before the pages are first touched, so they fault in whole)."""
+    """``torch.zeros(shape)``; a CPU buffer of at least one 2 MB page lies on such pages where the kernel grants
+    them. It is a fresh anonymous mapping of its own (an allocator could hand back heap memory already touched,
+    or mark a stretch of its heap that later buffers reuse), asked for huge pages before they are first touched,
+    so they fault in whole as it is zeroed."""
     size = math.prod(shape) * dtype.itemsize
-    madvise = _madvise()
-    if torch.device(device).type != "cpu" or size < HUGE_PAGE or madvise is None:
+    if torch.device(device).type != "cpu" or size < HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE"):
         return torch.zeros(shape, dtype=dtype, device=device)
-    raw = torch.empty(size + HUGE_PAGE, dtype=torch.uint8)  # untouched: the allocator maps large buffers fresh
+    # private: a shared anonymous mapping is shmem, which has its own THP setting; the tensor keeps the mapping alive
+    mapping = mmap.mmap(-1, size + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    raw = torch.frombuffer(mapping, dtype=torch.uint8)  # [size + 2 MB]
     offset = -raw.data_ptr() % HUGE_PAGE  # the first 2 MB boundary inside it
-    madvise(raw.data_ptr() + offset, size, MADV_HUGEPAGE)  # refused (no THP): ordinary pages, same contents
-    return raw[offset : offset + size].view(dtype).view(shape).zero_()
-
-
-def _madvise():
-    """libc's ``madvise`` on Linux, else None."""
-    if not sys.platform.startswith("linux"):
-        return None
     try:
-        function = ctypes.CDLL(None, use_errno=True).madvise
-    except (OSError, AttributeError):
-        return None
-    function.argtypes, function.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
-    return function
+        mapping.madvise(mmap.MADV_HUGEPAGE, offset, size)
+    except OSError:  # refused (no THP here): ordinary pages, same contents
+        pass
+    return raw[offset : offset + size].view(dtype).view(shape).zero_()
