@@ -8,11 +8,11 @@ small GEMM over keys transposed block by block, in the machine's widest vectors.
 read as it is stored and widened to float32 block by block: queries, arithmetic and output are
 float32, rounded once to bfloat16 at the end. Where the CPU has AMX tiles (and Linux lends them), a
 bfloat16 cache takes them instead: bf16 tile products for the scores and for the weighted values, the
-softmax in float32, the weights rounded to bf16 (as SDPA's bf16 kernels round them). Three query rows
-or fewer per KV head (a one-token step with GQA groups of three), where the CPU has AVX-512's bf16 dot
-products (with or without AMX), take them in registers instead, with the same rounding (1.13x faster
-than the tiles over 7,500 and 32,000 keys); without AMX, a verify's rows take the same dot products,
-block by block (1.5-1.7x faster than widening at 3-16 tokens over 32,000 keys). It is built and loaded by
+softmax in float32, the weights rounded to bf16 (as SDPA's bf16 kernels round them). Where the CPU has
+AVX-512's bf16 dot products, a few query rows per KV head take them in registers instead, with the same
+rounding: three or fewer beside AMX tiles (a one-token step with GQA groups of three, 1.13x faster than
+the tiles over 7,500 and 32,000 keys), six or fewer without them (a two-token verify too); without AMX,
+more rows take the same dot products, block by block (1.5-1.7x faster than widening at 3-16 tokens over 32,000 keys). It is built and loaded by
 :mod:`specstack.native`; where it cannot be built, :func:`load_decode_kernel` returns None and
 attention stays with SDPA.
 

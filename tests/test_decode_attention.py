@@ -139,8 +139,8 @@ DOT_PRODUCT_SHAPES = [
 @pytest.mark.parametrize(("t", "n", "d", "kv_heads", "group", "tree"),
                          [(*shape, tree) for shape in DOT_PRODUCT_SHAPES for tree in (False, True) if shape[0] > 1 or not tree])  # one token: no tree
 def test_bf16_dot_products_are_attention_up_to_the_weights_rounding(t, n, d, kv_heads, group, tree) -> None:
-    """A bfloat16 cache takes bf16 dot products where the CPU has them: three query rows or fewer in
-    registers, AMX or not, and more rows block by block where there are no tiles (the kernel told there
+    """A bfloat16 cache takes bf16 dot products where the CPU has them: six query rows or fewer in
+    registers (three beside AMX tiles), and more rows block by block where there are no tiles (the kernel told there
     are none, as on an AVX-512 bf16 CPU without AMX). The weights are rounded to bf16 as on the tiles,
     so the same bound holds; told to use neither, the result is the widened one. A wrong layout, mask
     or rescale moves an output by the values' scale."""
@@ -158,8 +158,9 @@ def test_bf16_dot_products_are_attention_up_to_the_weights_rounding(t, n, d, kv_
 def test_the_first_token_of_a_two_token_verify_gets_the_one_token_steps_bits(n, d) -> None:
     """Where there are no tiles, six query rows or fewer take the register path, whose rows do not share
     arithmetic: the first token of a two-token verify (six rows a KV head) over n cached keys is the same bits
-    as a one-token step over them, so a bf16 verify's first position agrees with autoregressive decoding. A
-    verify that took the block-by-block path (its blocks of 64 keys rescale elsewhere) differs."""
+    as a one-token step over them (the attention; the linear layers give the same bits at any row count,
+    tests/test_gguf_weights.py). A verify that took the block-by-block path (its blocks of 64 keys rescale
+    elsewhere) differs."""
     query, keys, values, _ = bf16_inputs(2, n + 2, d, 3, 3, False)  # n cached keys and the verify's own two
     no_tiles = attrs.evolve(KERNEL, amx=False)
     verify = no_tiles.attend(query, keys, values, None, None)  # [1, 2, Hq, D]

@@ -31,7 +31,6 @@ from ..types import LevelStats
 from .models import Models
 
 
-
 @attrs.define(eq=False)
 class SharedPrefill:
     """The target's full-cache prefill of one prompt, paid once by the runs of a group: the first

@@ -629,9 +629,10 @@ __attribute__((always_inline)) inline void transpose16(__m512 r[16]) {
 // (vdpbf16ps, whose products are exact and summed in float32), the online softmax runs on that vector
 // of sixteen scores, and the weights, rounded to bf16 as on the tiles, weigh the values by key pairs
 // (two keys' values interleaved, one dot product per sixteen columns per row). Each row's arithmetic is
-// its own, so its sums over a range of cached keys are the same bits at any number of rows: the first token of
-// a two-token verify (six rows, where there are no tiles) gets a one-token step's output. On the AMD Zen 4 host six rows here took 1.35x (7,500 keys)
-// and 1.41x (32,000) less time than the block-by-block path below; nine rows measured 1.06x, twelve 0.8x.
+// its own, so its sums over a range of cached keys are the same bits at any number of rows: the first
+// token of a two-token verify (six rows, where there are no tiles) gets a one-token step's output. On the
+// AMD Zen 4 host six rows here took 1.35x (7,500 keys) and 1.41x (32,000) less time than the
+// block-by-block path below; nine rows measured 1.06x, twelve 0.82x.
 
 // vpermt2w indices that interleave two rows of 32 bf16 numbers, a and b, by pairs: a0 b0 a1 b1 ... a15 b15
 // (pairs_low) and a16 b16 ... a31 b31 (pairs_high), so that a dot product's word j holds both rows' column j.
