@@ -11,8 +11,9 @@ bfloat16 cache takes them instead: bf16 tile products for the scores and for the
 softmax in float32, the weights rounded to bf16 (as SDPA's bf16 kernels round them). Where the CPU has
 AVX-512's bf16 dot products, a few query rows per KV head take them in registers instead, with the same
 rounding: three or fewer beside AMX tiles (a one-token step with GQA groups of three, 1.13x faster than
-the tiles over 7,500 and 32,000 keys), six or fewer without them (a two-token verify too); without AMX,
-more rows take the same dot products, block by block (1.5-1.7x faster than widening at 3-16 tokens over 32,000 keys). It is built and loaded by
+the tiles over 7,500 and 32,000 keys), fifteen or fewer without them (a verify of up to five tokens, in groups of
+six rows or fewer); without AMX, more rows take the same dot products, block by block (1.5-1.7x faster than
+widening at 3-16 tokens over 32,000 keys). It is built and loaded by
 :mod:`specstack.native`; where it cannot be built, :func:`load_decode_kernel` returns None and
 attention stays with SDPA.
 

@@ -127,11 +127,15 @@ DOT_PRODUCT_SHAPES = [
     (1, 1_000, 64, 2, 2), (1, 517, 64, 4, 1), (1, 301, 128, 1, 3),  # fewer rows, a wider head, ranges ending mid-pair
     (1, 777, 64, 1, 4), (1, 1_001, 128, 2, 5), (2, 301, 128, 1, 3),  # four to six rows in registers where there are no tiles
     (3, 900, 64, 1, 1),  # three tokens of one query head: three rows under the causal mask
-    # more rows (a verify), block by block: the default target's verifies, up to the widest it takes
-    (2, 7_000, 64, 3, 3), (5, 2_000, 64, 3, 3), (8, 1_000, 64, 3, 3), (16, 900, 64, 3, 3),
-    (8, 300, 64, 1, 8),  # 64 rows, sixteen passes of four
+    # seven to fifteen rows in registers, in groups of six or fewer, each over chunks of 1,024 keys in turn
+    (2, 7_000, 64, 3, 3), (3, 7_000, 64, 3, 3), (4, 3_000, 64, 3, 3), (5, 2_000, 64, 3, 3),  # the default target's verifies
     (3, 70, 64, 3, 3), (4, 5, 64, 3, 3),  # a cache shorter than a block per thread; nothing cached but the new tokens
-    (2, 515, 128, 2, 4), (3, 133, 128, 1, 3), (5, 1_001, 64, 1, 3),  # wider heads (two rows a pass); ranges ending mid-block and mid-pair
+    (2, 515, 128, 2, 4), (3, 133, 128, 1, 3), (5, 5_001, 128, 1, 3), (5, 1_001, 64, 1, 3),  # wider heads; ranges ending mid-chunk and mid-pair
+    # more rows (a verify), block by block, up to the widest the default target takes
+    (6, 7_000, 64, 3, 3), (8, 1_000, 64, 3, 3), (16, 900, 64, 3, 3),
+    (8, 300, 64, 1, 8),  # 64 rows, sixteen passes of four
+    (6, 70, 64, 3, 3), (6, 7, 64, 3, 3),  # a cache shorter than a block per thread; one cached key
+    (4, 515, 128, 1, 4), (7, 133, 128, 1, 3), (7, 1_001, 64, 1, 3),  # wider heads (two rows a pass); ranges ending mid-block and mid-pair
 ]
 
 
@@ -139,7 +143,7 @@ DOT_PRODUCT_SHAPES = [
 @pytest.mark.parametrize(("t", "n", "d", "kv_heads", "group", "tree"),
                          [(*shape, tree) for shape in DOT_PRODUCT_SHAPES for tree in (False, True) if shape[0] > 1 or not tree])  # one token: no tree
 def test_bf16_dot_products_are_attention_up_to_the_weights_rounding(t, n, d, kv_heads, group, tree) -> None:
-    """A bfloat16 cache takes bf16 dot products where the CPU has them: six query rows or fewer in
+    """A bfloat16 cache takes bf16 dot products where the CPU has them: fifteen query rows or fewer in
     registers (three beside AMX tiles), and more rows block by block where there are no tiles (the kernel told there
     are none, as on an AVX-512 bf16 CPU without AMX). The weights are rounded to bf16 as on the tiles,
     so the same bound holds; told to use neither, the result is the widened one. A wrong layout, mask
@@ -154,18 +158,36 @@ def test_bf16_dot_products_are_attention_up_to_the_weights_rounding(t, n, d, kv_
 
 
 @needs_dot_products
-@pytest.mark.parametrize(("n", "d"), [(7_000, 64), (515, 64), (1_001, 128)])
-def test_the_first_token_of_a_two_token_verify_gets_the_one_token_steps_bits(n, d) -> None:
-    """Where there are no tiles, six query rows or fewer take the register path, whose rows do not share
-    arithmetic: the first token of a two-token verify (six rows a KV head) over n cached keys is the same bits
-    as a one-token step over them (the attention; the linear layers give the same bits at any row count,
-    tests/test_gguf_weights.py). A verify that took the block-by-block path (its blocks of 64 keys rescale
-    elsewhere) differs."""
-    query, keys, values, _ = bf16_inputs(2, n + 2, d, 3, 3, False)  # n cached keys and the verify's own two
+@pytest.mark.parametrize(("t", "n", "d"), [(2, 7_000, 64), (3, 7_000, 64), (4, 3_000, 64), (5, 7_000, 64), (2, 515, 64), (3, 1_001, 128), (5, 2_500, 128)])
+def test_the_first_token_of_a_verify_of_up_to_five_tokens_gets_the_one_token_steps_bits(t, n, d) -> None:
+    """Where there are no tiles, fifteen query rows or fewer take the register path, whose rows do not share
+    arithmetic and whose state crosses each chunk of keys exactly: the first token of a verify of up to five tokens
+    (up to fifteen rows a KV head, in groups of six or fewer) over n cached keys is the same bits as a one-token
+    step over them (the attention; the linear layers give the same bits at any row count, tests/test_gguf_weights.py)."""
+    query, keys, values, _ = bf16_inputs(t, n + t, d, 3, 3, False)  # n cached keys and the verify's own t
     no_tiles = attrs.evolve(KERNEL, amx=False)
-    verify = no_tiles.attend(query, keys, values, None, None)  # [1, 2, Hq, D]
+    verify = no_tiles.attend(query, keys, values, None, None)  # [1, t, Hq, D]
     step = no_tiles.attend(query[:, :, :1], keys[:, :, :n + 1], values[:, :, :n + 1], None, None)  # [1, 1, Hq, D]
     assert torch.equal(verify[:, :1], step)
+
+
+@needs_dot_products
+@pytest.mark.parametrize(("t", "d"), [(1, 64), (2, 128), (4, 64), (8, 64)])  # one group, two groups, block by block
+def test_scores_that_keep_rising_move_each_rows_reference_and_rescale_its_sums(t, d) -> None:
+    """A row's weights are taken against a reference that moves up only when a block's scores rise more than e^8
+    over it. Keys drifting along the cache make each row's scores rise block after block, so the reference moves
+    many times over 3,000 keys, and every move must rescale the weight sums and weighted values so far: one that
+    rescaled only the sums, or only the values, puts the output far outside the weights' rounding."""
+    query, keys, values, _ = bf16_inputs(t, 3_000, d, 1, 3, False)
+    generator = torch.Generator().manual_seed(7)
+    keys = (keys.float() + 0.004 * torch.arange(3_000)[:, None] * torch.randn(d, generator=generator)).bfloat16()  # [1, 1, n, D]
+    query = (query.float() + 0.3 * (keys.float()[0, 0, -1] - keys.float()[0, 0, 0])).bfloat16()  # [1, 3, T, D]: the drift raises its scores
+    scores = (query.double() @ keys[0, 0, :-t].double().T)[0, 0, 0] * d**-0.5  # [n - t], the first row's
+    assert scores[-16:].mean() - scores[:16].mean() > 8 * 10  # the first row's reference moves ten times or more
+    got = attrs.evolve(KERNEL, amx=False).attend(query, keys, values, None, None)  # [1, T, Hq, D]
+    want = reference(query, keys, values, None)  # [1, T, Hq, D], float64
+    bound = 2**-8 * want.abs() + 2**-9 * values.abs().amax()  # its own rounding, the weights'
+    assert ((got.double() - want).abs() <= bound).all(), float((got.double() - want).abs().max())
 
 
 def bf16_inputs(t, n, d, kv_heads, group, tree):

@@ -35,8 +35,9 @@
 // weights' rounding is the only one the widening path does not make (as in SDPA's bf16 kernels).
 // Three query rows or fewer (a one-token step of a model with groups of three or fewer) can take
 // AVX-512's bf16 dot products in registers instead, on any CPU that has them (attend_range_dp), the
-// weights rounded as on the tiles, the next blocks prefetched; more rows (a verify) take the same dot
-// products where there are no tiles, a block laid out once for all rows (attend_range_dp_rows).
+// weights rounded as on the tiles; where there are no tiles, so do up to fifteen rows (a verify of up to five
+// tokens), six at a time, and more rows take the same dot products a block laid out once for all rows
+// (attend_range_dp_rows).
 // Compiled at first use by specstack/decode_attention.py; plain C++ with GCC vector types (and Intel
 // intrinsics for the AMX path), no torch headers. Not built with -ffast-math: the -infinities of the
 // merge must stay.
@@ -628,11 +629,25 @@ __attribute__((always_inline)) inline void transpose16(__m512 r[16]) {
 // pair of dimensions, a lane a key), so each query row scores them with d / 2 bf16 dot products
 // (vdpbf16ps, whose products are exact and summed in float32), the online softmax runs on that vector
 // of sixteen scores, and the weights, rounded to bf16 as on the tiles, weigh the values by key pairs
-// (two keys' values interleaved, one dot product per sixteen columns per row). Each row's arithmetic is
-// its own, so its sums over a range of cached keys are the same bits at any number of rows: the first
-// token of a two-token verify (six rows, where there are no tiles) gets a one-token step's output. On the
-// AMD Zen 4 host six rows here took 1.35x (7,500 keys) and 1.41x (32,000) less time than the
-// block-by-block path below; nine rows measured 1.06x, twelve 0.82x.
+// (two keys' values interleaved, one dot product per sixteen columns per row). On the AMD Zen 4 host six
+// rows here took 1.35x (7,500 keys) and 1.41x (32,000) less time than the block-by-block path below.
+//
+// A row's weights are taken against a reference score that moves up only when a block's scores rise more
+// than RESCALE_ABOVE over it (FlashAttention-4's conditional rescaling), not against the running maximum:
+// the common block then needs no horizontal maximum, no rescale of the sums and no exp of it, only a
+// comparison, and its weight sums stay a vector (one lane a key) until the range ends. The weights are
+// at most e^RESCALE_ABOVE, and the sums add them as rounded to bf16, as they weigh the values. On the
+// AMD Zen 4 host, against rescaling at every block's maximum, attention over 7,500 keys took 1.16-1.20x
+// less time at one token and 1.07-1.31x at two (the softmax had been half the path's time at two).
+//
+// Up to DP_GROUPED_ROWS rows (a verify of up to five tokens with groups of three) take this path in groups
+// of at most six rows, each group in turn over a chunk of DP_CHUNK keys, which the later groups then read
+// from the core's cache: 1.21-1.39x less time than the block-by-block path at nine to fifteen rows, over
+// 7,500 and 32,000 keys. At eighteen rows the two measured alike (0.87-1.15x across runs); from 21 on, that
+// path's one layout for all rows does better (1.0x at 21 rows, 1.22x at 24, 1.31-1.44x at 36-48). A group's
+// state (reference, weight sums, weighted values) goes to memory and back between chunks exactly, and each
+// row's arithmetic is its own, so a row's sums over a range of cached keys are the same bits at any number
+// of rows: the first token of a verify of up to five tokens gets a one-token step's output.
 
 // vpermt2w indices that interleave two rows of 32 bf16 numbers, a and b, by pairs: a0 b0 a1 b1 ... a15 b15
 // (pairs_low) and a16 b16 ... a31 b31 (pairs_high), so that a dot product's word j holds both rows' column j.
@@ -649,8 +664,13 @@ inline void query_words(const float *q, int rows, int d, uint32_t *qw) {
             qw[r * d / 2 + w] = (uint32_t)float_to_bf16(q[r * d + 2 * w]) | (uint32_t)float_to_bf16(q[r * d + 2 * w + 1]) << 16;
 }
 
-constexpr int DP_ROWS = 6;  // rows up to which a bfloat16 cache can take this path where there are no AMX tiles
+constexpr int DP_ROWS = 6;  // rows a group: weighted values and weight sums of six rows in registers
+constexpr int DP_GROUPED_ROWS = 15;  // rows up to which a bfloat16 cache can take this path where there are no AMX tiles
 constexpr int DP_ROWS_BESIDE_TILES = 3;  // and where there are: more rows take the tiles (measured on the Intel host)
+constexpr int DP_CHUNK = 1024;  // keys each group takes in turn (256 KB of keys and values with d = 64; 512-2,048 measured alike)
+// How far a row's scores may rise above its reference before the reference moves up to the block's maximum and the
+// sums so far are rescaled: the weights stay at most e^8 (about 3,000), far inside float32's and bf16's range.
+constexpr float RESCALE_ABOVE = 8.0f;
 // Whether each block asks for the one four ahead. On the Intel AMX host the path was 1.34x slower without
 // (docs/benchmarks.md, 2026-11-24); on the AMD Zen 4 host (no AMX) the hardware prefetcher alone took the one-token
 // case 1.41-1.50x (7,500 keys) and 1.50-1.76x (32,000) faster, and no other distance or hint beat asking for nothing.
@@ -660,19 +680,21 @@ constexpr bool DP_PREFETCH = true;
 constexpr bool DP_PREFETCH = false;
 #endif
 
-// One work item as attend_range_amx, for ROWS <= DP_ROWS rows and d = 16 * D16 (D16 a multiple of 2).
+// Keys [begin, end) of one KV head for ROWS <= DP_ROWS rows, d = 16 * D16 (D16 a multiple of 2): each row's reference
+// score ref[r], weight sums sums[r * 16 ..] (a lane a key) and weighted values acc[r * d ..] move on from where they
+// are (fresh: from nothing; a row's reference -inf, its sums and values zero).
 template <int ROWS, int D16>
 void attend_range_dp(const float *q, float scale, const uint16_t *k, const uint16_t *v, int64_t begin, int64_t end,
-                     float *m, float *l, float *acc) {
+                     float *ref, float *sums, float *acc, bool fresh) {
     constexpr int d = 16 * D16, WORDS = d / 2;
     const __m512i low = pairs_low(), high = pairs_high();
     uint32_t qw[ROWS][WORDS];  // each row's dimension pairs as bf16 words
     query_words(q, ROWS, d, &qw[0][0]);
-    __m512 o[ROWS][D16];
-    float top[ROWS], sum[ROWS];
+    __m512 o[ROWS][D16], sum[ROWS];
+    float top[ROWS];
     for (int r = 0; r < ROWS; ++r) {
-        top[r] = -INFINITY, sum[r] = 0.0f;
-        for (int c = 0; c < D16; ++c) o[r][c] = _mm512_setzero_ps();
+        top[r] = fresh ? -INFINITY : ref[r], sum[r] = fresh ? _mm512_setzero_ps() : _mm512_loadu_ps(sums + 16 * r);
+        for (int c = 0; c < D16; ++c) o[r][c] = fresh ? _mm512_setzero_ps() : _mm512_loadu_ps(acc + r * d + 16 * c);
     }
     for (int64_t b = begin; b < end; b += TILE) {
         const int len = (int)(end - b < TILE ? end - b : TILE);
@@ -693,18 +715,20 @@ void attend_range_dp(const float *q, float scale, const uint16_t *k, const uint1
                     s2[r] = _mm512_dpbf16_ps(s2[r], (__m512bh)t[w + 1], (__m512bh)_mm512_set1_epi32((int)qw[r][c + w + 1]));
                 }
         }
-        for (int r = 0; r < ROWS; ++r) s[r] = _mm512_add_ps(s[r], s2[r]);
         const __mmask16 valid = (__mmask16)(len == TILE ? 0xFFFF : (1u << len) - 1);
         alignas(32) uint32_t weights[ROWS][TILE / 2];  // the block's weights of each row as bf16 pairs: word j holds keys 2j, 2j+1
         for (int r = 0; r < ROWS; ++r) {
-            const __m512 x = _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), valid, s[r], _mm512_set1_ps(scale));
-            const float next = fmaxf(top[r], _mm512_reduce_max_ps(x));
-            const v16 w = expv<v16, v16i>((v16)x - next);
-            const __m512 kept = _mm512_maskz_mov_ps(valid, (__m512)w);  // keys past len weigh nothing
-            const float rescale = expf(top[r] - next);  // 0 on the first block (top = -inf)
-            sum[r] = sum[r] * rescale + _mm512_reduce_add_ps(kept), top[r] = next;
-            for (int c = 0; c < D16; ++c) o[r][c] = _mm512_mul_ps(o[r][c], _mm512_set1_ps(rescale));
-            _mm256_store_si256((__m256i *)weights[r], (__m256i)_mm512_cvtneps_pbh(kept));
+            const __m512 x = _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), valid, _mm512_add_ps(s[r], s2[r]), _mm512_set1_ps(scale));  // [16]
+            if (__builtin_expect(_mm512_cmp_ps_mask(x, _mm512_set1_ps(top[r] + RESCALE_ABOVE), _CMP_GT_OQ) != 0, 0)) {
+                const float next = _mm512_reduce_max_ps(x), rescale = expf(top[r] - next);  // 0 on the first block (top = -inf)
+                sum[r] = _mm512_mul_ps(sum[r], _mm512_set1_ps(rescale));
+                for (int c = 0; c < D16; ++c) o[r][c] = _mm512_mul_ps(o[r][c], _mm512_set1_ps(rescale));
+                top[r] = next;
+            }
+            const __m512 w = _mm512_maskz_mov_ps(valid, (__m512)expv<v16, v16i>((v16)x - top[r]));  // keys past len weigh nothing
+            const __m256bh rounded = _mm512_cvtneps_pbh(w);  // [16] bf16
+            sum[r] = _mm512_add_ps(sum[r], _mm512_cvtpbh_ps(rounded));  // the weights as they weigh the values
+            _mm256_store_si256((__m256i *)weights[r], (__m256i)rounded);
         }
         for (int j = 0; j < len; j += 2) {  // keys j, j+1 (a missing second key: zero values)
             const uint16_t *va = v + (b + j) * d, *vb = va + d;
@@ -720,21 +744,37 @@ void attend_range_dp(const float *q, float scale, const uint16_t *k, const uint1
         }
     }
     for (int r = 0; r < ROWS; ++r) {
-        m[r] = top[r], l[r] = sum[r];
+        ref[r] = top[r];
+        _mm512_storeu_ps(sums + 16 * r, sum[r]);
         for (int c = 0; c < D16; ++c) _mm512_storeu_ps(acc + r * d + 16 * c, o[r][c]);
     }
 }
 
 // Whether a work item of rows query rows with heads of d can take attend_range_dp, beside AMX tiles or not.
-inline bool dp_fits(int rows, int d, bool tiles) { return rows <= (tiles ? DP_ROWS_BESIDE_TILES : DP_ROWS) && (d == 64 || d == 128); }
+inline bool dp_fits(int rows, int d, bool tiles) { return rows <= (tiles ? DP_ROWS_BESIDE_TILES : DP_GROUPED_ROWS) && (d == 64 || d == 128); }
 
-// attend_range_dp for rows rows and heads of d (dp_fits).
+// attend_range_dp for rows <= DP_ROWS rows and heads of d (64 or 128).
 void attend_range_dp_any(const float *q, int rows, int d, float scale, const uint16_t *k, const uint16_t *v, int64_t begin, int64_t end,
-                         float *m, float *l, float *acc) {
-    typedef void (*Range)(const float *, float, const uint16_t *, const uint16_t *, int64_t, int64_t, float *, float *, float *);
+                         float *ref, float *sums, float *acc, bool fresh) {
+    typedef void (*Range)(const float *, float, const uint16_t *, const uint16_t *, int64_t, int64_t, float *, float *, float *, bool);
     static const Range ranges[2][DP_ROWS] = {{attend_range_dp<1, 4>, attend_range_dp<2, 4>, attend_range_dp<3, 4>, attend_range_dp<4, 4>, attend_range_dp<5, 4>, attend_range_dp<6, 4>},
                                              {attend_range_dp<1, 8>, attend_range_dp<2, 8>, attend_range_dp<3, 8>, attend_range_dp<4, 8>, attend_range_dp<5, 8>, attend_range_dp<6, 8>}};
-    ranges[d == 128][rows - 1](q, scale, k, v, begin, end, m, l, acc);
+    ranges[d == 128][rows - 1](q, scale, k, v, begin, end, ref, sums, acc, fresh);
+}
+
+// One work item on the register path (dp_fits): keys [begin, end) of one KV head into running maxima m (the rows'
+// references), sums l and weighted values acc, as attend_range does. The rows go in groups of at most DP_ROWS, as even
+// as can be, each group in turn over each chunk of DP_CHUNK keys; sums is scratch of 16 floats a row.
+void attend_range_dp_groups(const float *q, int rows, int d, float scale, const uint16_t *k, const uint16_t *v, int64_t begin, int64_t end,
+                            float *sums, float *m, float *l, float *acc) {
+    const int groups = (rows + DP_ROWS - 1) / DP_ROWS;
+    for (int64_t c = begin; c < end || c == begin; c += DP_CHUNK)
+        for (int g = 0, first = 0; g < groups; first = rows * ++g / groups) {
+            const int count = rows * (g + 1) / groups - first;
+            attend_range_dp_any(q + first * d, count, d, scale, k, v, c, end - c < DP_CHUNK ? end : c + DP_CHUNK, m + first, sums + 16 * first,
+                                acc + first * d, c == begin);
+        }
+    for (int r = 0; r < rows; ++r) l[r] = _mm512_reduce_add_ps(_mm512_loadu_ps(sums + 16 * r));
 }
 
 // ---- More rows: the same dot products, the outputs in memory ----------------------------------------
@@ -745,7 +785,7 @@ void attend_range_dp_any(const float *q, int rows, int d, float scale, const uin
 // at a time (two with heads of 128) score the block (sixteen sums in flight), run the online softmax over its
 // 64 scores, and add the weighted values into their outputs, which are loaded and stored once a block. The
 // roundings are the register path's: q's bf16 numbers exact, the products exact and summed in float32, the
-// weights rounded to bf16; the bits differ from it where its blocks of sixteen keys rescale the sums.
+// weights rounded to bf16 and summed so; the bits differ from it where the sums are added in another order.
 // A vdpbf16ps does 32 multiply-adds where an FMA does 16 (8 on AVX2's widths), so on the AMD Zen 4 host
 // (AVX-512 bf16, no AMX) attention over 32,000 keys took 1.5-1.7x less time at 3-16 tokens than widening the
 // block to float32 for the GEMM path, 1.13x at two (docs/benchmarks.md, "bf16 verifies in dot products").
@@ -778,6 +818,11 @@ void dp_rows_layout(const uint16_t *k, const uint16_t *v, int len, float *kt, ui
     }
 }
 
+// The 32 bf16 numbers of x as float32, the first sixteen added to the last sixteen.
+inline __m512 widen_halves(__m512bh x) {
+    return _mm512_add_ps(_mm512_cvtpbh_ps((__m256bh)_mm512_castsi512_si256((__m512i)x)), _mm512_cvtpbh_ps((__m256bh)_mm512_extracti64x4_epi64((__m512i)x, 1)));
+}
+
 // G rows (their queries as bf16 words, qw [G, d / 2]) through one laid-out block of len keys: scores, the online
 // softmax (running maxima top and sums sum), and the weighted values added into acc [G, d].
 template <int G, int D16>
@@ -798,17 +843,23 @@ void dp_rows(const uint32_t *qw, float scale, const float *kt, const uint16_t *v
     float rescale[G];
     __mmask16 valid[4];  // the block's keys in each vector of sixteen (past len: padding, weighing nothing)
     for (int u = 0; u < 4; ++u) valid[u] = (__mmask16)((1u << (len - 16 * u < 0 ? 0 : len - 16 * u > 16 ? 16 : len - 16 * u)) - 1);
-    for (int r = 0; r < G; ++r) {
+    for (int r = 0; r < G; ++r) {  // the register path's conditional rescaling, a block of 64 at a time
         __m512 x[4];
         for (int u = 0; u < 4; ++u) x[u] = _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), valid[u], s[r][u], _mm512_set1_ps(scale));
-        const float next = fmaxf(top[r], _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(x[0], x[1]), _mm512_max_ps(x[2], x[3]))));
-        __m512 kept[4];
-        for (int u = 0; u < 4; ++u) kept[u] = _mm512_maskz_mov_ps(valid[u], (__m512)expv<v16, v16i>((v16)x[u] - next));
-        rescale[r] = expf(top[r] - next);  // 0 on the first block (top = -inf)
-        sum[r] = sum[r] * rescale[r] + _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(kept[0], kept[1]), _mm512_add_ps(kept[2], kept[3])));
-        top[r] = next;
-        _mm512_store_si512(weights[r], (__m512i)_mm512_cvtne2ps_pbh(kept[1], kept[0]));
-        _mm512_store_si512(weights[r] + 16, (__m512i)_mm512_cvtne2ps_pbh(kept[3], kept[2]));
+        const __m512 bound = _mm512_set1_ps(top[r] + RESCALE_ABOVE);
+        rescale[r] = 1.0f;
+        if (__builtin_expect((_mm512_cmp_ps_mask(x[0], bound, _CMP_GT_OQ) | _mm512_cmp_ps_mask(x[1], bound, _CMP_GT_OQ) |
+                              _mm512_cmp_ps_mask(x[2], bound, _CMP_GT_OQ) | _mm512_cmp_ps_mask(x[3], bound, _CMP_GT_OQ)) != 0, 0)) {
+            const float next = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(x[0], x[1]), _mm512_max_ps(x[2], x[3])));
+            rescale[r] = expf(top[r] - next);  // 0 on the first block (top = -inf)
+            sum[r] *= rescale[r], top[r] = next;
+        }
+        __m512 w[4];
+        for (int u = 0; u < 4; ++u) w[u] = _mm512_maskz_mov_ps(valid[u], (__m512)expv<v16, v16i>((v16)x[u] - top[r]));
+        const __m512bh first = _mm512_cvtne2ps_pbh(w[1], w[0]), second = _mm512_cvtne2ps_pbh(w[3], w[2]);  // keys 0-31, 32-63 as bf16
+        _mm512_store_si512(weights[r], (__m512i)first);
+        _mm512_store_si512(weights[r] + 16, (__m512i)second);
+        sum[r] += _mm512_reduce_add_ps(_mm512_add_ps(widen_halves(first), widen_halves(second)));  // the weights as they weigh the values
     }
     __m512 o[G][D16];
     for (int r = 0; r < G; ++r)
@@ -1052,8 +1103,8 @@ extern "C" {
 int specstack_max_rows() { return MAX_ROWS; }
 int specstack_max_dim() { return MAX_DIM; }
 
-// 1 where a bfloat16 cache can take bf16 dot products (in registers up to six query rows, three beside AMX tiles, else
-// row by row).
+// 1 where a bfloat16 cache can take bf16 dot products (in registers up to fifteen query rows, three beside AMX tiles,
+// else block by block).
 int specstack_dp_bf16() {
 #ifdef SPECSTACK_DP
     return 1;
@@ -1074,7 +1125,7 @@ int specstack_amx_bf16() {
 // q [hkv, rows, d] contiguous (rows = G * t); keys and values of head h at k + h * k_head_stride elements,
 // rows of d, n of them, the last t the new tokens' own; float32, or bfloat16 where kv_bf16 is nonzero.
 // sees [t, t] (token i sees own key j) or null for a chain. out [hkv, rows, d] float32. A bfloat16 cache
-// takes bf16 dot products in registers where dp is nonzero, specstack_dp_bf16() says 1, rows <= 6 (3 where it
+// takes bf16 dot products in registers where dp is nonzero, specstack_dp_bf16() says 1, rows <= 15 (3 where it
 // takes tiles) and d is 64 or 128; else the AMX path where amx is nonzero, specstack_amx_bf16() says 1 and d is a multiple of 32
 // (q then holds bf16 numbers); else bf16 dot products for any rows where dp is nonzero, specstack_dp_bf16()
 // says 1 and d is 64 or 128 (q holds bf16 numbers); else it is widened. Returns 0, or -1 for shapes it does not take (the
@@ -1104,9 +1155,9 @@ int specstack_decode_attention(const float *q, const void *k, const void *v, int
     (void)dp;
 #endif
 #ifdef SPECSTACK_AMX
-    const size_t item_floats = registers ? 0 : tiles ? amx_scratch_floats(d) : scratch_floats(d);  // the register path needs none
+    const size_t item_floats = registers ? 16 * (size_t)rows : tiles ? amx_scratch_floats(d) : scratch_floats(d);  // the register path: its weight sums
 #else
-    const size_t item_floats = registers ? 0 : scratch_floats(d);
+    const size_t item_floats = registers ? 16 * (size_t)rows : scratch_floats(d);
 #endif
     const size_t own = (size_t)hkv * t * d;  // the new tokens' own keys (and values), as float32
     // one allocation per call: scaled queries, each item's partials and scratch, the own keys and values
@@ -1127,8 +1178,8 @@ int specstack_decode_attention(const float *q, const void *k, const void *v, int
         float *item_m = m + (int64_t)item * rows, *item_l = l + (int64_t)item * rows, *item_acc = acc + (int64_t)item * rows * d;
 #ifdef SPECSTACK_DP
         if (registers) {
-            attend_range_dp_any(q + (int64_t)h * rows * d, rows, d, scale, (const uint16_t *)k + h * k_head_stride,
-                                (const uint16_t *)v + h * v_head_stride, begin, end, item_m, item_l, item_acc);
+            attend_range_dp_groups(q + (int64_t)h * rows * d, rows, d, scale, (const uint16_t *)k + h * k_head_stride,
+                                   (const uint16_t *)v + h * v_head_stride, begin, end, scratch + (size_t)item * item_floats, item_m, item_l, item_acc);
             continue;
         }
 #endif
