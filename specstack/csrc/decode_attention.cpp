@@ -637,8 +637,9 @@ __attribute__((always_inline)) inline void transpose16(__m512 r[16]) {
 // the common block then needs no horizontal maximum, no rescale of the sums and no exp of it, only a
 // comparison, and its weight sums stay a vector (one lane a key) until the range ends. The weights are
 // at most e^RESCALE_ABOVE, and the sums add them as rounded to bf16, as they weigh the values. On the
-// AMD Zen 4 host, against rescaling at every block's maximum, attention over 7,500 keys took 1.16-1.20x
-// less time at one token and 1.07-1.31x at two (the softmax had been half the path's time at two).
+// AMD Zen 4 host, against rescaling at every block's maximum, one and two tokens over 7,500 and 32,000
+// keys took 1.01-1.20x less time from memory, which mostly bounds them (the softmax had been half the
+// path's time at two tokens with the cache in the last-level cache).
 //
 // Up to DP_GROUPED_ROWS rows (a verify of up to five tokens with groups of three) take this path in groups
 // of at most six rows, each group in turn over a chunk of DP_CHUNK keys, which the later groups then read
