@@ -229,6 +229,21 @@ class HFCausalLM:
             self.decoder.attach_part_blocks()  # the fused products take their parts' blocks
         return taken
 
+    def read_head_blocks_of(self, other: "HFCausalLM") -> bool:
+        """Let this model's LM head read the stored blocks ``other``'s LM head reads, where they widen to this head's
+        weight bit for bit: a bf16 draft whose head is the target's embedding rounded to bf16 reads the GGUF's Q8_0
+        embedding, as the target's head does. Returns whether it does."""
+        mine, theirs = self.module.get_output_embeddings(), other.module.get_output_embeddings()
+        if not isinstance(mine, PackedLinear) or not isinstance(theirs, PackedLinear) or theirs._blocks is None:
+            return False
+        stored, format, weight = theirs._blocks, theirs._format, mine.weight.detach()
+        if not format.reads(weight.dtype) or stored.device != weight.device or stored.shape[0] != weight.shape[0]:
+            return False
+        if not torch.equal(format.weights(stored, weight.dtype), weight):
+            return False
+        mine.attach_blocks(stored, format, checked=True)
+        return True
+
     def read_bf16_numbers(self) -> int:
         """Let products of a few fp32 rows read as bf16 the weights that are bf16 numbers (a draft's embedding
         frozen in bf16 and the LM head tied to it): the same outputs from half the bytes. Returns how many

@@ -147,7 +147,8 @@ def load_draft(target, directory: str | Path, *, dtype: torch.dtype = torch.floa
     finally:
         hf_logging.set_verbosity(verbosity)
     copy_target_weights(draft.module, target.module)
-    draft.read_bf16_numbers()  # the embedding frozen in bf16, and the LM head tied to it
+    draft.read_head_blocks_of(target)  # in bf16: the LM head is the target's Q8_0 embedding, read as the target reads it
+    draft.read_bf16_numbers()  # in fp32: the embedding frozen in bf16, and the LM head tied to it
     return draft
 
 

@@ -124,11 +124,16 @@ class RowsKernel:
         stored in ``format``) where given, else ``weight``. bf16 products of TILES_FROM rows or more run on the
         tiles where there are tiles."""
         lib = self.library
-        if dtype == torch.float32:
-            return (lib.specstack_linear_rows_f32, weight) if blocks is None else (getattr(lib, format.entries[torch.float32]), blocks)
-        if rows < TILES_FROM or not self.tiles:
-            return (lib.specstack_linear_rows_bf16, weight) if blocks is None else (getattr(lib, format.entries[torch.bfloat16]), blocks)
-        return (lib.specstack_linear_rows_bf16_tiles, weight) if blocks is None else (lib.specstack_linear_rows_q4_1_bf16_tiles, blocks)
+        stored = blocks is not None and self.reads_stored(dtype, rows, format)
+        if dtype == torch.bfloat16 and rows >= TILES_FROM and self.tiles:
+            return (lib.specstack_linear_rows_q4_1_bf16_tiles, blocks) if stored else (lib.specstack_linear_rows_bf16_tiles, weight)
+        plain = lib.specstack_linear_rows_f32 if dtype == torch.float32 else lib.specstack_linear_rows_bf16
+        return (getattr(lib, format.entries[dtype]), blocks) if stored else (plain, weight)
+
+    def reads_stored(self, dtype: torch.dtype, rows: int, format: WeightFormat) -> bool:
+        """Whether a product of ``rows`` rows of ``dtype`` reads a weight stored in ``format`` rather than the weight
+        itself: where the format reads for that many rows of the dtype, except on the tiles, which read Q4_1 blocks only."""
+        return format.reads(dtype, rows) and (dtype != torch.bfloat16 or rows < TILES_FROM or not self.tiles or format is Q4_1)
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, blocks: torch.Tensor | None = None,
                  format: WeightFormat = Q4_1) -> torch.Tensor:
@@ -156,7 +161,8 @@ def load_rows_kernel(cache: Path | None = None) -> RowsKernel | None:
         return None
     library, path = loaded
     for name in ("specstack_linear_rows_q4_1_f32", "specstack_linear_rows_q8_0_f32", "specstack_linear_rows_bf16_f32", "specstack_linear_rows_bf16",
-                 "specstack_linear_rows_q4_1_bf16", "specstack_linear_rows_bf16_tiles", "specstack_linear_rows_q4_1_bf16_tiles"):
+                 "specstack_linear_rows_q4_1_bf16", "specstack_linear_rows_q8_0_bf16", "specstack_linear_rows_bf16_tiles",
+                 "specstack_linear_rows_q4_1_bf16_tiles"):
         entry = getattr(library, name)
         entry.restype, entry.argtypes = ctypes.c_int, argtypes
     dots = library.specstack_linear_rows_bf16_dots() == 1
@@ -237,7 +243,8 @@ class PackedLinear(torch.nn.Linear):
         """Bytes this layer reads per weight in a product of ``rows`` rows: its stored format's where a few
         rows read it (0.75 for Q4_1 blocks), else the weight's element size."""
         weight = self._parameters["weight"]
-        if self._blocks is not None and self._rows is not None and rows <= self._rows.max_rows(weight.dtype) and self._format.reads(weight.dtype):
+        if (self._blocks is not None and self._rows is not None and rows <= self._rows.max_rows(weight.dtype)
+                and self._rows.reads_stored(weight.dtype, rows, self._format)):
             return self._format.bytes_per_weight
         return weight.element_size()
 

@@ -9,7 +9,8 @@ products in the same order as over the weights themselves: the same bits from fe
   each weight a four-bit code ``q``, ``w = d·q + m``), as rows of 16 code bytes per block followed by
   the blocks' (d, m) as float32 pairs: 0.75 bytes a weight. Read by fp32 and bf16 rows.
 - ``q8_0``: GGUF's Q8_0 blocks (a float16 scale ``d`` per 32 signed 8-bit codes, ``w = d·q``), as rows
-  of 32 code bytes per block followed by the blocks' scales as float32: 1.125 bytes a weight. fp32 rows.
+  of 32 code bytes per block followed by the blocks' scales as float32: 1.125 bytes a weight. Read by fp32 rows
+  and by up to three bf16 rows (a tied LM head over the GGUF's Q8_0 embedding).
 - ``bf16``: float32 weights that are bf16 numbers (a draft's embedding frozen in bf16), as their upper
   halves: 2 bytes a weight. fp32 rows.
 
@@ -39,6 +40,7 @@ class WeightFormat:
     block_bytes: int
     widen: Callable[[torch.Tensor], torch.Tensor] = attrs.field(repr=False)
     entries: Mapping[torch.dtype, str]
+    most_rows: Mapping[torch.dtype, int] = attrs.field(factory=dict)  # per dtype, the most input rows that read it (default: all)
 
     @property
     def bytes_per_weight(self) -> float:
@@ -48,9 +50,9 @@ class WeightFormat:
         """stored [out, in / 32 * block_bytes] -> the weights [out, in] of ``dtype`` they stand for."""
         return self.widen(stored).to(dtype)
 
-    def reads(self, dtype: torch.dtype) -> bool:
-        """Whether the kernel reads this format for rows of ``dtype``."""
-        return dtype in self.entries
+    def reads(self, dtype: torch.dtype, rows: int = 1) -> bool:
+        """Whether the kernel reads this format for ``rows`` rows of ``dtype``."""
+        return dtype in self.entries and rows <= self.most_rows.get(dtype, rows)
 
 
 def q4_1_rows(blocks: torch.Tensor) -> torch.Tensor:
@@ -98,6 +100,12 @@ def bf16_rows(weight: torch.Tensor) -> torch.Tensor | None:
 
 Q4_1 = WeightFormat(name="q4_1", block_bytes=24, widen=q4_1_weights,
                     entries={torch.float32: "specstack_linear_rows_q4_1_f32", torch.bfloat16: "specstack_linear_rows_q4_1_bf16"})
-Q8_0 = WeightFormat(name="q8_0", block_bytes=36, widen=q8_0_weights, entries={torch.float32: "specstack_linear_rows_q8_0_f32"})
+# bf16 rows widen each Q8_0 block to bf16 in registers (seven instructions a block), which costs more than the bytes it
+# saves from four rows on: the bf16 target's LM head alone (49152 x 576, AMD Zen 4, 2 threads) took 1.18-1.20x less
+# time at one row than over the bf16 weight, 1.12-1.14x at two, 1.09-1.10x at three, 0.90-1.07x at four to six and
+# 0.93x at eight.
+Q8_0 = WeightFormat(name="q8_0", block_bytes=36, widen=q8_0_weights,
+                    entries={torch.float32: "specstack_linear_rows_q8_0_f32", torch.bfloat16: "specstack_linear_rows_q8_0_bf16"},
+                    most_rows={torch.bfloat16: 3})
 BF16 = WeightFormat(name="bf16", block_bytes=64, widen=lambda rows: rows.view(torch.bfloat16).float(),
                     entries={torch.float32: "specstack_linear_rows_bf16_f32"})

@@ -10,7 +10,7 @@ import torch
 from specstack.errors import SpecstackError
 from specstack.gguf_weights import attach_gguf_blocks, tensor_index
 from specstack.packed_linear import PackedLinear, load_rows_kernel, read_bf16_numbers
-from specstack.weight_formats import BF16, Q4_1, Q4_1_GGUF_BYTES, Q8_0, Q8_0_GGUF_BYTES, bf16_rows, q4_1_rows, q4_1_weights, q8_0_rows
+from specstack.weight_formats import BF16, Q4_1, Q4_1_GGUF_BYTES, Q8_0, Q8_0_GGUF_BYTES, bf16_rows, q4_1_rows, q8_0_rows
 
 ROWS_KERNEL = load_rows_kernel()
 needs_kernel = pytest.mark.skipif(ROWS_KERNEL is None, reason="no C++ compiler here: the few-row kernel cannot be built")
@@ -47,8 +47,8 @@ def random_bf16(out: int, inp: int, seed: int = 0) -> torch.Tensor:
 STORED = {"q4_1": (Q4_1, random_blocks), "q8_0": (Q8_0, random_q8_0), "bf16": (BF16, random_bf16)}
 
 
-def bf16_layer(blocks: torch.Tensor, bias: bool) -> PackedLinear:
-    weight = q4_1_weights(blocks, torch.bfloat16)  # [out, in]
+def bf16_layer(blocks: torch.Tensor, bias: bool, format=Q4_1) -> PackedLinear:
+    weight = format.weights(blocks, torch.bfloat16)  # [out, in]
     layer = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=bias, dtype=torch.bfloat16)
     with torch.no_grad():
         layer.weight.copy_(weight)
@@ -123,12 +123,15 @@ def test_only_float32_weights_made_of_bf16_numbers_are_read_as_bf16() -> None:
 
 
 @needs_bf16_rows
+@pytest.mark.parametrize("format", ["q4_1", "q8_0"])
 @pytest.mark.parametrize("out_features", [8, 10, 1, 40])
 @pytest.mark.parametrize("bias", [False, True])
-def test_rows_reading_blocks_are_the_same_bits_as_rows_reading_the_bf16_weight(out_features, bias) -> None:
-    """Every row count the kernel takes (on AMX tiles from TILES_FROM rows where there are tiles), output counts
-    that leave a short last group of four or of sixteen, with a bias."""
-    layer = bf16_layer(random_blocks(out_features, 160, seed=out_features), bias)
+def test_rows_reading_blocks_are_the_same_bits_as_rows_reading_the_bf16_weight(format, out_features, bias) -> None:
+    """Every row count the kernel takes (on AMX tiles from TILES_FROM rows where there are tiles, which read
+    Q4_1 blocks and otherwise the weight), output counts that leave a short last group of four or of sixteen,
+    with a bias; Q4_1 layer matrices and a Q8_0 embedding's LM head."""
+    kind, make = STORED[format]
+    layer = bf16_layer(make(out_features, 160, seed=out_features), bias, kind)
     if bias:
         with torch.no_grad():
             layer.bias.copy_(torch.randn(out_features, generator=torch.Generator().manual_seed(1)))
@@ -137,7 +140,7 @@ def test_rows_reading_blocks_are_the_same_bits_as_rows_reading_the_bf16_weight(o
     with torch.no_grad():
         for n in range(1, rows + 1):
             plain = layer(x[:n])  # [n, out], the bf16 weight
-            layer.attach_blocks(random_blocks(out_features, 160, seed=out_features))
+            layer.attach_blocks(make(out_features, 160, seed=out_features), kind)
             read = layer(x[:n])  # [n, out], the blocks
             assert layer._blocks_for is not None, "the blocks were not used"
             assert torch.equal(read.view(torch.int16), plain.view(torch.int16)), n
@@ -169,18 +172,21 @@ def test_blocks_that_do_not_widen_to_the_weight_are_dropped_and_the_weight_is_re
 @needs_bf16_rows
 def test_the_embedded_targets_bf16_forward_reads_every_layer_matrix_as_blocks_with_the_same_logits() -> None:
     """Every q, k, v, o, gate, up and down matrix of the GGUF widens exactly to the bf16 target's weight
-    (q and k with their rows back in transformers' order), and a forward's logits are the same bits."""
+    (q and k with their rows back in transformers' order), and so does its Q8_0 embedding to the tied LM head:
+    a forward's logits are the same bits from the blocks as from the bf16 weights."""
     from specstack.batch import TokenBatch
     from specstack.models import find_gguf, load_target
 
     target = load_target(dtype=torch.bfloat16)[0]
     layers = target.module.config.num_hidden_layers
     fused = [layer.qkv.linear for layer in target.decoder.layers] + [layer.gate_up.linear for layer in target.decoder.layers]
-    assert sum(m._blocks is not None for m in target.module.modules() if isinstance(m, PackedLinear)) == 7 * layers
-    assert all(m._blocks is not None for m in fused)
+    assert sum(m._blocks is not None for m in target.module.modules() if isinstance(m, PackedLinear)) == 7 * layers + 1
+    assert all(m._blocks is not None for m in fused) and target.module.lm_head._format is Q8_0
     most = ROWS_KERNEL.max_rows(torch.bfloat16)  # 16 (bf16 dot products or widened), or 32 on AMX tiles
     assert target.linear_bytes_per_weight(1) == target.linear_bytes_per_weight(most) == 0.75  # the floor counts the blocks' bytes
     assert target.linear_bytes_per_weight(most + 1) == 2  # wider products read the bf16 weights (oneDNN)
+    assert target.head_bytes_per_weight(1) == target.head_bytes_per_weight(3) == 1.125  # up to three bf16 rows read the Q8_0 blocks
+    assert target.head_bytes_per_weight(4) == target.head_bytes_per_weight(most + 1) == 2
     tokens = [1, 504, 3458, 314, 253, 1345, 2330, 30]
 
     def logits() -> torch.Tensor:
@@ -198,7 +204,39 @@ def test_the_embedded_targets_bf16_forward_reads_every_layer_matrix_as_blocks_wi
         if isinstance(m, PackedLinear):
             m._blocks = None
     assert torch.equal(read.view(torch.int16), logits().view(torch.int16))
-    assert attach_gguf_blocks(target.module, find_gguf()) == 7 * layers
+    assert attach_gguf_blocks(target.module, find_gguf()) == 7 * layers + 1
+
+
+@pytest.mark.real_model
+@needs_bf16_rows
+def test_the_bf16_drafts_lm_head_reads_the_targets_q8_0_embedding_with_the_same_logits() -> None:
+    """The shipped draft's LM head is the target's embedding rounded to bf16: in bf16 it reads the GGUF's Q8_0
+    embedding, the very blocks the target's head reads, and its logits for one, two and three rows are the same bits
+    as from its bf16 weight."""
+    from specstack.batch import TokenBatch
+    from specstack.models import load_default
+
+    target, draft, _ = load_default(dtype=torch.bfloat16)
+    head = draft.module.lm_head
+    assert head._format is Q8_0 and head._blocks is target.module.lm_head._blocks and draft.head_bytes_per_weight(1) == 1.125
+    tokens = [1, 504, 3458, 314, 253, 1345, 2330, 30]
+
+    def logits() -> torch.Tensor:
+        store = draft.new_cache(16)
+        draft.forward(TokenBatch.chain(tokens[:5], start=0, num_logits=1), store)
+        step = draft.forward(TokenBatch.chain(tokens[5:6], start=5, num_logits=1), store)  # [1, V]
+        pair = draft.forward(TokenBatch.chain(tokens[6:8], start=6, num_logits=2), store)  # [2, V]
+        store.truncate(5)
+        three = draft.forward(TokenBatch.chain(tokens[5:8], start=5, num_logits=3), store)  # [3, V]
+        return torch.cat([step, pair, three])  # [6, V]
+
+    read = logits()
+    head._blocks = None
+    assert torch.equal(read.view(torch.int16), logits().view(torch.int16))
+    assert draft.read_head_blocks_of(target)
+    with torch.no_grad():
+        head.weight[0, 0] += 1.0  # a head the blocks no longer widen to
+    assert not draft.read_head_blocks_of(target)
 
 
 @pytest.mark.real_model

@@ -301,6 +301,15 @@ struct Q4_1_BF16 {
     }
 };
 
+// Q8_0 blocks as the bf16 numbers they stand for, widened to float32.
+struct Q8_0_BF16 {
+    static constexpr int64_t BLOCK_BYTES = Q8_0::BLOCK_BYTES;
+    static inline void widen(const uint8_t *row, int64_t in, int64_t b, v8 q[4]) {
+        Q8_0::widen(row, in, b, q);
+        for (int k = 0; k < 4; ++k) q[k] = round_to_bf16(q[k]);
+    }
+};
+
 // y [n, out] bf16 = x [n, in] bf16 W^T + bias (bf16 or null), W stored as Format (widening to bf16 numbers):
 // the rows and the bias widened once, the fp32 product, each output rounded once.
 template <class Format>
@@ -366,23 +375,47 @@ inline __m512i q4_1_bf16(const uint8_t *codes, const float *dm) {
     return _mm512_permutexvar_epi16(index, table);
 }
 
-// sums[j * ROWS + i] = w_{r+i} . x_j for the n <= N input rows, each Q4_1 block widened once for them all;
+// One Q8_0 block as the 32 bf16 weights it stands for, in order: d * q in float32 (exact: an 11-bit scale times an
+// 8-bit code), rounded to bf16 (to nearest even, as torch's cast of the GGUF reader's float32 weight).
+inline __m512i q8_0_bf16(const int8_t *codes, float d) {
+    const __m512 scale = _mm512_set1_ps(d);
+    const __m512 low = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)codes))), scale);  // q_0 .. q_15
+    const __m512 high = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(codes + 16)))), scale);
+    return (__m512i)_mm512_cvtne2ps_pbh(high, low);
+}
+
+// The stored formats the bf16 entries widen in registers: a row's block b as its 32 bf16 weights, and which of the
+// next group's lines to ask for while block b is read (one request per 64-byte line of codes and of scales).
+struct Q4_1_Blocks {
+    static constexpr int64_t BLOCK_BYTES = Q4_1::BLOCK_BYTES;  // 16 code bytes, then (d, m) as float32 at the row's end
+    static inline __m512i bf16(const uint8_t *row, int64_t in, int64_t b) { return q4_1_bf16(row + 16 * b, (const float *)(row + in / 2) + 2 * b); }
+    static inline void ask(const uint8_t *w0, int64_t row_bytes, int64_t in, int64_t b) {
+        if (b % 4 == 0) prefetch_next_block(w0, row_bytes, 16 * b);  // codes
+        if (b % 8 == 0) prefetch_next_block(w0, row_bytes, in / 2 + 8 * b);  // scales
+    }
+};
+struct Q8_0_Blocks {
+    static constexpr int64_t BLOCK_BYTES = Q8_0::BLOCK_BYTES;  // 32 code bytes, then d as float32 at the row's end
+    static inline __m512i bf16(const uint8_t *row, int64_t in, int64_t b) { return q8_0_bf16((const int8_t *)row + 32 * b, ((const float *)(row + in))[b]); }
+    static inline void ask(const uint8_t *w0, int64_t row_bytes, int64_t in, int64_t b) {
+        if (b % 2 == 0) prefetch_next_block(w0, row_bytes, 32 * b);  // codes
+        if (b % 16 == 0) prefetch_next_block(w0, row_bytes, in + 4 * b);  // scales
+    }
+};
+
+// sums[j * ROWS + i] = w_{r+i} . x_j for the n <= N input rows, each stored block widened once for them all;
 // every sum takes the same dot products in the same order as bf16_four_outputs.
-template <int N>
-void q4_four_outputs(const uint8_t *w, const uint16_t *x, int64_t in, int64_t r, float *sums) {
-    const int64_t row_bytes = row_bytes_of<Q4_1>(in), scales = in / 32 * 16;
+template <int N, class Blocks>
+void narrow_four_outputs(const uint8_t *w, const uint16_t *x, int64_t in, int64_t r, float *sums) {
+    const int64_t row_bytes = row_bytes_of<Blocks>(in);
     const uint8_t *w0 = w + r * row_bytes;
     __m512 a[N][ROWS];
     for (int j = 0; j < N; ++j)
         for (int i = 0; i < ROWS; ++i) a[j][i] = _mm512_setzero_ps();
     for (int64_t c = 0, block = 0; c < in; c += 32, ++block) {
-        if (block % 4 == 0) prefetch_next_block(w0, row_bytes, 16 * block);  // codes: once per 64-byte line of each row
-        if (block % 8 == 0) prefetch_next_block(w0, row_bytes, scales + 8 * block);  // scales
+        Blocks::ask(w0, row_bytes, in, block);
         __m512i k[ROWS];
-        for (int i = 0; i < ROWS; ++i) {
-            const uint8_t *row = w0 + i * row_bytes;
-            k[i] = q4_1_bf16(row + 16 * block, (const float *)(row + scales) + 2 * block);
-        }
+        for (int i = 0; i < ROWS; ++i) k[i] = Blocks::bf16(w0 + i * row_bytes, in, block);
         for (int j = 0; j < N; ++j) {
             const __m512bh xj = (__m512bh)_mm512_loadu_si512(x + j * in + c);
             for (int i = 0; i < ROWS; ++i) a[j][i] = _mm512_dpbf16_ps(a[j][i], xj, (__m512bh)k[i]);
@@ -393,16 +426,19 @@ void q4_four_outputs(const uint8_t *w, const uint16_t *x, int64_t in, int64_t r,
 }
 
 // The same for one output row (the last, short block).
-float q4_one_output(const uint8_t *row, const uint16_t *xj, int64_t in) {
-    const float *dm = (const float *)(row + in / 32 * 16);
+template <class Blocks>
+float narrow_one_output(const uint8_t *row, const uint16_t *xj, int64_t in) {
     __m512 a = _mm512_setzero_ps();
-    for (int64_t c = 0; c < in; c += 32) a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_loadu_si512(xj + c), (__m512bh)q4_1_bf16(row + c / 2, dm + c / 16));
+    for (int64_t c = 0, block = 0; c < in; c += 32, ++block)
+        a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_loadu_si512(xj + c), (__m512bh)Blocks::bf16(row, in, block));
     return _mm512_reduce_add_ps(a);
 }
 
-void q4_rows(const uint8_t *w, const uint16_t *x, int n, int64_t in, int64_t r, float *sums) {
+template <class Blocks>
+void narrow_rows(const uint8_t *w, const uint16_t *x, int n, int64_t in, int64_t r, float *sums) {
     typedef void (*Rows)(const uint8_t *, const uint16_t *, int64_t, int64_t, float *);
-    static const Rows rows[] = {q4_four_outputs<1>, q4_four_outputs<2>, q4_four_outputs<3>, q4_four_outputs<4>, q4_four_outputs<5>, q4_four_outputs<6>};
+    static const Rows rows[] = {narrow_four_outputs<1, Blocks>, narrow_four_outputs<2, Blocks>, narrow_four_outputs<3, Blocks>,
+                                narrow_four_outputs<4, Blocks>, narrow_four_outputs<5, Blocks>, narrow_four_outputs<6, Blocks>};
     rows[n - 1](w, x, in, r, sums);
 }
 
@@ -425,6 +461,32 @@ void bf16_outputs(const uint16_t *bias, uint16_t *y, int n, int64_t out, int thr
             for (int64_t r = first; r < last; ++r)
                 y[j * out + r] = float_to_bf16(sums[j * ROWS + (r - first)] + (bias ? bf16_to_float(bias[r]) : 0.0f));
     }
+}
+
+// The bf16 product with W stored as Blocks: each stored block widened in registers to the bf16 numbers the model
+// holds, then the same dot products in the same order as specstack_linear_rows_bf16 over those bf16 weights.
+// Passes of at most MAX_Q4_FUSED_ROWS input rows (one pass up to six), as even as they go, each widening the
+// group's blocks again (from L1 after the first): every sum the same dot products in the same order. On the AMD
+// Zen 4 host the bf16 target's forwards of 7 / 8 / 12 / 16 tokens took 1.24-1.32x / 1.16-1.30x / 1.10-1.18x /
+// 1.02-1.03x less time so (Q4_1 layers) than with oneDNN's packed kernel over the bf16 weights and the lean
+// decoder's Python (over 1,024 and 7,500 cached keys); widening each group once into L1 and taking
+// bf16_four_outputs over it measured 0.93-0.99x of this.
+template <class Blocks>
+int narrow_bf16_linear(const uint8_t *w, const uint16_t *x, const uint16_t *bias, uint16_t *y, int n, int64_t out, int64_t in, int threads) {
+    if (!bf16_shape_taken(n, out, in, threads, MAX_Q4_ROWS)) return -1;
+    const int64_t row_bytes = row_bytes_of<Blocks>(in);
+    const int passes = (n + MAX_Q4_FUSED_ROWS - 1) / MAX_Q4_FUSED_ROWS;
+    bf16_outputs<MAX_Q4_ROWS>(
+        bias, y, n, out, threads,
+        [&](int64_t first, float *sums) {
+            for (int p = 0, j = 0; p < passes; ++p) {
+                const int m = (n - j + passes - p - 1) / (passes - p);
+                narrow_rows<Blocks>(w, x + j * in, m, in, first, sums + j * ROWS);
+                j += m;
+            }
+        },
+        [&](int64_t r, int j) { return narrow_one_output<Blocks>(w + r * row_bytes, x + j * in, in); });
+    return 0;
 }
 #endif
 
@@ -635,28 +697,19 @@ int specstack_linear_rows_bf16(const uint16_t *w, const uint16_t *x, const uint1
 // does not take (in not a multiple of 32, more than MAX_Q4_ROWS rows; widened: MAX_WIDENED_BF16_ROWS).
 int specstack_linear_rows_q4_1_bf16(const uint8_t *w, const uint16_t *x, const uint16_t *bias, uint16_t *y, int n, int64_t out, int64_t in, int threads) {
 #if defined(__AVX512BF16__)
-    if (!bf16_shape_taken(n, out, in, threads, MAX_Q4_ROWS)) return -1;
-    const int64_t row_bytes = row_bytes_of<Q4_1>(in);
-    // Passes of at most MAX_Q4_FUSED_ROWS input rows (one pass up to six), as even as they go, each widening the
-    // group's blocks again (from L1 after the first): every sum the same dot products in the same order. On the AMD
-    // Zen 4 host the bf16 target's forwards of 7 / 8 / 12 / 16 tokens took 1.24-1.32x / 1.16-1.30x / 1.10-1.18x /
-    // 1.02-1.03x less time so than with oneDNN's packed kernel over the bf16 weights and the lean decoder's Python
-    // (over 1,024 and 7,500 cached keys); widening each group once into L1 and taking bf16_four_outputs over it
-    // measured 0.93-0.99x of this.
-    const int passes = (n + MAX_Q4_FUSED_ROWS - 1) / MAX_Q4_FUSED_ROWS;
-    bf16_outputs<MAX_Q4_ROWS>(
-        bias, y, n, out, threads,
-        [&](int64_t first, float *sums) {
-            for (int p = 0, j = 0; p < passes; ++p) {
-                const int m = (n - j + passes - p - 1) / (passes - p);
-                q4_rows(w, x + j * in, m, in, first, sums + j * ROWS);
-                j += m;
-            }
-        },
-        [&](int64_t r, int j) { return q4_one_output(w + r * row_bytes, x + j * in, in); });
-    return 0;
+    return narrow_bf16_linear<Q4_1_Blocks>(w, x, bias, y, n, out, in, threads);
 #else
     return widened_bf16_linear<Q4_1_BF16>(w, x, bias, y, n, out, in, threads);
+#endif
+}
+
+// The same with W stored as Q8_0 blocks, w [out, in / 32 * 36] (row_bytes_of<Q8_0>): a tied LM head over a Q8_0
+// embedding reads 1.125 bytes a weight instead of 2.
+int specstack_linear_rows_q8_0_bf16(const uint8_t *w, const uint16_t *x, const uint16_t *bias, uint16_t *y, int n, int64_t out, int64_t in, int threads) {
+#if defined(__AVX512BF16__)
+    return narrow_bf16_linear<Q8_0_Blocks>(w, x, bias, y, n, out, in, threads);
+#else
+    return widened_bf16_linear<Q8_0_BF16>(w, x, bias, y, n, out, in, threads);
 #endif
 }
 
