@@ -150,9 +150,22 @@ def test_the_tree_is_binary_in_breadth_first_order() -> None:
 def test_measure_times_every_level_and_rolls_back() -> None:
     target = random_llama(layers=2, max_positions=512)
     draft = random_llama(seed=1, layers=1, hidden_size=32, intermediate_size=64, heads=2, kv_heads=1)
+    widths = []
+
+    class Recording:  # the draft, noting each forward's width
+        vocab_size, dtype = draft.vocab_size, draft.dtype
+
+        def __getattr__(self, name):
+            return getattr(draft, name)
+
+        def forward(self, batch, cache):
+            widths.append(len(batch.tokens))
+            return draft.forward(batch, cache)
+
     levels = [Level(name="L2 target+full", role="target", model=target, caches=(16, 40)),
-              Level(name="L0 draft+streaming", role="draft", model=draft, caches=(24,), relative_positions=True)]
+              Level(name="L0 draft+streaming", role="draft", model=Recording(), caches=(24,), relative_positions=True)]
     rows = measure(levels, MACHINE, tokens=(1, 3), tree=True, repeats=2)
+    assert widths == [1, 3] * 3 + [3] * 3  # the chains' widths in turn (a warm-up turn and two), then the trees
     assert [(r.level, r.cache, r.tokens, r.tree) for r in rows] == [
         ("L2 target+full", 16, 1, False), ("L2 target+full", 16, 3, False), ("L2 target+full", 16, 3, True),
         ("L2 target+full", 40, 1, False), ("L2 target+full", 40, 3, False), ("L2 target+full", 40, 3, True),

@@ -138,7 +138,7 @@ def time_forwards(model, store, *, cached: int, widths: Sequence[int], tree: boo
 def measure(levels: Sequence[Level], machine: Machine, *, tokens: Sequence[int], tree: bool = False, repeats: int = 5,
             seed: int = 0, progress: Callable[[str], None] | None = None) -> list[Row]:
     """Time every level's forward at each cache length and number of tokens (chains, and trees of
-    2 tokens or more with ``tree``) and pair each with its floor."""
+    2 tokens or more with ``tree``), the widths in turn (:func:`time_forwards`), and pair each with its floor."""
     generator = torch.Generator(device="cpu").manual_seed(seed)
     rows = []
     for level in levels:
@@ -148,10 +148,13 @@ def measure(levels: Sequence[Level], machine: Machine, *, tokens: Sequence[int],
                 progress(f"{level.name} over {cached} slots")
             store = level.model.new_cache(cached + max(tokens), relative_positions=level.relative_positions)
             fill(store, cached, generator)
+            timed = {False: time_forwards(level.model, store, cached=cached, widths=tokens, tree=False, repeats=repeats, generator=generator)}
+            if tree and any(t >= 2 for t in tokens):
+                timed[True] = time_forwards(level.model, store, cached=cached, widths=[t for t in tokens if t >= 2], tree=True, repeats=repeats,
+                                            generator=generator)
             for t in tokens:
                 for is_tree in (False, True) if tree and t >= 2 else (False,):
-                    seconds = time_forward(level.model, store, cached=cached, tokens=t, tree=is_tree, repeats=repeats, generator=generator)
-                    rows.append(Row(level=level.name, cache=cached, tokens=t, tree=is_tree, seconds=seconds,
+                    rows.append(Row(level=level.name, cache=cached, tokens=t, tree=is_tree, seconds=timed[is_tree][t],
                                     floor=forward_floor(shape, dtype, t, cached, t, machine, level.model.linear_bytes_per_weight(t),
                                                         level.model.head_bytes_per_weight(t))))
             del store
