@@ -171,6 +171,28 @@ def test_the_first_token_of_a_verify_of_up_to_five_tokens_gets_the_one_token_ste
     assert torch.equal(verify[:, :1], step)
 
 
+@pytest.mark.real_model
+@needs_dot_products
+def test_the_bf16_targets_verify_of_up_to_five_tokens_gives_its_first_token_the_one_token_steps_logits() -> None:
+    """The whole forward, not the attention alone: over 600 cached tokens, the first row of logits of a bf16 verify of
+    two to five tokens is the same bits as the one-token step's. Where there are no tiles the attention of up to
+    fifteen rows takes the register path, and the linear layers and the LM head (its Q8_0 blocks up to three rows,
+    its bf16 weight from four) give each row the same bits at any row count. Wider verifies may differ."""
+    from specstack.models import load_target
+
+    target = load_target(dtype=torch.bfloat16)[0]
+    target.attention_kernel = attrs.evolve(target.attention_kernel, amx=False)
+    generator = torch.Generator().manual_seed(11)
+    prompt, verify = torch.randint(1000, 20000, (600,), generator=generator).tolist(), [504, 3458, 314, 253, 1345]
+    store = target.new_cache(640)
+    target.forward(TokenBatch.chain(prompt, start=0, num_logits=1), store)
+    step = target.forward(TokenBatch.chain(verify[:1], start=600, num_logits=1), store)  # [1, V]
+    for t in range(2, 6):
+        store.truncate(600)
+        logits = target.forward(TokenBatch.chain(verify[:t], start=600, num_logits=t), store)  # [t, V]
+        assert torch.equal(logits[:1].view(torch.int16), step.view(torch.int16)), t
+
+
 @needs_dot_products
 @pytest.mark.parametrize(("t", "d"), [(1, 64), (2, 128), (4, 64), (8, 64)])  # one group, two groups, block by block
 def test_scores_that_keep_rising_move_each_rows_reference_and_rescale_its_sums(t, d) -> None:
