@@ -89,8 +89,16 @@ constexpr int GEMM_ROWS = W == 16 ? 8 : 25;
 // Whether each work item asks for its next block of keys and values while it computes the current one:
 // on the Intel host (AVX-512) the one-token case over 32,000 keys took 1.21x less time with it; on the AMD
 // Zen 3 host (AVX2) 1.09x more (1.09-1.12x at one and two tokens over 7,500 and 32,000 keys; no change from
-// three on), where the hardware prefetcher does better alone (docs/benchmarks.md).
+// three on), where the hardware prefetcher does better alone (docs/benchmarks.md). On the AMD Zen 4 host
+// (AVX-512, no AMX) the few-row path did better without it too (float32, from memory: 1.05-1.16x at one token
+// and 1.32-1.34x at two, over 7,500 and 32,000 keys), and the GEMM path with it (1.03-1.05x at four and eight
+// tokens). The few rows keep it only where the kernel is built for AMX, which the Intel host has (as DP_PREFETCH).
 constexpr bool PREFETCH_NEXT_BLOCK = W == 16;
+#if defined(__AMX_BF16__)
+constexpr bool PREFETCH_FEW_ROWS = PREFETCH_NEXT_BLOCK;
+#else
+constexpr bool PREFETCH_FEW_ROWS = false;
+#endif
 constexpr float LOWEST = -87.33f;  // exp(LOWEST) is the smallest normal float; below it exp8 would lose its exponent
 
 inline v8 load8(const float *p) { return *(const v8 *)p; }
@@ -148,7 +156,7 @@ inline v8 row8(const uint16_t *p) { return load8_bf16(p); }
 // and value streams run side by side instead of in turns of a block each. On the AMD Zen 3 host (AVX2),
 // two threads streaming the 30 layers' keys and values of 7,500 slots read 1.1-1.3x faster so (a scratch
 // benchmark), and the one- and two-token cases took 1.07-1.35x less time (examples/attention_bounds.py
-// --source). Where PREFETCH_NEXT_BLOCK asks for whole blocks ahead (AVX-512), it is not used.
+// --source). Where whole blocks are asked for ahead (PREFETCH_NEXT_BLOCK, PREFETCH_FEW_ROWS), it is not used.
 struct Ahead {
     const char *rows = nullptr;  // the block's first value row; null: nothing to ask for
     int64_t row_bytes = 0;
@@ -518,17 +526,18 @@ inline size_t scratch_floats(int d) { return (size_t)MAX_ROWS * BLOCK + 2 * (siz
 void attend_range(const float *q, int rows, int d, const void *k, const void *v, bool bf16, int64_t begin, int64_t end,
                   float *scratch, float *m, float *l, float *acc) {
     const size_t elem = bf16 ? 2 : 4;
+    const bool whole_blocks = as_gemm(rows, d) ? PREFETCH_NEXT_BLOCK : PREFETCH_FEW_ROWS;  // else the values' rows ahead (Ahead)
     float *s = scratch, *kt = s + MAX_ROWS * BLOCK, *vw = kt + BLOCK * d;
     float rescale[MAX_ROWS];
     for (int r = 0; r < rows; ++r) m[r] = -INFINITY, l[r] = 0.0f;
     for (int i = 0; i < rows * d; ++i) acc[i] = 0.0f;
     for (int64_t b = begin; b < end; b += BLOCK) {
         const int len = (int)(end - b < BLOCK ? end - b : BLOCK);
-        if (PREFETCH_NEXT_BLOCK && b + BLOCK < end) {  // the next block on its way from memory while this one is computed
+        if (whole_blocks && b + BLOCK < end) {  // the next block on its way from memory while this one is computed
             const char *next_k = (const char *)k + (b + BLOCK) * d * elem, *next_v = (const char *)v + (b + BLOCK) * d * elem;
             for (size_t i = 0; i < (size_t)BLOCK * d * elem; i += 64) __builtin_prefetch(next_k + i, 0, 3), __builtin_prefetch(next_v + i, 0, 3);
         }
-        const Ahead ahead{PREFETCH_NEXT_BLOCK ? nullptr : (const char *)v + b * d * elem, (int64_t)d * (int64_t)elem};
+        const Ahead ahead{whole_blocks ? nullptr : (const char *)v + b * d * elem, (int64_t)d * (int64_t)elem};
         score_block(q, rows, d, (const char *)k + b * d * elem, bf16, len, kt, s, ahead);
         for (int r = 0; r < rows; ++r) {
             float *sr = s + r * BLOCK;
