@@ -133,8 +133,6 @@ def attach_gguf_blocks(module: torch.nn.Module, path: str | Path) -> int:
     taken = 0
     for name, linear in module.named_modules():
         format, stored = blocks.get(name, (None, None))
-        if isinstance(linear, PackedLinear) and stored is not None and format.reads(linear.weight.dtype):
-            if stored.shape[0] == linear.weight.shape[0] and torch.equal(format.weights(stored, linear.weight.dtype), linear.weight.detach()):
-                linear.attach_blocks(stored, format, checked=True)
-                taken += 1
+        if isinstance(linear, PackedLinear) and stored is not None and linear.attach_exact_blocks(stored, format):
+            taken += 1
     return taken

@@ -234,15 +234,8 @@ class HFCausalLM:
         weight bit for bit: a bf16 draft whose head is the target's embedding rounded to bf16 reads the GGUF's Q8_0
         embedding, as the target's head does. Returns whether it does."""
         mine, theirs = self.module.get_output_embeddings(), other.module.get_output_embeddings()
-        if not isinstance(mine, PackedLinear) or not isinstance(theirs, PackedLinear) or theirs._blocks is None:
-            return False
-        stored, format, weight = theirs._blocks, theirs._format, mine.weight.detach()
-        if not format.reads(weight.dtype) or stored.device != weight.device or stored.shape[0] != weight.shape[0]:
-            return False
-        if not torch.equal(format.weights(stored, weight.dtype), weight):
-            return False
-        mine.attach_blocks(stored, format, checked=True)
-        return True
+        return (isinstance(mine, PackedLinear) and isinstance(theirs, PackedLinear) and theirs._blocks is not None
+                and mine.attach_exact_blocks(theirs._blocks, theirs._format))
 
     def read_bf16_numbers(self) -> int:
         """Let products of a few fp32 rows read as bf16 the weights that are bf16 numbers (a draft's embedding

@@ -197,6 +197,17 @@ class PackedLinear(torch.nn.Linear):
         self._blocks, self._format = blocks.contiguous(), format
         self._blocks_for = self._weight_source(self._parameters["weight"]) if checked else None
 
+    def attach_exact_blocks(self, blocks: torch.Tensor, format: WeightFormat) -> bool:
+        """:meth:`attach_blocks` where ``blocks`` (stored in ``format``) widen to the weight bit for bit, on its device,
+        and the format reads for its dtype; returns whether they were attached."""
+        weight = self._parameters["weight"].detach()
+        if not format.reads(weight.dtype) or blocks.device != weight.device or blocks.shape[0] != weight.shape[0]:
+            return False
+        if not torch.equal(format.weights(blocks, weight.dtype), weight):
+            return False
+        self.attach_blocks(blocks, format, checked=True)
+        return True
+
     @classmethod
     def adopt(cls, linear: torch.nn.Linear, rows: RowsKernel | None = None) -> None:
         """Give ``linear`` (exactly an ``nn.Linear``) this forward, in place."""

@@ -94,7 +94,7 @@ constexpr int GEMM_ROWS = W == 16 ? 8 : 25;
 // and 1.32-1.34x at two, over 7,500 and 32,000 keys), and the GEMM path with it (1.03-1.05x at four and eight
 // tokens). The few rows keep it only where the kernel is built for AMX, which the Intel host has (as DP_PREFETCH).
 constexpr bool PREFETCH_NEXT_BLOCK = W == 16;
-#if defined(__AMX_BF16__)
+#ifdef SPECSTACK_AMX
 constexpr bool PREFETCH_FEW_ROWS = PREFETCH_NEXT_BLOCK;
 #else
 constexpr bool PREFETCH_FEW_ROWS = false;
@@ -690,16 +690,14 @@ constexpr bool DP_PREFETCH = true;
 constexpr bool DP_PREFETCH = false;
 #endif
 
-// Keys [begin, end) of one KV head for ROWS <= DP_ROWS rows, d = 16 * D16 (D16 a multiple of 2): each row's reference
-// score ref[r], weight sums sums[r * 16 ..] (a lane a key) and weighted values acc[r * d ..] move on from where they
-// are (fresh: from nothing; a row's reference -inf, its sums and values zero).
+// Keys [begin, end) of one KV head for ROWS <= DP_ROWS rows (their queries as bf16 words, qw [ROWS, d / 2]), d = 16 * D16
+// (D16 a multiple of 2): each row's reference score ref[r], weight sums sums[r * 16 ..] (a lane a key) and weighted
+// values acc[r * d ..] move on from where they are (fresh: from nothing; a row's reference -inf, its sums and values zero).
 template <int ROWS, int D16>
-void attend_range_dp(const float *q, float scale, const uint16_t *k, const uint16_t *v, int64_t begin, int64_t end,
+void attend_range_dp(const uint32_t *qw, float scale, const uint16_t *k, const uint16_t *v, int64_t begin, int64_t end,
                      float *ref, float *sums, float *acc, bool fresh) {
     constexpr int d = 16 * D16, WORDS = d / 2;
     const __m512i low = pairs_low(), high = pairs_high();
-    uint32_t qw[ROWS][WORDS];  // each row's dimension pairs as bf16 words
-    query_words(q, ROWS, d, &qw[0][0]);
     __m512 o[ROWS][D16], sum[ROWS];
     float top[ROWS];
     for (int r = 0; r < ROWS; ++r) {
@@ -721,8 +719,8 @@ void attend_range_dp(const float *q, float scale, const uint16_t *k, const uint1
             transpose16(t);
             for (int w = 0; w < TILE; w += 2)
                 for (int r = 0; r < ROWS; ++r) {
-                    s[r] = _mm512_dpbf16_ps(s[r], (__m512bh)t[w], (__m512bh)_mm512_set1_epi32((int)qw[r][c + w]));
-                    s2[r] = _mm512_dpbf16_ps(s2[r], (__m512bh)t[w + 1], (__m512bh)_mm512_set1_epi32((int)qw[r][c + w + 1]));
+                    s[r] = _mm512_dpbf16_ps(s[r], (__m512bh)t[w], (__m512bh)_mm512_set1_epi32((int)qw[r * WORDS + c + w]));
+                    s2[r] = _mm512_dpbf16_ps(s2[r], (__m512bh)t[w + 1], (__m512bh)_mm512_set1_epi32((int)qw[r * WORDS + c + w + 1]));
                 }
         }
         const __mmask16 valid = (__mmask16)(len == TILE ? 0xFFFF : (1u << len) - 1);
@@ -764,12 +762,12 @@ void attend_range_dp(const float *q, float scale, const uint16_t *k, const uint1
 inline bool dp_fits(int rows, int d, bool tiles) { return rows <= (tiles ? DP_ROWS_BESIDE_TILES : DP_GROUPED_ROWS) && (d == 64 || d == 128); }
 
 // attend_range_dp for rows <= DP_ROWS rows and heads of d (64 or 128).
-void attend_range_dp_any(const float *q, int rows, int d, float scale, const uint16_t *k, const uint16_t *v, int64_t begin, int64_t end,
+void attend_range_dp_any(const uint32_t *qw, int rows, int d, float scale, const uint16_t *k, const uint16_t *v, int64_t begin, int64_t end,
                          float *ref, float *sums, float *acc, bool fresh) {
-    typedef void (*Range)(const float *, float, const uint16_t *, const uint16_t *, int64_t, int64_t, float *, float *, float *, bool);
+    typedef void (*Range)(const uint32_t *, float, const uint16_t *, const uint16_t *, int64_t, int64_t, float *, float *, float *, bool);
     static const Range ranges[2][DP_ROWS] = {{attend_range_dp<1, 4>, attend_range_dp<2, 4>, attend_range_dp<3, 4>, attend_range_dp<4, 4>, attend_range_dp<5, 4>, attend_range_dp<6, 4>},
                                              {attend_range_dp<1, 8>, attend_range_dp<2, 8>, attend_range_dp<3, 8>, attend_range_dp<4, 8>, attend_range_dp<5, 8>, attend_range_dp<6, 8>}};
-    ranges[d == 128][rows - 1](q, scale, k, v, begin, end, ref, sums, acc, fresh);
+    ranges[d == 128][rows - 1](qw, scale, k, v, begin, end, ref, sums, acc, fresh);
 }
 
 // One work item on the register path (dp_fits): keys [begin, end) of one KV head into running maxima m (the rows'
@@ -778,10 +776,12 @@ void attend_range_dp_any(const float *q, int rows, int d, float scale, const uin
 void attend_range_dp_groups(const float *q, int rows, int d, float scale, const uint16_t *k, const uint16_t *v, int64_t begin, int64_t end,
                             float *sums, float *m, float *l, float *acc) {
     const int groups = (rows + DP_ROWS - 1) / DP_ROWS;
+    uint32_t qw[DP_GROUPED_ROWS * MAX_DIM / 2];  // each row's dimension pairs as bf16 words, made once for every chunk
+    query_words(q, rows, d, qw);
     for (int64_t c = begin; c < end || c == begin; c += DP_CHUNK)
         for (int g = 0, first = 0; g < groups; first = rows * ++g / groups) {
             const int count = rows * (g + 1) / groups - first;
-            attend_range_dp_any(q + first * d, count, d, scale, k, v, c, end - c < DP_CHUNK ? end : c + DP_CHUNK, m + first, sums + 16 * first,
+            attend_range_dp_any(qw + first * d / 2, count, d, scale, k, v, c, end - c < DP_CHUNK ? end : c + DP_CHUNK, m + first, sums + 16 * first,
                                 acc + first * d, c == begin);
         }
     for (int r = 0; r < rows; ++r) l[r] = _mm512_reduce_add_ps(_mm512_loadu_ps(sums + 16 * r));

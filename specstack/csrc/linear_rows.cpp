@@ -292,20 +292,13 @@ inline v8 round_to_bf16(v8 x) {  // each lane to the nearest bf16 (ties to even)
     return (v8)((bits + 0x7FFFu + ((bits >> 16) & 1u)) & 0xFFFF0000u);
 }
 
-// Q4_1 blocks as the bf16 numbers they stand for, widened to float32.
-struct Q4_1_BF16 {
-    static constexpr int64_t BLOCK_BYTES = Q4_1::BLOCK_BYTES;
+// A stored format's blocks as the bf16 numbers they stand for (its float32 weights rounded to nearest even, as the
+// GGUF reader's float32 weights and torch's cast make them), widened to float32.
+template <class Format>
+struct AsBF16 {
+    static constexpr int64_t BLOCK_BYTES = Format::BLOCK_BYTES;
     static inline void widen(const uint8_t *row, int64_t in, int64_t b, v8 q[4]) {
-        Q4_1::widen(row, in, b, q);
-        for (int k = 0; k < 4; ++k) q[k] = round_to_bf16(q[k]);
-    }
-};
-
-// Q8_0 blocks as the bf16 numbers they stand for, widened to float32.
-struct Q8_0_BF16 {
-    static constexpr int64_t BLOCK_BYTES = Q8_0::BLOCK_BYTES;
-    static inline void widen(const uint8_t *row, int64_t in, int64_t b, v8 q[4]) {
-        Q8_0::widen(row, in, b, q);
+        Format::widen(row, in, b, q);
         for (int k = 0; k < 4; ++k) q[k] = round_to_bf16(q[k]);
     }
 };
@@ -386,7 +379,10 @@ inline __m512i q8_0_bf16(const int8_t *codes, float d) {
 
 // The stored formats the bf16 entries widen in registers: a row's block b as its 32 bf16 weights, and which of the
 // next group's lines to ask for while block b is read (one request per 64-byte line of codes and of scales).
-struct Q4_1_Blocks {
+template <class Format>
+struct Bf16Blocks;
+template <>
+struct Bf16Blocks<Q4_1> {
     static constexpr int64_t BLOCK_BYTES = Q4_1::BLOCK_BYTES;  // 16 code bytes, then (d, m) as float32 at the row's end
     static inline __m512i bf16(const uint8_t *row, int64_t in, int64_t b) { return q4_1_bf16(row + 16 * b, (const float *)(row + in / 2) + 2 * b); }
     static inline void ask(const uint8_t *w0, int64_t row_bytes, int64_t in, int64_t b) {
@@ -394,7 +390,8 @@ struct Q4_1_Blocks {
         if (b % 8 == 0) prefetch_next_block(w0, row_bytes, in / 2 + 8 * b);  // scales
     }
 };
-struct Q8_0_Blocks {
+template <>
+struct Bf16Blocks<Q8_0> {
     static constexpr int64_t BLOCK_BYTES = Q8_0::BLOCK_BYTES;  // 32 code bytes, then d as float32 at the row's end
     static inline __m512i bf16(const uint8_t *row, int64_t in, int64_t b) { return q8_0_bf16((const int8_t *)row + 32 * b, ((const float *)(row + in))[b]); }
     static inline void ask(const uint8_t *w0, int64_t row_bytes, int64_t in, int64_t b) {
@@ -616,6 +613,17 @@ void tile_outputs(const uint16_t *x, const uint16_t *bias, uint16_t *y, int n, i
 }
 #endif
 
+// The bf16 product with W stored as Format: widened in registers to bf16 and taken with bf16 dot products where
+// there are any, else widened to float32 (the section "bfloat16 products widened to float32").
+template <class Format>
+int stored_bf16_linear(const uint8_t *w, const uint16_t *x, const uint16_t *bias, uint16_t *y, int n, int64_t out, int64_t in, int threads) {
+#if defined(__AVX512BF16__)
+    return narrow_bf16_linear<Bf16Blocks<Format>>(w, x, bias, y, n, out, in, threads);
+#else
+    return widened_bf16_linear<AsBF16<Format>>(w, x, bias, y, n, out, in, threads);
+#endif
+}
+
 }  // namespace
 
 extern "C" {
@@ -696,21 +704,13 @@ int specstack_linear_rows_bf16(const uint16_t *w, const uint16_t *x, const uint1
 // specstack_linear_rows_bf16 over the bf16 weights the blocks stand for. Returns 0, or -1 for shapes it
 // does not take (in not a multiple of 32, more than MAX_Q4_ROWS rows; widened: MAX_WIDENED_BF16_ROWS).
 int specstack_linear_rows_q4_1_bf16(const uint8_t *w, const uint16_t *x, const uint16_t *bias, uint16_t *y, int n, int64_t out, int64_t in, int threads) {
-#if defined(__AVX512BF16__)
-    return narrow_bf16_linear<Q4_1_Blocks>(w, x, bias, y, n, out, in, threads);
-#else
-    return widened_bf16_linear<Q4_1_BF16>(w, x, bias, y, n, out, in, threads);
-#endif
+    return stored_bf16_linear<Q4_1>(w, x, bias, y, n, out, in, threads);
 }
 
 // The same with W stored as Q8_0 blocks, w [out, in / 32 * 36] (row_bytes_of<Q8_0>): a tied LM head over a Q8_0
 // embedding reads 1.125 bytes a weight instead of 2.
 int specstack_linear_rows_q8_0_bf16(const uint8_t *w, const uint16_t *x, const uint16_t *bias, uint16_t *y, int n, int64_t out, int64_t in, int threads) {
-#if defined(__AVX512BF16__)
-    return narrow_bf16_linear<Q8_0_Blocks>(w, x, bias, y, n, out, in, threads);
-#else
-    return widened_bf16_linear<Q8_0_BF16>(w, x, bias, y, n, out, in, threads);
-#endif
+    return stored_bf16_linear<Q8_0>(w, x, bias, y, n, out, in, threads);
 }
 
 // 1 where the tile entries below run: built for AMX, and Linux lends this process the tiles.
