@@ -41,6 +41,7 @@ import torch
 from .compiled_layers import CompiledLayers, load_compiled_layers
 from .decoder_ops import TORCH_OPS, DecoderOps, TorchOps, load_decoder_ops
 from .packed_linear import PackedLinear
+from .weight_formats import join_rows
 
 MAX_TOKENS = 256  # the widest forward taken here; prefill chunks (2,048 tokens) run faster through transformers
 
@@ -89,7 +90,7 @@ class FusedProducts:
         parts = list(dict.fromkeys(part for part, *_ in self.views))  # in order, each once
         if isinstance(self.linear, PackedLinear) and all(getattr(p, "_blocks", None) is not None for p in parts):
             if len({p._format for p in parts}) == 1:
-                self.linear.attach_blocks(torch.cat([p._blocks for p in parts]), parts[0]._format)
+                self.linear.attach_blocks(join_rows([p._blocks for p in parts], parts[0]._format), parts[0]._format)
 
     def current(self) -> bool:
         """Whether every part's weight (and bias) is still the same parameter viewing the fused matrix

@@ -3,14 +3,18 @@ numbers): the same bits as the weights themselves, in fp32 and (Q4_1) bf16."""
 
 from __future__ import annotations
 
+import platform
+
 import numpy as np
 import pytest
 import torch
 
+from specstack import native
 from specstack.errors import SpecstackError
 from specstack.gguf_weights import attach_gguf_blocks, tensor_index
 from specstack.packed_linear import PackedLinear, load_rows_kernel, read_bf16_numbers
-from specstack.weight_formats import BF16, Q4_1, Q4_1_GGUF_BYTES, Q8_0, Q8_0_GGUF_BYTES, bf16_rows, q4_1_rows, q8_0_rows
+from specstack.weight_formats import (BF16, GROUP_ROWS, Q4_1, Q4_1_GGUF_BYTES, Q8_0, Q8_0_GGUF_BYTES, bf16_rows, blocks_of, grouped, join_rows,
+                                     q4_1_rows, q8_0_rows)
 
 ROWS_KERNEL = load_rows_kernel()
 needs_kernel = pytest.mark.skipif(ROWS_KERNEL is None, reason="no C++ compiler here: the few-row kernel cannot be built")
@@ -67,6 +71,27 @@ def test_blocks_widen_as_the_gguf_reader_widens_them(kind, to_rows, format) -> N
     assert np.array_equal(ours.numpy().view(np.uint32), theirs.astype(np.float32).view(np.uint32))
 
 
+def test_stored_rows_lie_in_groups_of_four_each_block_major() -> None:
+    """Block b of row i of a group of k rows (four, or what is left) lies at (b * k + i) * block_bytes from the group's
+    start, its first row's start; blocks_of undoes it, and join_rows stacks stored matrices whose row counts leave
+    short groups (a fused product's q, k and v) as the stored rows of their rows in order."""
+    out, count, size = 7, 3, 24
+    blocks = torch.arange(out * count * size, dtype=torch.int32).remainder(251).to(torch.uint8).reshape(out, count, size)  # [7, 3, 24]
+    stored = grouped(blocks)  # [7, 72]
+    assert stored.shape == (out, count * size)
+    for r in range(out):
+        first = r // GROUP_ROWS * GROUP_ROWS
+        k, i = min(GROUP_ROWS, out - first), r - first
+        group = stored[first:first + k].reshape(-1)  # the group's bytes
+        for b in range(count):
+            assert torch.equal(group[(b * k + i) * size:(b * k + i + 1) * size], blocks[r, b]), (r, b)
+    assert torch.equal(blocks_of(stored, size), blocks)
+    parts = [random_blocks(6, 64, seed=1), random_blocks(3, 64, seed=2), random_blocks(5, 64, seed=3)]
+    joined = join_rows(parts, Q4_1)  # [14, 48]
+    assert torch.equal(Q4_1.weights(joined, torch.float32), torch.cat([Q4_1.weights(p, torch.float32) for p in parts]))
+    assert not torch.equal(joined, torch.cat(parts))  # stacking the stored rows as they lie would mix groups
+
+
 def fp32_layer(stored: torch.Tensor, format, bias: bool) -> PackedLinear:
     weight = format.weights(stored, torch.float32)  # [out, in]
     layer = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=bias)
@@ -98,6 +123,31 @@ def test_fp32_rows_reading_a_narrower_format_are_the_same_bits_as_rows_reading_t
             assert layer._blocks_for is not None, "the stored weight was not read"
             assert torch.equal(read.view(torch.int32), plain.view(torch.int32)), n
             layer._blocks = None
+
+
+@needs_kernel
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="an x86 build")
+def test_an_avx2_build_reads_every_stored_format_with_the_same_bits(tmp_path, monkeypatch) -> None:
+    """The kernel built for AVX2 without AVX-512 (the Zen 3 host's build: bf16 widened to float32 sums) reads each
+    stored format, grouped rows included, as the weight it stands for: fp32 rows over Q4_1, Q8_0 and bf16 numbers,
+    bf16 rows over Q4_1 and Q8_0 blocks and over the bf16 weight as it lies, short last groups included."""
+    monkeypatch.setattr(native, "FLAGS", tuple("-march=x86-64-v3" if flag == "-march=native" else flag for flag in native.FLAGS))
+    kernel = load_rows_kernel(tmp_path)
+    if kernel is None:
+        pytest.skip("the compiler does not build for x86-64-v3")
+    assert not kernel.bf16_dots and not kernel.avx512
+    for dtype, formats in ((torch.float32, ("q4_1", "q8_0", "bf16")), (torch.bfloat16, ("q4_1", "q8_0"))):
+        x = torch.randn(kernel.max_rows(dtype), 160, generator=torch.Generator().manual_seed(2)).to(dtype)  # [rows, 160]
+        bits = torch.int32 if dtype == torch.float32 else torch.int16
+        for name in formats:
+            format, make = STORED[name]
+            for out_features in (8, 10, 1):
+                stored = make(out_features, 160, seed=out_features)
+                weight = format.weights(stored, dtype)  # [out, 160]
+                for n in range(1, kernel.max_rows(dtype) + 1):
+                    plain = kernel(x[:n], weight, None)  # [n, out], the weight as it lies
+                    read = kernel(x[:n], weight, None, stored, format)  # [n, out], the stored rows where the format reads
+                    assert torch.equal(read.view(bits), plain.view(bits)), (dtype, name, out_features, n)
 
 
 @needs_kernel

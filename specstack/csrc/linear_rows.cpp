@@ -127,17 +127,25 @@ inline void add_bias(const float *bias, float *y, int n, int64_t out, int64_t fi
 // A model whose float32 weights are exactly the numbers of a narrower format (GGUF's Q4_1 and Q8_0 blocks,
 // or bf16) can be read in that format and widened in registers: the same float32 weights, the same
 // products in the same order as four_outputs_of, so the same bits, from fewer bytes. Each format says how
-// many bytes a row of `in` weights takes and widens one block of 32 weights of a row into q[0 .. 3].
+// many bytes a block of 32 weights of a row takes and widens one into q[0 .. 3].
+//
+// Stored weights (specstack/weight_formats.py writes them) lie in groups of ROWS rows, the last group holding
+// what is left, each group block-major: block b of the group's row i at (b * rows + i) * BLOCK_BYTES from the
+// group's start, which is its first row times the bytes of a row. The ROWS rows a thread streams side by side
+// are so one stream from memory, not four rows' codes and scales apart: on the AMD Zen 4 host the bf16 target's
+// one-token forward over 512 cached slots took 1.55x less time than from rows stored one after another, the bf16
+// draft's 1.82x (docs/benchmarks.md, "Weight rows stored four at a time").
 
-// GGUF's Q4_1 as this file reads it (specstack/gguf_weights.py writes it): in / 32 blocks of 16 code bytes
-// (byte i holds q_i in its low nibble and q_{i+16} in its high), then the blocks' scale and offset (d, m)
-// as float32 pairs, exact copies of GGUF's float16 numbers. w = d * q + m: the product is exact (an 11-bit
-// scale times a 4-bit code), so one rounding, as the GGUF reader's (d * q) + m.
+// GGUF's Q4_1 as this file reads it: a block is 16 code bytes (byte i holds q_i in its low nibble and q_{i+16}
+// in its high), then its scale and offset (d, m) as float32, exact copies of GGUF's float16 numbers.
+// w = d * q + m: the product is exact (an 11-bit scale times a 4-bit code), so one rounding, as the GGUF
+// reader's (d * q) + m.
 struct Q4_1 {
     static constexpr int64_t BLOCK_BYTES = 24;
-    static inline void widen(const uint8_t *row, int64_t in, int64_t b, v8 q[4]) {
-        const uint8_t *codes = row + 16 * b;
-        const float d = ((const float *)(row + in / 2))[2 * b], m = ((const float *)(row + in / 2))[2 * b + 1];
+    static constexpr bool ROW_AFTER_ROW = false;  // grouped (above)
+    static inline void widen(const uint8_t *block, v8 q[4]) {
+        const uint8_t *codes = block;
+        const float d = ((const float *)(block + 16))[0], m = ((const float *)(block + 16))[1];
 #if defined(__AVX2__)
         const __m128i bytes = _mm_loadu_si128((const __m128i *)codes);
         const __m256i lo = _mm256_cvtepu8_epi32(bytes), hi = _mm256_cvtepu8_epi32(_mm_unpackhi_epi64(bytes, bytes));  // bytes 0-7, 8-15
@@ -151,13 +159,14 @@ struct Q4_1 {
     }
 };
 
-// GGUF's Q8_0 as this file reads it: in / 32 blocks of 32 signed code bytes, then the blocks' scales d as
-// float32 (exact copies of GGUF's float16s). w = d * q, exact (an 11-bit scale times an 8-bit code).
+// GGUF's Q8_0 as this file reads it: a block is 32 signed code bytes, then its scale d as float32 (an exact
+// copy of GGUF's float16). w = d * q, exact (an 11-bit scale times an 8-bit code).
 struct Q8_0 {
     static constexpr int64_t BLOCK_BYTES = 36;
-    static inline void widen(const uint8_t *row, int64_t in, int64_t b, v8 q[4]) {
-        const int8_t *codes = (const int8_t *)row + 32 * b;
-        const float d = ((const float *)(row + in))[b];
+    static constexpr bool ROW_AFTER_ROW = false;
+    static inline void widen(const uint8_t *block, v8 q[4]) {
+        const int8_t *codes = (const int8_t *)block;
+        const float d = *(const float *)(block + 32);
 #if defined(__AVX2__)
         for (int k = 0; k < 4; ++k) q[k] = (v8)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(codes + 8 * k))));
 #else
@@ -170,8 +179,9 @@ struct Q8_0 {
 // bf16 numbers (the upper halves of float32s): widening is exact.
 struct BF16 {
     static constexpr int64_t BLOCK_BYTES = 64;
-    static inline void widen(const uint8_t *row, int64_t, int64_t b, v8 q[4]) {
-        const uint16_t *h = (const uint16_t *)row + 32 * b;
+    static constexpr bool ROW_AFTER_ROW = false;
+    static inline void widen(const uint8_t *block, v8 q[4]) {
+        const uint16_t *h = (const uint16_t *)block;
 #if defined(__AVX2__)
         for (int k = 0; k < 4; ++k)
             q[k] = (v8)_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(h + 8 * k))), 16);
@@ -184,15 +194,39 @@ struct BF16 {
     }
 };
 
+// A bf16 weight as it lies, [out, in] row after row (the bf16 product where there are no bf16 dot products).
+struct BF16Rows : BF16 {
+    static constexpr bool ROW_AFTER_ROW = true;
+};
+
 template <class Format>
 inline int64_t row_bytes_of(int64_t in) { return in / 32 * Format::BLOCK_BYTES; }
 
-// The line of a row to ask for while its block b is read, or -1: one new line per 64 bytes, so that by the
-// row's last block all its lines have been asked for.
+// Block b of row i of the group of `rows` rows that starts at `group` (rows of `in` weights); in a format laid out
+// row after row (BF16Rows), b blocks into the row.
 template <class Format>
-inline int64_t line_due(int64_t b) {
-    const int64_t line = b * Format::BLOCK_BYTES / 64;
-    return b == 0 || line != (b - 1) * Format::BLOCK_BYTES / 64 ? line * 64 : -1;
+inline const uint8_t *block_of(const uint8_t *group, int64_t rows, int64_t i, int64_t b, int64_t in) {
+    if (Format::ROW_AFTER_ROW) return group + i * row_bytes_of<Format>(in) + b * Format::BLOCK_BYTES;
+    return group + (b * rows + i) * Format::BLOCK_BYTES;
+}
+
+// Where stored row r lies: the start of its group, the group's rows, and r's place in it.
+struct GroupRow {
+    const uint8_t *group;
+    int64_t rows, i;
+};
+template <class Format>
+inline GroupRow group_row(const uint8_t *w, int64_t out, int64_t in, int64_t r) {
+    const int64_t first = r / ROWS * ROWS;
+    return {w + first * row_bytes_of<Format>(in), out - first < ROWS ? out - first : ROWS, r - first};
+}
+
+// Ask for the lines of the next group (`next`, of `rows` rows) that lie where this group's block b does, so
+// that by the last block the whole next group has been asked for.
+template <class Format>
+inline void ask_next(const uint8_t *next, int64_t rows, int64_t b) {
+    const int64_t step = rows * Format::BLOCK_BYTES;
+    for (int64_t line = (b * step + 63) / 64 * 64; line < (b + 1) * step; line += 64) __builtin_prefetch(next + line, 0, 3);
 }
 
 // y[j, r .. r+3] = w_{r .. r+3} . x_j for J (one to six) input rows, each block widened in registers and
@@ -200,16 +234,14 @@ inline int64_t line_due(int64_t b) {
 // Asks for the next group's rows (`next`) as it goes.
 template <class Format, int J>
 void widened_four_outputs(const uint8_t *rows, const uint8_t *next, const float *x, int64_t in, int64_t out, int64_t r, float *y) {
-    const int64_t row_bytes = row_bytes_of<Format>(in);
     v8 a[J][ROWS];
     for (int j = 0; j < J; ++j)
         for (int i = 0; i < ROWS; ++i) a[j][i] = v8{};
     for (int64_t b = 0; b < in / 32; ++b) {
-        if (const int64_t line = line_due<Format>(b); line >= 0)
-            for (int i = 0; i < ROWS; ++i) __builtin_prefetch(next + i * row_bytes + line, 0, 3);
+        ask_next<Format>(next, ROWS, b);
         for (int i = 0; i < ROWS; ++i) {
             v8 w[4];
-            Format::widen(rows + i * row_bytes, in, b, w);
+            Format::widen(block_of<Format>(rows, ROWS, i, b, in), w);
             for (int k = 0; k < 4; ++k)
                 for (int j = 0; j < J; ++j) a[j][i] += w[k] * load8(x + j * in + 32 * b + 8 * k);
         }
@@ -227,18 +259,18 @@ void widened_rows(const uint8_t *rows, const uint8_t *next, const float *x, int 
     fused[n - 1](rows, next, x, in, out, r, y);
 }
 
-// The float32 weights of `count` rows (at most ROWS) into w [count, in], asking for the same rows of the
+// The float32 weights of the group of `count` rows (at most ROWS) at `rows` into w [count, in], asking for the
 // next group (`next`) as it goes.
 template <class Format>
 void widen_rows(const uint8_t *rows, const uint8_t *next, int64_t in, int64_t count, float *w) {
-    const int64_t row_bytes = row_bytes_of<Format>(in);
-    for (int64_t i = 0; i < count; ++i)
-        for (int64_t b = 0; b < in / 32; ++b) {
-            if (const int64_t line = line_due<Format>(b); line >= 0) __builtin_prefetch(next + i * row_bytes + line, 0, 3);
+    for (int64_t b = 0; b < in / 32; ++b) {
+        ask_next<Format>(next, count, b);
+        for (int64_t i = 0; i < count; ++i) {
             v8 q[4];
-            Format::widen(rows + i * row_bytes, in, b, q);
+            Format::widen(block_of<Format>(rows, count, i, b, in), q);
             for (int k = 0; k < 4; ++k) *(v8 *)(w + i * in + 32 * b + 8 * k) = q[k];
         }
+    }
 }
 
 // y [n, out] = x [n, in] W^T + bias, W [out, in] stored as Format: a few rows widen each block in
@@ -297,8 +329,9 @@ inline v8 round_to_bf16(v8 x) {  // each lane to the nearest bf16 (ties to even)
 template <class Format>
 struct AsBF16 {
     static constexpr int64_t BLOCK_BYTES = Format::BLOCK_BYTES;
-    static inline void widen(const uint8_t *row, int64_t in, int64_t b, v8 q[4]) {
-        Format::widen(row, in, b, q);
+    static constexpr bool ROW_AFTER_ROW = Format::ROW_AFTER_ROW;
+    static inline void widen(const uint8_t *block, v8 q[4]) {
+        Format::widen(block, q);
         for (int k = 0; k < 4; ++k) q[k] = round_to_bf16(q[k]);
     }
 };
@@ -377,27 +410,20 @@ inline __m512i q8_0_bf16(const int8_t *codes, float d) {
     return (__m512i)_mm512_cvtne2ps_pbh(high, low);
 }
 
-// The stored formats the bf16 entries widen in registers: a row's block b as its 32 bf16 weights, and which of the
-// next group's lines to ask for while block b is read (one request per 64-byte line of codes and of scales).
+// The stored formats the bf16 entries widen in registers: a block as its 32 bf16 weights.
 template <class Format>
 struct Bf16Blocks;
 template <>
 struct Bf16Blocks<Q4_1> {
-    static constexpr int64_t BLOCK_BYTES = Q4_1::BLOCK_BYTES;  // 16 code bytes, then (d, m) as float32 at the row's end
-    static inline __m512i bf16(const uint8_t *row, int64_t in, int64_t b) { return q4_1_bf16(row + 16 * b, (const float *)(row + in / 2) + 2 * b); }
-    static inline void ask(const uint8_t *w0, int64_t row_bytes, int64_t in, int64_t b) {
-        if (b % 4 == 0) prefetch_next_block(w0, row_bytes, 16 * b);  // codes
-        if (b % 8 == 0) prefetch_next_block(w0, row_bytes, in / 2 + 8 * b);  // scales
-    }
+    static constexpr int64_t BLOCK_BYTES = Q4_1::BLOCK_BYTES;  // 16 code bytes, then (d, m) as float32
+    static constexpr bool ROW_AFTER_ROW = false;
+    static inline __m512i bf16(const uint8_t *block) { return q4_1_bf16(block, (const float *)(block + 16)); }
 };
 template <>
 struct Bf16Blocks<Q8_0> {
-    static constexpr int64_t BLOCK_BYTES = Q8_0::BLOCK_BYTES;  // 32 code bytes, then d as float32 at the row's end
-    static inline __m512i bf16(const uint8_t *row, int64_t in, int64_t b) { return q8_0_bf16((const int8_t *)row + 32 * b, ((const float *)(row + in))[b]); }
-    static inline void ask(const uint8_t *w0, int64_t row_bytes, int64_t in, int64_t b) {
-        if (b % 2 == 0) prefetch_next_block(w0, row_bytes, 32 * b);  // codes
-        if (b % 16 == 0) prefetch_next_block(w0, row_bytes, in + 4 * b);  // scales
-    }
+    static constexpr int64_t BLOCK_BYTES = Q8_0::BLOCK_BYTES;  // 32 code bytes, then d as float32
+    static constexpr bool ROW_AFTER_ROW = false;
+    static inline __m512i bf16(const uint8_t *block) { return q8_0_bf16((const int8_t *)block, *(const float *)(block + 32)); }
 };
 
 // sums[j * ROWS + i] = w_{r+i} . x_j for the n <= N input rows, each stored block widened once for them all;
@@ -405,14 +431,14 @@ struct Bf16Blocks<Q8_0> {
 template <int N, class Blocks>
 void narrow_four_outputs(const uint8_t *w, const uint16_t *x, int64_t in, int64_t r, float *sums) {
     const int64_t row_bytes = row_bytes_of<Blocks>(in);
-    const uint8_t *w0 = w + r * row_bytes;
+    const uint8_t *w0 = w + r * row_bytes, *next = w0 + ROWS * row_bytes;  // this group and the next
     __m512 a[N][ROWS];
     for (int j = 0; j < N; ++j)
         for (int i = 0; i < ROWS; ++i) a[j][i] = _mm512_setzero_ps();
     for (int64_t c = 0, block = 0; c < in; c += 32, ++block) {
-        Blocks::ask(w0, row_bytes, in, block);
+        ask_next<Blocks>(next, ROWS, block);
         __m512i k[ROWS];
-        for (int i = 0; i < ROWS; ++i) k[i] = Blocks::bf16(w0 + i * row_bytes, in, block);
+        for (int i = 0; i < ROWS; ++i) k[i] = Blocks::bf16(block_of<Blocks>(w0, ROWS, i, block, in));
         for (int j = 0; j < N; ++j) {
             const __m512bh xj = (__m512bh)_mm512_loadu_si512(x + j * in + c);
             for (int i = 0; i < ROWS; ++i) a[j][i] = _mm512_dpbf16_ps(a[j][i], xj, (__m512bh)k[i]);
@@ -422,12 +448,12 @@ void narrow_four_outputs(const uint8_t *w, const uint16_t *x, int64_t in, int64_
         for (int i = 0; i < ROWS; ++i) sums[j * ROWS + i] = _mm512_reduce_add_ps(a[j][i]);
 }
 
-// The same for one output row (the last, short block).
+// The same for one output row (of the last, short group).
 template <class Blocks>
-float narrow_one_output(const uint8_t *row, const uint16_t *xj, int64_t in) {
+float narrow_one_output(GroupRow row, const uint16_t *xj, int64_t in) {
     __m512 a = _mm512_setzero_ps();
     for (int64_t c = 0, block = 0; c < in; c += 32, ++block)
-        a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_loadu_si512(xj + c), (__m512bh)Blocks::bf16(row, in, block));
+        a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_loadu_si512(xj + c), (__m512bh)Blocks::bf16(block_of<Blocks>(row.group, row.rows, row.i, block, in)));
     return _mm512_reduce_add_ps(a);
 }
 
@@ -471,7 +497,6 @@ void bf16_outputs(const uint16_t *bias, uint16_t *y, int n, int64_t out, int thr
 template <class Blocks>
 int narrow_bf16_linear(const uint8_t *w, const uint16_t *x, const uint16_t *bias, uint16_t *y, int n, int64_t out, int64_t in, int threads) {
     if (!bf16_shape_taken(n, out, in, threads, MAX_Q4_ROWS)) return -1;
-    const int64_t row_bytes = row_bytes_of<Blocks>(in);
     const int passes = (n + MAX_Q4_FUSED_ROWS - 1) / MAX_Q4_FUSED_ROWS;
     bf16_outputs<MAX_Q4_ROWS>(
         bias, y, n, out, threads,
@@ -482,7 +507,7 @@ int narrow_bf16_linear(const uint8_t *w, const uint16_t *x, const uint16_t *bias
                 j += m;
             }
         },
-        [&](int64_t r, int j) { return narrow_one_output<Blocks>(w + r * row_bytes, x + j * in, in); });
+        [&](int64_t r, int j) { return narrow_one_output<Blocks>(group_row<Blocks>(w, out, in, r), x + j * in, in); });
     return 0;
 }
 #endif
@@ -645,8 +670,8 @@ int specstack_linear_rows_f32(const float *w, const float *x, const float *bias,
     return 0;
 }
 
-// The float32 product with W stored narrower: w [out, in / 32 * BLOCK_BYTES] (Q4_1, Q8_0: the rows
-// specstack/gguf_weights.py writes; bf16: [out, in] bit patterns), x [n, in], bias [out] or null, y [n, out]:
+// The float32 product with W stored narrower: w [out, in / 32 * BLOCK_BYTES] (Q4_1, Q8_0 blocks or bf16 bit
+// patterns, the rows grouped as specstack/weight_formats.py writes them), x [n, in], bias [out] or null, y [n, out]:
 // the same bits as specstack_linear_rows_f32 over the float32 weights they stand for, from 0.75, 1.125 or
 // 2 bytes a weight instead of 4. Returns 0, or -1 for shapes they do not take (in not a multiple of 32).
 int specstack_linear_rows_q4_1_f32(const uint8_t *w, const float *x, const float *bias, float *y, int n, int64_t out, int64_t in, int threads) {
@@ -695,7 +720,7 @@ int specstack_linear_rows_bf16(const uint16_t *w, const uint16_t *x, const uint1
         [&](int64_t r, int j) { return bf16_one_output(w + r * in, x + j * in, in); });
     return 0;
 #else
-    return widened_bf16_linear<BF16>((const uint8_t *)w, x, bias, y, n, out, in, threads);
+    return widened_bf16_linear<BF16Rows>((const uint8_t *)w, x, bias, y, n, out, in, threads);
 #endif
 }
 
@@ -748,14 +773,14 @@ int specstack_linear_rows_bf16_tiles(const uint16_t *w, const uint16_t *x, const
 int specstack_linear_rows_q4_1_bf16_tiles(const uint8_t *w, const uint16_t *x, const uint16_t *bias, uint16_t *y, int n, int64_t out, int64_t in, int threads) {
 #ifdef SPECSTACK_AMX
     if (!bf16_shape_taken(n, out, in, threads, MAX_TILE_ROWS) || !amx_permitted()) return -1;
-    const int64_t row_bytes = row_bytes_of<Q4_1>(in), scales = in / 32 * 16, steps = in / PAIRS;
+    const int64_t row_bytes = row_bytes_of<Q4_1>(in), steps = in / PAIRS;
     tile_outputs(x, bias, y, n, out, in, threads, [&](int64_t first, int count, uint16_t *room) {
         for (int o = 0; o < count; ++o) {
-            const uint8_t *row = w + (first + o) * row_bytes;
-            if (first + 2 * TILE + o < out)  // the same row of the next work item (two groups on): 1.25x faster from memory
-                for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(row + 2 * TILE * row_bytes + b, 0, 3);
-            const float *dm = (const float *)(row + scales);
-            for (int64_t s = 0; s < steps; ++s) _mm512_store_si512(room + (s * TILE + o) * PAIRS, q4_1_bf16(row + 16 * s, dm + 2 * s));
+            const GroupRow row = group_row<Q4_1>(w, out, in, first + o);
+            if (row.i == 0 && first + 2 * TILE + o < out)  // the same rows of the next work item (two groups on): 1.25x faster from memory
+                for (int64_t b = 0; b < row.rows * row_bytes; b += 64) __builtin_prefetch(row.group + 2 * TILE * row_bytes + b, 0, 3);
+            for (int64_t s = 0; s < steps; ++s)
+                _mm512_store_si512(room + (s * TILE + o) * PAIRS, Bf16Blocks<Q4_1>::bf16(block_of<Q4_1>(row.group, row.rows, row.i, s, in)));
         }
         return Panel{room, TILE * PAIRS, 64};
     });

@@ -1,0 +1,110 @@
+"""Weight rows stored four at a time, against the previous kernel reading rows stored one after another.
+
+In one process: the embedded model's ``PackedLinear``s are switched between this checkout's few-row kernel over
+grouped stored rows (specstack.weight_formats) and a previous ``linear_rows.cpp`` (``--previous``, from a checkout
+before 2026-11-27) over the same blocks laid out row after row (codes, then the row's scales), in alternating turns
+(both orders), and whole forwards of T tokens are timed over each cache length (medians). Also the LM head alone.
+Both give the same bits; this measures the time (docs/benchmarks.md, "Weight rows stored four at a time").
+
+    git worktree add /tmp/before 4e043c9
+    python examples/grouped_rows.py --previous /tmp/before/specstack/csrc/linear_rows.cpp --dtype bfloat16 --caches 512 7500
+    python examples/grouped_rows.py --previous /tmp/before/specstack/csrc/linear_rows.cpp --model draft --caches 272
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from specstack.bench.floor import fill, time_forward
+from specstack.models import load_default, load_target
+from specstack.native import load
+from specstack.packed_linear import PackedLinear, RowsKernel, load_rows_kernel
+from specstack.weight_formats import blocks_of
+
+ENTRIES = ("specstack_linear_rows_q4_1_f32", "specstack_linear_rows_q8_0_f32", "specstack_linear_rows_bf16_f32", "specstack_linear_rows_bf16",
+           "specstack_linear_rows_q4_1_bf16", "specstack_linear_rows_q8_0_bf16", "specstack_linear_rows_bf16_tiles", "specstack_linear_rows_q4_1_bf16_tiles")
+
+
+def previous_kernel(source: Path, like: RowsKernel) -> RowsKernel:
+    argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
+    library, path = load(source, "specstack_linear_rows_f32", argtypes)
+    for name in ENTRIES:
+        entry = getattr(library, name)
+        entry.restype, entry.argtypes = ctypes.c_int, argtypes
+    return RowsKernel(library=library, path=path, bf16_dots=like.bf16_dots, tiles=like.tiles, avx512=like.avx512)
+
+
+def row_after_row(stored: torch.Tensor, format) -> torch.Tensor:
+    """Grouped stored rows -> the previous layout: each row's codes, then its blocks' scales."""
+    blocks = blocks_of(stored, format.block_bytes)  # [out, in / 32, block_bytes]
+    out, codes = blocks.shape[0], {"q4_1": 16, "q8_0": 32}.get(format.name, format.block_bytes)
+    return torch.cat([blocks[..., :codes].reshape(out, -1), blocks[..., codes:].reshape(out, -1)], dim=1).contiguous()  # [out, in / 32 * block_bytes]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--previous", type=Path, required=True, help="a previous checkout's specstack/csrc/linear_rows.cpp")
+    parser.add_argument("--model", choices=["target", "draft"], default="target")
+    parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    parser.add_argument("--caches", type=int, nargs="+", default=[512, 7500])
+    parser.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 3, 4, 8])
+    parser.add_argument("--turns", type=int, default=6)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    dtype = getattr(torch, args.dtype)
+    model = load_target(dtype=dtype)[0] if args.model == "target" else load_default(dtype=dtype)[1]
+    linears = [m for m in model.module.modules() if isinstance(m, PackedLinear)]
+    linears += [product.linear for layer in model.decoder.layers for product in (layer.qkv, layer.gate_up)]
+    kernels = {"grouped": load_rows_kernel(), "row after row": None}
+    kernels["row after row"] = previous_kernel(args.previous, kernels["grouped"])
+    stored = {id(m): {"grouped": m._blocks, "row after row": None if m._blocks is None else row_after_row(m._blocks, m._format)} for m in linears}
+    print(f"{sum(m._blocks is not None for m in linears)} of {len(linears)} products read stored rows")
+
+    def use(name: str) -> None:
+        for m in linears:
+            m._rows, m._blocks = kernels[name], stored[id(m)][name]
+        if model.decoder.compiled is not None:
+            model.decoder.compiled.plans.clear()  # the compiled layers' plans hold the kernel entries and tensors
+
+    def compare(label: str, run) -> None:
+        times = {name: [] for name in kernels}
+        for turn in range(args.turns):
+            for name in kernels if turn % 2 == 0 else reversed(list(kernels)):
+                use(name)
+                times[name].append(run())
+        before, after = statistics.median(times["row after row"]), statistics.median(times["grouped"])
+        print(f"{label}: row after row {1e3 * before:.2f} ms, grouped {1e3 * after:.2f} ms, {before / after:.2f}x", flush=True)
+
+    head = model.module.lm_head
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for n in (1, 2, 3):
+            x = torch.randn(n, head.weight.shape[1], generator=generator).to(dtype)  # [n, d]
+
+            def run_head() -> float:
+                head(x)
+                began = time.perf_counter()
+                for _ in range(10):
+                    head(x)
+                return (time.perf_counter() - began) / 10
+
+            compare(f"LM head, {n} rows", run_head)
+    for cached in args.caches:
+        store = model.new_cache(cached + max(args.tokens), relative_positions=args.model == "draft")
+        fill(store, cached, generator)
+        for t in args.tokens:
+            compare(f"{args.model} forward of {t} over {cached} slots",
+                    lambda: time_forward(model, store, cached=cached, tokens=t, tree=False, repeats=5, generator=generator))
+        del store
+    use("grouped")
+
+
+if __name__ == "__main__":
+    main()
