@@ -132,8 +132,8 @@ class RowsKernel:
 
     def reads_stored(self, dtype: torch.dtype, rows: int, format: WeightFormat) -> bool:
         """Whether a product of ``rows`` rows of ``dtype`` reads a weight stored in ``format`` rather than the weight
-        itself: where the format reads for that many rows of the dtype, except on the tiles, which read Q4_1 blocks only."""
-        return format.reads(dtype, rows) and (dtype != torch.bfloat16 or rows < TILES_FROM or not self.tiles or format is Q4_1)
+        itself: where the format reads for the dtype, except on the tiles, which read Q4_1 blocks only."""
+        return format.reads(dtype) and (dtype != torch.bfloat16 or rows < TILES_FROM or not self.tiles or format is Q4_1)
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, blocks: torch.Tensor | None = None,
                  format: WeightFormat = Q4_1) -> torch.Tensor:

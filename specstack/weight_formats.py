@@ -9,8 +9,8 @@ products in the same order as over the weights themselves: the same bits from fe
   each weight a four-bit code ``q``, ``w = d·q + m``), each block as its 16 code bytes followed by
   (d, m) as float32: 0.75 bytes a weight. Read by fp32 and bf16 rows.
 - ``q8_0``: GGUF's Q8_0 blocks (a float16 scale ``d`` per 32 signed 8-bit codes, ``w = d·q``), each block
-  as its 32 code bytes followed by d as float32: 1.125 bytes a weight. Read by fp32 rows and by up to three
-  bf16 rows (a tied LM head over the GGUF's Q8_0 embedding).
+  as its 32 code bytes followed by d as float32: 1.125 bytes a weight. Read by fp32 and bf16 rows (a tied LM
+  head over the GGUF's Q8_0 embedding).
 - ``bf16``: float32 weights that are bf16 numbers (a draft's embedding frozen in bf16), each block of 32 as
   their upper halves: 2 bytes a weight. fp32 rows.
 
@@ -48,7 +48,6 @@ class WeightFormat:
     block_bytes: int
     widen: Callable[[torch.Tensor], torch.Tensor] = attrs.field(repr=False)
     entries: Mapping[torch.dtype, str]
-    most_rows: Mapping[torch.dtype, int] = attrs.field(factory=dict)  # per dtype, the most input rows that read it (default: all)
 
     @property
     def bytes_per_weight(self) -> float:
@@ -58,9 +57,9 @@ class WeightFormat:
         """stored [out, in / 32 * block_bytes] -> the weights [out, in] of ``dtype`` they stand for."""
         return self.widen(stored).to(dtype)
 
-    def reads(self, dtype: torch.dtype, rows: int = 1) -> bool:
-        """Whether the kernel reads this format for ``rows`` rows of ``dtype``."""
-        return dtype in self.entries and rows <= self.most_rows.get(dtype, rows)
+    def reads(self, dtype: torch.dtype) -> bool:
+        """Whether the kernel reads this format for rows of ``dtype``."""
+        return dtype in self.entries
 
 
 GROUP_ROWS = 4  # weight rows the kernel streams side by side (csrc/linear_rows.cpp: ROWS)
@@ -145,12 +144,11 @@ def bf16_weights(rows: torch.Tensor) -> torch.Tensor:
 
 Q4_1 = WeightFormat(name="q4_1", block_bytes=24, widen=q4_1_weights,
                     entries={torch.float32: "specstack_linear_rows_q4_1_f32", torch.bfloat16: "specstack_linear_rows_q4_1_bf16"})
-# bf16 rows widen each Q8_0 block to bf16 in registers (seven instructions a block), which costs more than the bytes it
-# saves from four rows on: the bf16 target's LM head alone (49152 x 576, AMD Zen 4, 2 threads) took 1.18-1.20x less
-# time at one row than over the bf16 weight, 1.12-1.14x at two, 1.09-1.10x at three, 0.90-1.07x at four to six and
-# 0.93x at eight.
+# bf16 rows widen each Q8_0 block to bf16 in registers (seven instructions a block). From grouped rows that costs
+# less than the bytes it saves at every row count the kernel takes: the bf16 target's LM head alone (49152 x 576,
+# AMD Zen 4, 2 threads) took 2.96x / 2.22x / 2.13x / 2.01x / 1.33x / 1.14x less time at 1 / 3 / 4 / 6 / 8 / 16 rows
+# than over the bf16 weight (rows stored one after another, it had lost from four rows on).
 Q8_0 = WeightFormat(name="q8_0", block_bytes=36, widen=q8_0_weights,
-                    entries={torch.float32: "specstack_linear_rows_q8_0_f32", torch.bfloat16: "specstack_linear_rows_q8_0_bf16"},
-                    most_rows={torch.bfloat16: 3})
+                    entries={torch.float32: "specstack_linear_rows_q8_0_f32", torch.bfloat16: "specstack_linear_rows_q8_0_bf16"})
 BF16 = WeightFormat(name="bf16", block_bytes=64, widen=bf16_weights,
                     entries={torch.float32: "specstack_linear_rows_bf16_f32"})

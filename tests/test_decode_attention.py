@@ -176,8 +176,8 @@ def test_the_first_token_of_a_verify_of_up_to_five_tokens_gets_the_one_token_ste
 def test_the_bf16_targets_verify_of_up_to_five_tokens_gives_its_first_token_the_one_token_steps_logits() -> None:
     """The whole forward, not the attention alone: over 600 cached tokens, the first row of logits of a bf16 verify of
     two to five tokens is the same bits as the one-token step's. Where there are no tiles the attention of up to
-    fifteen rows takes the register path, and the linear layers and the LM head (its Q8_0 blocks up to three rows,
-    its bf16 weight from four) give each row the same bits at any row count. Wider verifies may differ."""
+    fifteen rows takes the register path, and the linear layers and the LM head (its Q8_0 blocks) give each row the
+    same bits at any row count. Wider verifies may differ."""
     from specstack.models import load_target
 
     target = load_target(dtype=torch.bfloat16)[0]

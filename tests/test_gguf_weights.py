@@ -235,8 +235,9 @@ def test_the_embedded_targets_bf16_forward_reads_every_layer_matrix_as_blocks_wi
     most = ROWS_KERNEL.max_rows(torch.bfloat16)  # 16 (bf16 dot products or widened), or 32 on AMX tiles
     assert target.linear_bytes_per_weight(1) == target.linear_bytes_per_weight(most) == 0.75  # the floor counts the blocks' bytes
     assert target.linear_bytes_per_weight(most + 1) == 2  # wider products read the bf16 weights (oneDNN)
-    assert target.head_bytes_per_weight(1) == target.head_bytes_per_weight(3) == 1.125  # up to three bf16 rows read the Q8_0 blocks
-    assert target.head_bytes_per_weight(4) == target.head_bytes_per_weight(most + 1) == 2
+    tiled = ROWS_KERNEL.tiles  # the tiles read the bf16 head, from TILES_FROM rows
+    assert target.head_bytes_per_weight(1) == target.head_bytes_per_weight(3) == 1.125  # bf16 rows read the Q8_0 blocks
+    assert target.head_bytes_per_weight(most) == (2 if tiled else 1.125) and target.head_bytes_per_weight(most + 1) == 2
     tokens = [1, 504, 3458, 314, 253, 1345, 2330, 30]
 
     def logits() -> torch.Tensor:
