@@ -9,6 +9,7 @@ Both give the same bits; this measures the time (docs/benchmarks.md, "Weight row
     git worktree add /tmp/before 4e043c9
     python examples/grouped_rows.py --previous /tmp/before/specstack/csrc/linear_rows.cpp --dtype bfloat16 --caches 512 7500
     python examples/grouped_rows.py --previous /tmp/before/specstack/csrc/linear_rows.cpp --model draft --caches 272
+    python examples/grouped_rows.py --previous /tmp/before/specstack/csrc/linear_rows.cpp --context 32768 --caches 32000
 """
 
 from __future__ import annotations
@@ -56,10 +57,12 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 3, 4, 8])
     parser.add_argument("--turns", type=int, default=6)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--context", type=int, default=None, help="the target's window (YaRN beyond 8,192)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
-    model = load_target(dtype=dtype)[0] if args.model == "target" else load_default(dtype=dtype)[1]
+    scaled = {"context": args.context, "rope_scaling": "yarn" if args.context else None}
+    model = load_target(dtype=dtype, **scaled)[0] if args.model == "target" else load_default(dtype=dtype, **scaled)[1]
     linears = [m for m in model.module.modules() if isinstance(m, PackedLinear)]
     linears += [product.linear for layer in model.decoder.layers for product in (layer.qkv, layer.gate_up)]
     kernels = {"grouped": load_rows_kernel(), "row after row": None}

@@ -25,6 +25,7 @@ kernels never read a weight the module no longer holds.
 from __future__ import annotations
 
 import ctypes
+import operator
 from pathlib import Path
 
 import attrs
@@ -33,8 +34,10 @@ import torch
 from .decoder_ops import DTYPES, RMS_NORMS, DecoderOps
 from .native import SOURCES, load
 from .packed_linear import PackedLinear
+from .parameter_watch import ParameterWatch
 
 SOURCE = SOURCES / "compiled_layers.cpp"
+_BLOCKS = operator.attrgetter("_blocks")
 
 
 class _Product(ctypes.Structure):
@@ -71,18 +74,14 @@ class _Plan:
 
     model: _Model | None  # its layers array stays alive through the pointer (ctypes keeps what a pointer field was given)
     lean_layers: tuple  # the lean decoder's layers (fused anew when their weights move)
-    owners: tuple  # (module, name) of every weight, bias and norm weight read
-    addresses: list  # their addresses when it was made
-    versions: list | None  # and their version counters (advanced by in-place writes), where they keep them
-    blocks: tuple  # (linear, its stored weight or None)
+    params: ParameterWatch  # every weight, bias and norm weight read, with their version counters where they keep them
+    linears: tuple  # the products that may read a stored weight
+    blocks: tuple  # each one's stored weight (or None) when it was made
 
     def current(self, decoder) -> bool:
-        """Whether ``decoder`` still holds what the plan was made from (a few hundred checks, under 0.1 ms)."""
-        if len(decoder.layers) != len(self.lean_layers) or not all(a is b for a, b in zip(decoder.layers, self.lean_layers)):
-            return False
-        params = [module._parameters[name] for module, name in self.owners]
-        return ([p.data_ptr() for p in params] == self.addresses and (self.versions is None or [p._version for p in params] == self.versions)
-                and all(linear._blocks is blocks for linear, blocks in self.blocks))
+        """Whether ``decoder`` still holds what the plan was made from (a few hundred checks, in C loops)."""
+        return (len(decoder.layers) == len(self.lean_layers) and all(map(operator.is_, decoder.layers, self.lean_layers))
+                and self.params.current() and all(map(operator.is_, map(_BLOCKS, self.linears), self.blocks)))
 
 
 @attrs.define(eq=False)
@@ -156,12 +155,6 @@ def _check(status: int, layer: int) -> None:
         raise ValueError(f"a compiled kernel refused layer {layer}'s forward (status {status})")
 
 
-def _versions(params: list) -> list | None:
-    """The parameters' version counters (advanced by in-place writes); None where some are inference tensors,
-    which keep none."""
-    return None if any(p.is_inference() for p in params) else [p._version for p in params]
-
-
 def _make_plan(decoder, kernel, t: int) -> _Plan:
     """The plan of ``decoder``'s forwards of ``t`` tokens of its dtype (its model None where some part of them
     does not take the compiled kernels)."""
@@ -169,12 +162,11 @@ def _make_plan(decoder, kernel, t: int) -> _Plan:
     norms = [decoder.model.norm] + [norm for layer in decoder.layers for norm in (layer.input_norm, layer.post_norm)]
     dtype = decoder.model.norm.weight.dtype
     products = [_product(linear, t, dtype) for linear in linears]  # first: asking drops stored weights that no longer widen to theirs
-    owners = tuple([(linear, "weight") for linear in linears] + [(linear, "bias") for linear in linears if linear.bias is not None]
-                   + [(norm, "weight") for norm in norms])
-    params = [module._parameters[name] for module, name in owners]
-    blocks = tuple((linear, linear._blocks) for linear in linears if isinstance(linear, PackedLinear))
-    plan = _Plan(model=None, lean_layers=tuple(decoder.layers), owners=owners, addresses=[p.data_ptr() for p in params],
-                 versions=_versions(params), blocks=blocks)
+    owners = ([(linear, "weight") for linear in linears] + [(linear, "bias") for linear in linears if linear.bias is not None]
+              + [(norm, "weight") for norm in norms])
+    stored = tuple(linear for linear in linears if isinstance(linear, PackedLinear))
+    plan = _Plan(model=None, lean_layers=tuple(decoder.layers), params=ParameterWatch.now(owners, versions=True), linears=stored,
+                 blocks=tuple(linear._blocks for linear in stored))
     if None in products or any(type(norm).__name__ not in RMS_NORMS or norm.weight.dtype != dtype or not norm.weight.is_contiguous() for norm in norms):
         return plan
     layers = (_Layer * len(decoder.layers))()

@@ -41,6 +41,7 @@ import torch
 from .compiled_layers import CompiledLayers, load_compiled_layers
 from .decoder_ops import TORCH_OPS, DecoderOps, TorchOps, load_decoder_ops
 from .packed_linear import PackedLinear
+from .parameter_watch import ParameterWatch
 from .weight_formats import join_rows
 
 MAX_TOKENS = 256  # the widest forward taken here; prefill chunks (2,048 tokens) run faster through transformers
@@ -175,6 +176,7 @@ class LeanDecoder:
     layers: list[LeanLayer]
     ops: DecoderOps | TorchOps = TORCH_OPS  # the layers' small operations: compiled where they could be built
     compiled: CompiledLayers | None = None  # each layer one compiled call, for the forwards it applies to (None: not built here)
+    watch: ParameterWatch | None = None  # every fused part's weight (and bias) as the layers were fused: asked before each forward
 
     @classmethod
     def build(cls, module: torch.nn.Module) -> "LeanDecoder | None":
@@ -214,9 +216,13 @@ class LeanDecoder:
         return self.ops.add_norm(hidden, delta, model.norm)[1]  # [1, T, H]
 
     def _fuse_moved(self) -> None:
-        """Fuse again any layer whose weights were replaced since they were fused."""
+        """Fuse again any layer whose weights were replaced since they were fused (all of them asked at once, then
+        layer by layer where some were)."""
+        if self.watch is not None and self.watch.current():
+            return
         stale = [i for i, layer in enumerate(self.layers) if not layer.current()]
         if stale:
             with torch.inference_mode(False), torch.no_grad():
                 for i in stale:
                     self.layers[i] = LeanLayer.of(self.layers[i].layer)
+        self.watch = ParameterWatch.of(view for layer in self.layers for product in (layer.qkv, layer.gate_up) for view in product.views)
