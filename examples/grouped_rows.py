@@ -15,7 +15,6 @@ Both give the same bits; this measures the time (docs/benchmarks.md, "Weight row
 from __future__ import annotations
 
 import argparse
-import ctypes
 import statistics
 import time
 from pathlib import Path
@@ -24,21 +23,8 @@ import torch
 
 from specstack.bench.floor import fill, time_forward
 from specstack.models import load_default, load_target
-from specstack.native import load
-from specstack.packed_linear import PackedLinear, RowsKernel, load_rows_kernel
+from specstack.packed_linear import PackedLinear, load_rows_kernel
 from specstack.weight_formats import blocks_of
-
-ENTRIES = ("specstack_linear_rows_q4_1_f32", "specstack_linear_rows_q8_0_f32", "specstack_linear_rows_bf16_f32", "specstack_linear_rows_bf16",
-           "specstack_linear_rows_q4_1_bf16", "specstack_linear_rows_q8_0_bf16", "specstack_linear_rows_bf16_tiles", "specstack_linear_rows_q4_1_bf16_tiles")
-
-
-def previous_kernel(source: Path, like: RowsKernel) -> RowsKernel:
-    argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
-    library, path = load(source, "specstack_linear_rows_f32", argtypes)
-    for name in ENTRIES:
-        entry = getattr(library, name)
-        entry.restype, entry.argtypes = ctypes.c_int, argtypes
-    return RowsKernel(library=library, path=path, bf16_dots=like.bf16_dots, tiles=like.tiles, avx512=like.avx512)
 
 
 def row_after_row(stored: torch.Tensor, format) -> torch.Tensor:
@@ -65,8 +51,7 @@ def main() -> None:
     model = load_target(dtype=dtype, **scaled)[0] if args.model == "target" else load_default(dtype=dtype, **scaled)[1]
     linears = [m for m in model.module.modules() if isinstance(m, PackedLinear)]
     linears += [product.linear for layer in model.decoder.layers for product in (layer.qkv, layer.gate_up)]
-    kernels = {"grouped": load_rows_kernel(), "row after row": None}
-    kernels["row after row"] = previous_kernel(args.previous, kernels["grouped"])
+    kernels = {"grouped": load_rows_kernel(), "row after row": load_rows_kernel(source=args.previous)}
     stored = {id(m): {"grouped": m._blocks, "row after row": None if m._blocks is None else row_after_row(m._blocks, m._format)} for m in linears}
     print(f"{sum(m._blocks is not None for m in linears)} of {len(linears)} products read stored rows")
 

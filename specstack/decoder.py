@@ -94,9 +94,8 @@ class FusedProducts:
                 self.linear.attach_blocks(join_rows([p._blocks for p in parts], parts[0]._format), parts[0]._format)
 
     def current(self) -> bool:
-        """Whether every part's weight (and bias) is still the same parameter viewing the fused matrix
-        (``module._parameters`` read directly: a module's attribute lookup costs more than the check)."""
-        return all(part._parameters[name] is param and param.data_ptr() == address for part, name, param, address in self.views)
+        """Whether every part's weight (and bias) is still the same parameter viewing the fused matrix."""
+        return ParameterWatch.of(self.views).current()
 
 
 @attrs.define(eq=False, kw_only=True)

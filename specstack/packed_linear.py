@@ -152,11 +152,11 @@ class RowsKernel:
         return y
 
 
-def load_rows_kernel(cache: Path | None = None) -> RowsKernel | None:
-    """The few-row kernel, compiled into ``cache`` (default: the specstack cache) on first use; None
-    where it cannot be built here."""
+def load_rows_kernel(cache: Path | None = None, source: Path = ROWS_SOURCE) -> RowsKernel | None:
+    """The few-row kernel, compiled from ``source`` (default: this checkout's) into ``cache`` (default: the specstack
+    cache) on first use; None where it cannot be built here."""
     argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
-    loaded = load(ROWS_SOURCE, "specstack_linear_rows_f32", argtypes, cache)
+    loaded = load(source, "specstack_linear_rows_f32", argtypes, cache)
     if loaded is None:
         return None
     library, path = loaded
