@@ -13,8 +13,8 @@ over its layers, in three settings alternated in one process (best of seven):
 
 The floor is the cache's bytes read once at the bandwidth ``specstack.floor.measure_bandwidth`` measures.
 ``--group`` sets the query heads per KV head, so that T tokens make other numbers of rows. ``--source`` builds
-other versions of ``csrc/decode_attention.cpp`` side by side (from memory only), to compare a change in one
-process; their outputs are checked against the shipped kernel's.
+other versions of ``csrc/decode_attention.cpp`` side by side (from memory, and in cache on one thread), to compare a
+change in one process; their outputs are checked against the shipped kernel's.
 
     python examples/attention_bounds.py --tokens 1 8 16 --keys 7500 32000
     python examples/attention_bounds.py --tokens 1 8 --keys 7500 --source /tmp/variant.cpp
@@ -108,6 +108,7 @@ def main() -> None:
                 if not torch.equal(kernel.attend(query, k[0], v[0], None, None), want):
                     print(f"  {name}: outputs differ from the shipped kernel's at T={t}, N={n}")
                 calls[name] = (every_layer(kernel, False), args.threads)
+                calls[f"{name}, cache, 1 thread"] = (every_layer(kernel, True), 1)
             best = best_seconds(calls)
             torch.set_num_threads(args.threads)
             line = "  ".join(f"{name} {1e3 * s:.2f} ms ({s / floor:.2f}x)" for name, s in best.items())

@@ -6,6 +6,7 @@ import functools
 
 import attrs
 
+from .draft_vocabulary import with_draft_vocabulary
 from .drafters import LookupFirstDrafter, PromptLookupDrafter
 from .hookspecs import hookimpl
 from .policies import FullCache, StreamingLLM
@@ -34,8 +35,8 @@ def _autoregressive(registry, *, target) -> list[Level]:
     return [Level(model=target, name="target")]
 
 
-def _speculative(registry, *, target, draft, gamma: int = 4) -> list[Level]:
-    return [Level(model=draft, name="draft"), _full(target, gamma)]
+def _speculative(registry, *, target, draft, gamma: int = 4, draft_vocab: int = 0) -> list[Level]:
+    return [Level(model=with_draft_vocabulary(draft, draft_vocab), name="draft"), _full(target, gamma)]
 
 
 def _prompt_lookup(registry, *, target, gamma: int = 4, max_ngram: int = 3) -> list[Level]:
@@ -59,23 +60,26 @@ def _view(target, policy, gamma: int | None = None) -> Level:
 # paper gathers 4K of 120K), so that the default stack fits any prompt length.
 
 
-def _streaming_draft(draft, sinks: int, draft_window: int) -> Level:
-    return Level(model=draft, policy=StreamingLLM(sinks=sinks, window=draft_window), name="draft+streaming")
+def _streaming_draft(draft, sinks: int, draft_window: int, draft_vocab: int) -> Level:
+    """The draft over a StreamingLLM cache, drafting from its ``draft_vocab`` most frequent tokens (0: all;
+    :mod:`specstack.draft_vocabulary`)."""
+    return Level(model=with_draft_vocabulary(draft, draft_vocab), policy=StreamingLLM(sinks=sinks, window=draft_window), name="draft+streaming")
 
 
 def _triforce(registry, *, target, draft, gamma1: int = 2, gamma2: int = 6, budget: int | str = AUTO, chunk_size: int = 8,
-              stride: int = STRIDE, draft_window: int = 256, sinks: int = 16) -> list[Level]:
+              stride: int = STRIDE, draft_window: int = 256, sinks: int = 16, draft_vocab: int = 0) -> list[Level]:
     retrieval = Retrieval(budget=budget, chunk_size=chunk_size, stride=stride)
-    return [_streaming_draft(draft, sinks, draft_window), _view(target, retrieval, gamma1), _full(target, gamma2)]
+    return [_streaming_draft(draft, sinks, draft_window, draft_vocab), _view(target, retrieval, gamma1), _full(target, gamma2)]
 
 
 def _triforce_hybrid(registry, *, target, draft, gamma1: int = 2, gamma2: int = 6, budget: int | str = AUTO, chunk_size: int = 8,
-                     stride: int = STRIDE, draft_window: int = 256, sinks: int = 16, max_ngram: int = 3, min_ngram: int = 3) -> list[Level]:
+                     stride: int = STRIDE, draft_window: int = 256, sinks: int = 16, max_ngram: int = 3, min_ngram: int = 3,
+                     draft_vocab: int = 0) -> list[Level]:
     """TriForce whose level 0 copies where the text repeats: prompt lookup's chain where the last
     ``min_ngram``+ tokens occurred before, else the draft model's own chain (:class:`LookupFirstDrafter`)."""
     lookup = registry.drafter("prompt-lookup", vocab=target.vocab_size, max_ngram=max_ngram, min_ngram=min_ngram)
     draft_level, *above = _triforce(registry, target=target, draft=draft, gamma1=gamma1, gamma2=gamma2, budget=budget, chunk_size=chunk_size,
-                                    stride=stride, draft_window=draft_window, sinks=sinks)
+                                    stride=stride, draft_window=draft_window, sinks=sinks, draft_vocab=draft_vocab)
     return [attrs.evolve(draft_level, model_drafter=functools.partial(LookupFirstDrafter, lookup=lookup)), *above]
 
 
@@ -103,19 +107,19 @@ def _self_speculative(registry, *, target, policy: str = "retrieval", budget: in
 
 
 def _hierarchical(registry, *, target, draft, policy: str = "retrieval", budget: int | str = AUTO, gamma1: int = 2, gamma2: int = 6,
-                  draft_window: int = 256, sinks: int = 16) -> list[Level]:
+                  draft_window: int = 256, sinks: int = 16, draft_vocab: int = 0) -> list[Level]:
     middle = _view(target, _named_policy(registry, policy, budget), gamma1)
-    return [_streaming_draft(draft, sinks, draft_window), middle, _full(target, gamma2)]
+    return [_streaming_draft(draft, sinks, draft_window, draft_vocab), middle, _full(target, gamma2)]
 
 
 def _streaming_hierarchy(registry, *, target, draft, gamma1: int = 2, gamma2: int = 6, window: int = 512, sinks: int = 16,
-                         draft_window: int = 256) -> list[Level]:
+                         draft_window: int = 256, draft_vocab: int = 0) -> list[Level]:
     middle = _view(target, StreamingLLM(sinks=sinks, window=window, relative_positions=False), gamma1)
-    return [_streaming_draft(draft, sinks, draft_window), middle, _full(target, gamma2)]
+    return [_streaming_draft(draft, sinks, draft_window, draft_vocab), middle, _full(target, gamma2)]
 
 
-def _naive(registry, *, target, draft, gamma: int = 4, draft_window: int = 256, sinks: int = 16) -> list[Level]:
-    return [_streaming_draft(draft, sinks, draft_window), _full(target, gamma)]
+def _naive(registry, *, target, draft, gamma: int = 4, draft_window: int = 256, sinks: int = 16, draft_vocab: int = 0) -> list[Level]:
+    return [_streaming_draft(draft, sinks, draft_window, draft_vocab), _full(target, gamma)]
 
 
 @hookimpl

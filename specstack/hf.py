@@ -11,6 +11,7 @@ with the same modules, cache object and attention function in fewer calls.
 from __future__ import annotations
 
 import contextlib
+import copy
 import hashlib
 import json
 from pathlib import Path
@@ -203,6 +204,8 @@ class HFCausalLM:
     graphs: ForwardGraphs = attrs.field(init=False)
     attention_kernel: DecodeKernel | None = attrs.field(init=False)  # None: not asked for, or no compiler here
     decoder: LeanDecoder | None = attrs.field(init=False)  # None: not asked for, or a decoder it does not fit
+    token_rank: torch.Tensor | None = attrs.field(init=False, default=None)  # [V] a draft's token ids, most frequent first (draft_vocabulary)
+    vocabulary: tuple | None = attrs.field(init=False, default=None)  # (rows [R], their head [n, H] -> [n, R]): logits of those tokens only
 
     def __attrs_post_init__(self) -> None:
         config = self.module.config
@@ -287,7 +290,27 @@ class HFCausalLM:
         part.requires_grad_(False)
         if isinstance(head, PackedLinear):
             PackedLinear.adopt(part, head._rows)
-        return lambda states: part(states.to(self.dtype)).float()  # [n, H] -> [n, R]
+        return lambda states: part(states.to(part.weight.dtype)).float()  # [n, H] -> [n, R]
+
+    def with_vocabulary(self, rows: torch.Tensor) -> "HFCausalLM":
+        """This model with logits for the tokens ``rows`` [R] only and -inf for the others (a draft vocabulary,
+        :mod:`specstack.draft_vocabulary`): the same module, kernels and caches, those rows' logits computed through a
+        copy of them of its LM head (:meth:`output_head`): the whole head's columns, bit for bit in bf16, in fp32 up to
+        the order a product with fewer outputs may sum in (test_medusa's output_head test)."""
+        other = copy.copy(self)
+        rows = rows.to(self.device)
+        other.vocabulary = (rows, self.output_head(rows))
+        other.graphs = ForwardGraphs(other._static_forward, self.graphs.group)
+        return other
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[n, H] last hidden states -> [n, V] float32 logits: the LM head, or its vocabulary's rows and -inf elsewhere."""
+        if self.vocabulary is None:
+            return self.module.lm_head(hidden).float()  # [n, V]
+        rows, head = self.vocabulary
+        logits = torch.full((hidden.shape[0], self.vocab_size), float("-inf"), device=hidden.device)  # [n, V]
+        logits[:, rows] = head(hidden)  # [n, R]
+        return logits
 
     @torch.inference_mode()
     def input_embeddings(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -331,7 +354,7 @@ class HFCausalLM:
         else:
             states = self.module.model(input_ids=tokens, position_ids=rope, past_key_values=cache, use_cache=True, **attention).last_hidden_state  # [1, T, H]
         hidden = states[0, states.shape[1] - num_logits :]  # [num_logits, H]
-        return self.module.lm_head(hidden).float(), hidden  # [num_logits, V], [num_logits, H]
+        return self._logits(hidden), hidden  # [num_logits, V], [num_logits, H]
 
     @torch.inference_mode()
     def _rerotate(self, keys: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:

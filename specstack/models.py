@@ -136,6 +136,7 @@ def load_draft(target, directory: str | Path, *, dtype: torch.dtype = torch.floa
     and any layers it shares with the target, bit for bit what was trained."""
     from transformers.utils import logging as hf_logging
 
+    from .draft_vocabulary import read_token_rank
     from .hf import load_model
     from .run import check_device
 
@@ -147,6 +148,7 @@ def load_draft(target, directory: str | Path, *, dtype: torch.dtype = torch.floa
     finally:
         hf_logging.set_verbosity(verbosity)
     copy_target_weights(draft.module, target.module)
+    draft.token_rank = read_token_rank(directory)  # what draft_vocab takes; None where the draft ships no ranking
     draft.read_head_blocks_of(target)  # in bf16: the LM head is the target's Q8_0 embedding, read as the target reads it
     draft.read_bf16_numbers()  # in fp32: the embedding frozen in bf16, and the LM head tied to it
     return draft

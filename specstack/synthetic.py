@@ -55,6 +55,7 @@ class SyntheticLM:
     head_dim: int = 4
     hidden_size: int = 8
     device: torch.device = attrs.field(default="cpu", converter=torch.device)  # where its KV cache and logits live
+    token_rank: torch.Tensor | None = None  # [V] token ids, most frequent first: what a draft vocabulary takes (draft_vocabulary)
     _embeddings: torch.Tensor = attrs.field(init=False)  # [2, V, D]: key and query embedding of each token
     _head: torch.Tensor = attrs.field(init=False)  # [V, H]: the output head hidden states are read through
     _drawn: dict[tuple, torch.Tensor] = attrs.field(init=False, factory=dict)  # (what, context) -> its logits [V] or hidden state [H], drawn once: tests ask again and again
@@ -76,6 +77,11 @@ class SyntheticLM:
     def _draw_hidden(self, context: tuple[int, ...]) -> torch.Tensor:
         generator = torch.Generator(device="cpu").manual_seed(hash((HIDDEN_STREAM, self.seed, *context)) & 0x7FFF_FFFF_FFFF_FFFF)
         return torch.randn(self.hidden_size, generator=generator, device="cpu")  # [H]
+
+    def with_vocabulary(self, rows: torch.Tensor) -> "SyntheticLM":
+        """This model emitting only the tokens ``rows`` [R] (and its support): -inf logits elsewhere."""
+        keep = set(rows.tolist()) & set(range(self.vocab_size) if self.support is None else self.support)
+        return attrs.evolve(self, support=tuple(sorted(keep)))
 
     def output_logits(self, states: torch.Tensor) -> torch.Tensor:
         """[n, H] -> [n, V]: the fixed output head."""

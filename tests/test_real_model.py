@@ -58,6 +58,7 @@ def generate(stack, autoregressive, prompt):
     ("name", "options"),
     [
         ("triforce", SMALL),
+        ("triforce", {**SMALL, "draft_vocab": 8192}),  # the draft drafting from its 8,192 most frequent tokens
         ("naive", {}),
         ("retrieval-flat", SMALL),
         ("streaming-hierarchy", {"window": 256}),
@@ -69,6 +70,7 @@ def generate(stack, autoregressive, prompt):
         ("self-speculative", {"policy": "topk-oracle", "budget": 256}),
         ("hierarchical", {"policy": "h2o", "budget": 256}),
         ("sequoia", {"tree": "binary:3"}),  # token trees (the sequoia plugin): a draft tree verified by the target
+        ("sequoia", {"tree": "binary:3", "draft_vocab": 4096}),
         ("triforce-tree", {**SMALL, "tree": "widths:3,2,1"}),  # ... verified by the middle level over retrieval
         ("lookup-tree", {}),
         ("triforce-lookup-tree", SMALL),

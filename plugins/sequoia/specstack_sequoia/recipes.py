@@ -18,23 +18,23 @@ from .drafters import DEFAULT_TREE, SequoiaDrafter
 from .shape import TreeShape
 
 
-def _tree_draft(draft, shape: TreeShape, sinks: int, draft_window: int, replacement: bool = False) -> Level:
-    """The draft model over a StreamingLLM cache, growing trees of ``shape``."""
+def _tree_draft(draft, shape: TreeShape, sinks: int, draft_window: int, draft_vocab: int, replacement: bool = False) -> Level:
+    """The draft model over a StreamingLLM cache, growing trees of ``shape`` from its ``draft_vocab`` most frequent tokens (0: all)."""
     drafting = functools.partial(SequoiaDrafter, shape=shape, replacement=replacement)
-    return attrs.evolve(_streaming_draft(draft, sinks, draft_window), model_drafter=drafting, name="draft+sequoia")
+    return attrs.evolve(_streaming_draft(draft, sinks, draft_window, draft_vocab), model_drafter=drafting, name="draft+sequoia")
 
 
 def _sequoia(registry, *, target, draft, tree: TreeShape | str = DEFAULT_TREE, draft_window: int = 256, sinks: int = 16,
-             replacement: bool = False) -> list[Level]:
+             replacement: bool = False, draft_vocab: int = 0) -> list[Level]:
     shape = TreeShape.parse(tree)
-    return [_tree_draft(draft, shape, sinks, draft_window, replacement), _full(target, shape.depth)]
+    return [_tree_draft(draft, shape, sinks, draft_window, draft_vocab, replacement), _full(target, shape.depth)]
 
 
 def _triforce_tree(registry, *, target, draft, tree: TreeShape | str = "binary:2", gamma2: int = 6, budget: int | str = AUTO, chunk_size: int = 8,
-                   stride: int = STRIDE, draft_window: int = 256, sinks: int = 16) -> list[Level]:
+                   stride: int = STRIDE, draft_window: int = 256, sinks: int = 16, draft_vocab: int = 0) -> list[Level]:
     shape = TreeShape.parse(tree)
     retrieval = Retrieval(budget=budget, chunk_size=chunk_size, stride=stride)
-    return [_tree_draft(draft, shape, sinks, draft_window), _view(target, retrieval, shape.depth), _full(target, gamma2)]
+    return [_tree_draft(draft, shape, sinks, draft_window, draft_vocab), _view(target, retrieval, shape.depth), _full(target, gamma2)]
 
 
 def _lookup_tree(registry, *, target, gamma: int = 4, max_ngram: int = 3, branches: int = 3) -> list[Level]:

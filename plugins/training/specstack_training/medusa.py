@@ -41,6 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from specstack import SpecstackError
+from specstack.draft_vocabulary import coverage, token_rank  # the ranking a draft_vocab takes, as the core reads it
 
 from .shared import check_names, continuations, encode, lr_factor, self_distillation, text_chunks
 
@@ -143,21 +144,7 @@ def targets(greedy: torch.Tensor, heads: int, rows: torch.Tensor, cols: torch.Te
     return torch.where(inside, greedy[rows[:, None], ahead.clamp_max(greedy.shape[1] - 1)], -1)  # [n, K]
 
 
-def token_rank(greedy: torch.Tensor, vocab: int) -> torch.Tensor:
-    """[V] token ids by how often the target chose them in ``greedy`` [N, T] (most often first; ties by id):
-    what a drafter with a ``draft_vocab`` drafts from."""
-    counts = torch.bincount(greedy.flatten(), minlength=vocab)  # [V]
-    return torch.sort(counts, descending=True, stable=True).indices  # [V]
-
-
-COVERAGE_SIZES = (4096, 8192, 16384)
-
-
-def coverage(rank: torch.Tensor, greedy: torch.Tensor, size: int) -> float:
-    """The fraction of the target's greedy tokens ``greedy`` that are among the first ``size`` of ``rank``."""
-    inside = torch.zeros(rank.shape[0], dtype=torch.bool)
-    inside[rank[:size]] = True
-    return float(inside[greedy.flatten()].float().mean())
+COVERAGE_SIZES = (4096, 8192, 16384)  # draft vocabularies whose coverage of the held-out greedy tokens is reported
 
 
 # -- training and evaluation -----------------------------------------------------------------------
