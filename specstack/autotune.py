@@ -28,7 +28,7 @@ target's (Leviathan et al., 2023, Theorem 1, round by round).
 from __future__ import annotations
 
 import itertools
-from typing import Sequence
+from typing import Any, Mapping, Sequence
 
 import attrs
 import torch
@@ -102,15 +102,26 @@ class Tuning:
 TUNINGS = ("auto", "adaptive")  # gamma=auto: tuned once before decoding; gamma=adaptive: then re-tuned during it
 
 
+def _asked(key: str, value: Any) -> str | None:
+    """The tuning a γ option (``gamma``, ``gamma1``, …) asks for, if its value is one of TUNINGS."""
+    return value if key.replace("-", "_").startswith("gamma") and value in TUNINGS else None
+
+
+def _mode(asked: set) -> str | None:
+    return next((mode for mode in reversed(TUNINGS) if mode in asked), None)
+
+
 def auto_options(options: Sequence[str]) -> tuple[list[str], str | None]:
     """Split ``-o`` options into the others and the tuning that γ options (``gamma``, ``gamma1``, …)
     ask for: ``"adaptive"`` if any says so, else ``"auto"`` if any says so, else None."""
-    def tuning(option: str) -> str | None:
-        key, _, value = option.partition("=")
-        return value if key.replace("-", "_").startswith("gamma") and value in TUNINGS else None
+    asked = [_asked(*option.split("=", 1)) if "=" in option else None for option in options]
+    return [o for o, mode in zip(options, asked) if mode is None], _mode(set(asked) - {None})
 
-    asked = {tuning(o) for o in options} - {None}
-    return [o for o in options if tuning(o) is None], next((mode for mode in reversed(TUNINGS) if mode in asked), None)
+
+def tuning_options(options: Mapping[str, Any]) -> tuple[dict[str, Any], str | None]:
+    """:func:`auto_options` for options already parsed (a bench spec's ``triforce:gamma=auto``)."""
+    asked = {key: _asked(key, value) for key, value in options.items()}
+    return {k: v for k, v in options.items() if asked[k] is None}, _mode(set(asked.values()) - {None})
 
 
 def tuned(stack: SpeculationStack, prompt: Sequence[int], mode: str, **calibration) -> tuple[Tuning, "Retuner | None"]:

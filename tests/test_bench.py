@@ -328,6 +328,20 @@ def test_a_second_run_skips_every_finished_point_and_a_lost_one_is_run_again(tmp
     assert next(r for r in third.rows if r["id"] == json.loads(lines[-1])["id"])["speedup"] > 0  # baseline measured again
 
 
+def test_a_gamma_of_auto_tunes_the_stack_before_its_timed_run(tmp_path, registry) -> None:
+    """``naive:gamma=auto`` (and ``adaptive``) tune γ as ``specstack generate -o gamma=auto`` does, untimed, and the
+    record notes the choice; the output is still the baseline's. A fixed γ is not tuned."""
+    grid = Grid(stacks=["naive:gamma=auto", "naive:gamma=adaptive", "naive:gamma=3"], temperatures=[0], **SMALL)
+    table = run_grid(grid, tmp_path, models=SYNTHETIC, registry=registry, progress=False)
+    notes = {json.dumps(r["options"]): r["notes"] for r in table.rows if r["stack"] == "naive"}
+    assert all(r["status"] == "ok" for r in table.rows), [r.get("error") for r in table.rows]
+    assert notes['{"gamma": "auto"}']["tuning"].startswith("gamma=auto chose γ1=")
+    assert notes['{"gamma": "adaptive"}']["tuning"].startswith("gamma=auto chose γ1=") and "gamma=adaptive" in notes['{"gamma": "adaptive"}']["tuning"]
+    assert "tuning" not in notes['{"gamma": 3}']
+    records = [r for r in table.rows if r["stack"] == "naive"]
+    assert len(records) == 3 and all(r["identical_to_baseline"] for r in records)
+
+
 def test_the_cli_runs_a_synthetic_grid(tmp_path, capsys) -> None:
     args = bench_args(["--stacks", "naive", "speculative:gamma=3", "--context-lengths", "256", "--max-new-tokens", "8",
                        "--temperatures", "0", "--synthetic", "--out", str(tmp_path), "--quiet"])

@@ -127,16 +127,24 @@ class RecipeStack:
         warm_up(run.registry, [model for model in (run.models.target, run.models.draft) if model is not None], run.prompt)
 
     def measure(self, run: RunSetup, options: Mapping[str, Any]) -> Measurement:
+        """One timed run; a γ option ``auto`` or ``adaptive`` (``triforce:gamma=auto``) tunes γ first, untimed, as
+        ``specstack generate -o gamma=auto`` does (:mod:`specstack.autotune`), and the record notes the choice."""
+        from ..autotune import tuned, tuning_options
+
+        options, mode = tuning_options(options)
         draft = run.models.draft if self.recipe.needs_draft else None
         stack = run.registry.stack(self.recipe.name, target=run.models.target, draft=draft, sampling=run.sampling,
                                    stop_tokens=run.stop_tokens, seed=run.seed, **options)
         shared = run.prefill is not None and run.prefill.lend(stack)
         run.models.synchronize()  # building the stack queues cache allocations: not part of the timed prefill
-        result = stack.generate(list(run.prompt), run.max_new_tokens, seed=run.seed, reuse_cache=shared)  # synchronizes before each clock reading
+        tuning, retuner = tuned(stack, list(run.prompt), mode, seed=run.seed, reuse_cache=shared) if mode else (None, None)
+        result = stack.generate(list(run.prompt), run.max_new_tokens, seed=run.seed, reuse_cache=shared or tuning is not None,
+                                after_round=retuner)  # synchronizes before each clock reading
         if run.prefill is not None:
             run.prefill.keep(stack)
+        notes = {"prefill_shared": shared} | ({"tuning": tuning.describe() if retuner is None else f"{tuning.describe()}; {retuner.describe()}"} if tuning else {})
         return Measurement(tokens=result.tokens, levels=result.levels, decode_seconds=result.seconds, prefill_seconds=result.prefill_seconds,
-                           total_seconds=result.seconds + result.prefill_seconds, timing="decode", notes={"prefill_shared": shared})
+                           total_seconds=result.seconds + result.prefill_seconds, timing="decode", notes=notes)
 
 
 # -- transformers baselines ---------------------------------------------------------------------
