@@ -342,6 +342,31 @@ def test_a_gamma_of_auto_tunes_the_stack_before_its_timed_run(tmp_path, registry
     assert len(records) == 3 and all(r["identical_to_baseline"] for r in records)
 
 
+def test_a_groups_baseline_is_measured_again_at_its_end_and_its_drift_reported(tmp_path, registry) -> None:
+    """The baseline's record carries ``baseline_again`` (its decode speed measured once more after the group's other
+    runs, and that over the first: the host's drift while they ran); a group of the baseline alone is not measured
+    again. The report lists the groups whose baseline moved by more than 10%."""
+    table = run_grid(Grid(stacks=["naive", "speculative"], temperatures=[0, 1.0], **SMALL), tmp_path / "a", models=SYNTHETIC, registry=registry, progress=False)
+    baselines = [r for r in table.rows if r["stack"] == "autoregressive"]
+    assert len(baselines) == 2 and all("baseline_again" not in r for r in table.rows if r["stack"] != "autoregressive")
+    for record in baselines:
+        again = record["baseline_again"]
+        assert again["decode_tokens_per_second"] > 0 and again["drift"] == pytest.approx(again["decode_tokens_per_second"] / record["decode_tokens_per_second"])
+    assert "## Baseline drift\n\n2 groups' baselines measured again" in (tmp_path / "a" / "report.md").read_text()
+    alone = run_grid(Grid(stacks=["autoregressive"], **SMALL), tmp_path / "b", models=SYNTHETIC, registry=registry, progress=False)
+    assert alone.rows[0]["baseline_again"] is None
+
+
+def test_the_drift_section_lists_the_groups_that_moved() -> None:
+    from specstack.bench.report import drift_markdown
+
+    record = {"status": "ok", "label": "autoregressive", "task": "prose", "task_options": {}, "context_length": 256, "temperature": 0.0,
+              "seed": 0, "decode_tokens_per_second": 40.0}
+    steady, moved = {**record, "baseline_again": {"decode_tokens_per_second": 38.0, "drift": 0.95}}, {**record, "baseline_again": {"decode_tokens_per_second": 22.0, "drift": 0.55}}
+    assert "none moved by more than 10%" in drift_markdown([steady])
+    assert "| `autoregressive` | prose | 256 | 0.0 | 0 | 40.00 | 22.00 | 0.55 |" in drift_markdown([steady, moved])
+
+
 def test_the_cli_runs_a_synthetic_grid(tmp_path, capsys) -> None:
     args = bench_args(["--stacks", "naive", "speculative:gamma=3", "--context-lengths", "256", "--max-new-tokens", "8",
                        "--temperatures", "0", "--synthetic", "--out", str(tmp_path), "--quiet"])

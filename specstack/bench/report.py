@@ -177,6 +177,25 @@ def errors_markdown(records: Sequence[dict]) -> str:
     return "\n".join(lines)
 
 
+DRIFT_NOTED = 0.1  # a baseline whose speed at its group's end differs from its first by more than this is listed
+
+
+def drift_markdown(records: Sequence[dict]) -> str:
+    """The groups whose baseline, measured again at the group's end (``baseline_again``), ran at another speed."""
+    checked = [r for r in ok(records) if r.get("baseline_again")]
+    moved = [r for r in checked if abs(r["baseline_again"]["drift"] - 1) > DRIFT_NOTED]
+    if not moved:
+        return f"{len(checked)} groups' baselines measured again at the group's end; none moved by more than {DRIFT_NOTED:.0%}."
+    lines = [f"{len(checked)} groups' baselines measured again at the group's end; {len(moved)} moved by more than {DRIFT_NOTED:.0%}, "
+             "so their speedups carry about that much of the host's noise:", "",
+             "| baseline | task | context | T | seed | decode tokens/s first | at the end | drift |", "|---|---|---|---|---|---|---|---|"]
+    for r in moved:
+        again = r["baseline_again"]
+        lines.append(f"| `{r['label']}` | {task_label(r)} | {r['context_length']} | {r['temperature']} | {r['seed']} | "
+                     f"{_fmt(r['decode_tokens_per_second'])} | {_fmt(again['decode_tokens_per_second'])} | {again['drift']:.2f} |")
+    return "\n".join(lines)
+
+
 def environment_markdown(records: Sequence[dict]) -> str:
     seen = list(dict.fromkeys(json.dumps(r.get("environment") or {}, sort_keys=True) for r in records))
     lines = []
@@ -194,6 +213,7 @@ def write_report(records: Sequence[dict], path: Path, plots: Sequence[tuple[str,
         TIMING_NOTE, "",
         "## Results (means over seeds)", "", summary_markdown(records), "",
         "## Failed runs", "", errors_markdown(records), "",
+        "## Baseline drift", "", drift_markdown(records), "",
         "## Plots", "", *[_plot_line(*plot) for plot in plots], "",
         "## Environment", "", environment_markdown(records), "",
     ]

@@ -92,14 +92,33 @@ class Runner:
         prefill = None if isinstance(prompt, Failure) else SharedPrefill(prompt=prompt.tokens)
         needed = {p.baseline for p in todo if p.baseline}
         measured: dict[str, Measurement | Failure] = {}
+        waiting: list[tuple[Point, dict]] = []  # baselines' records: they wait for the check at the group's end
         for point in points:
             if point.id not in pending and not (point.stack in needed and not point.options):
                 continue
             outcome = prompt if isinstance(prompt, Failure) else self._measure(point, prompt, prefill)
-            if point.stack in needed and not point.options:
+            is_baseline = point.stack in needed and not point.options
+            if is_baseline:
                 measured[point.stack] = outcome
             if point.id in pending:
-                yield self._record(point, prompt, outcome, measured.get(point.baseline))
+                record = self._record(point, prompt, outcome, measured.get(point.baseline))
+                if is_baseline:
+                    waiting.append((point, record))
+                else:
+                    yield record
+        for point, record in waiting:
+            yield self._with_drift(point, record, prompt, prefill, measured_since=len(todo) > len(waiting))
+
+    def _with_drift(self, point: Point, record: dict, prompt: Prompt | Failure, prefill: SharedPrefill | None, *, measured_since: bool) -> dict:
+        """A baseline's record with ``baseline_again``: the baseline measured once more at its group's end, where other
+        runs came between (``None`` otherwise), and ``drift``, its decode speed then over first. The group's speedups
+        are against the first measurement; a drift far from 1 says the host changed speed while they ran."""
+        first = record.get("decode_tokens_per_second")
+        if not measured_since or record["status"] != "ok" or not first or isinstance(prompt, Failure):
+            return {**record, "baseline_again": None}
+        again = self._measure(point, prompt, prefill)
+        speed = again.decode_tokens_per_second if isinstance(again, Measurement) else None
+        return {**record, "baseline_again": None if speed is None else {"decode_tokens_per_second": speed, "drift": speed / first}}
 
     def _prompt(self, point: Point) -> Prompt | Failure:
         try:
