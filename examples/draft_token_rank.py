@@ -41,7 +41,7 @@ def main() -> None:
     vocab = len(tokenizer)
     training = torch.cat([text_ids(tokenizer, name) for name in args.text])  # [N]
     rank = token_rank(training, vocab)  # [V]
-    print(f"{training.numel():,} training tokens, {int((torch.bincount(training, minlength=vocab) > 0).sum()):,} distinct; wrote {write_token_rank(rank, args.out)}")
+    print(f"{training.numel():,} training tokens, {training.unique().numel():,} distinct; wrote {write_token_rank(rank, args.out)}")
     for name in args.held_out:
         ids = text_ids(tokenizer, name)
         print(f"{name}: " + ", ".join(f"the first {size:,} cover {coverage(rank, ids, size):.4f}" for size in SIZES))

@@ -133,6 +133,11 @@ def tuned(stack: SpeculationStack, prompt: Sequence[int], mode: str, **calibrati
     return tuning, Retuner.follow(stack, tuning) if mode == "adaptive" else None
 
 
+def described(tuning: Tuning, retuner: "Retuner | None" = None) -> str:
+    """What the tuner chose, and what a retuner changed during decoding (the demo's and the bench's line)."""
+    return tuning.describe() if retuner is None else f"{tuning.describe()}; {retuner.describe()}"
+
+
 def verifying_levels(stack: SpeculationStack) -> list[SpeculativeLevel]:
     """The stack's verifying levels, bottom first."""
     levels, drafter = [], stack.top

@@ -151,9 +151,11 @@ def _demo_row(session, name: str, stack, tuning_mode: str | None, args, prompt: 
 
 def _tuning_record(tuning, retuner) -> dict:
     """What the demo prints and records of a stack's γ: the tuner's choice and any changes during decoding."""
-    record = {**tuning.as_dict(), "description": tuning.describe()}
+    from .autotune import described
+
+    record = {**tuning.as_dict(), "description": described(tuning, retuner)}
     if retuner is not None:
-        record |= {"retuned": [[emitted, list(gammas)] for emitted, gammas in retuner.history], "description": f"{tuning.describe()}; {retuner.describe()}"}
+        record |= {"retuned": [[emitted, list(gammas)] for emitted, gammas in retuner.history]}
     return record
 
 

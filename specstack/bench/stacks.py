@@ -129,7 +129,7 @@ class RecipeStack:
     def measure(self, run: RunSetup, options: Mapping[str, Any]) -> Measurement:
         """One timed run; a γ option ``auto`` or ``adaptive`` (``triforce:gamma=auto``) tunes γ first, untimed, as
         ``specstack generate -o gamma=auto`` does (:mod:`specstack.autotune`), and the record notes the choice."""
-        from ..autotune import tuned, tuning_options
+        from ..autotune import described, tuned, tuning_options
 
         options, mode = tuning_options(options)
         draft = run.models.draft if self.recipe.needs_draft else None
@@ -142,7 +142,7 @@ class RecipeStack:
                                 after_round=retuner)  # synchronizes before each clock reading
         if run.prefill is not None:
             run.prefill.keep(stack)
-        notes = {"prefill_shared": shared} | ({"tuning": tuning.describe() if retuner is None else f"{tuning.describe()}; {retuner.describe()}"} if tuning else {})
+        notes = {"prefill_shared": shared} | ({"tuning": described(tuning, retuner)} if tuning else {})
         return Measurement(tokens=result.tokens, levels=result.levels, decode_seconds=result.seconds, prefill_seconds=result.prefill_seconds,
                            total_seconds=result.seconds + result.prefill_seconds, timing="decode", notes=notes)
 
