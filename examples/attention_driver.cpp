@@ -16,6 +16,8 @@
 #include <string.h>
 #include <time.h>
 
+#include "bf16.h"  // float_to_bf16: the kernels' own rounding
+
 extern "C" int specstack_decode_attention(const float *q, const void *k, const void *v, int64_t k_head_stride, int64_t v_head_stride,
                                           int hkv, int rows, int t, int d, int64_t n, const uint8_t *sees, float scale, float *out,
                                           int threads, int kv_bf16, int amx, int dp);
@@ -24,12 +26,6 @@ static double now() {
     timespec t;
     clock_gettime(CLOCK_MONOTONIC, &t);
     return t.tv_sec + 1e-9 * t.tv_nsec;
-}
-
-static uint16_t to_bf16(float x) {  // round to nearest even
-    uint32_t u;
-    memcpy(&u, &x, 4);
-    return (uint16_t)((u + 0x7fff + ((u >> 16) & 1)) >> 16);
 }
 
 static float uniform() { return rand() / (float)RAND_MAX - 0.5f; }
@@ -51,9 +47,9 @@ int main(int argc, char **argv) {
     uint16_t *k = (uint16_t *)malloc(2 * per_layer * layers), *v = (uint16_t *)malloc(2 * per_layer * layers);
     float *q = (float *)malloc(sizeof(float) * hkv * rows * d), *out = (float *)malloc(sizeof(float) * hkv * rows * d);
     srand(1);
-    for (size_t i = 0; i < per_layer * layers; ++i) k[i] = to_bf16(4 * uniform()), v[i] = to_bf16(uniform());
+    for (size_t i = 0; i < per_layer * layers; ++i) k[i] = float_to_bf16(4 * uniform()), v[i] = float_to_bf16(uniform());
     for (int i = 0; i < hkv * rows * d; ++i) {  // queries hold bf16 numbers, as the kernel's bf16 path expects
-        const uint32_t bits = (uint32_t)to_bf16(4 * uniform()) << 16;
+        const uint32_t bits = (uint32_t)float_to_bf16(4 * uniform()) << 16;
         memcpy(q + i, &bits, 4);
     }
     double best = INFINITY;

@@ -24,6 +24,7 @@ from specstack.autotune import verifying_levels
 from specstack.demo import task_prompt
 from specstack.models import load_default, load_draft
 from specstack.registry import Registry
+from specstack.speedup import measured_speedup
 
 SHARED = "specstack/assets/smollm2-draft-shared"
 
@@ -57,10 +58,9 @@ def main() -> None:
                 for level, gamma in zip(verifying_levels(stack), (1, gamma2)):
                     level.gamma = gamma
                 result = stack.generate(prompt, args.new_tokens, reuse_cache=True)
-                per_token = result.seconds / len(result.tokens)
                 print(json.dumps({
-                    "book": args.book, "repeat": repeat, "draft": name, "gamma2": gamma2, "ms": round(1e3 * per_token, 1),
-                    "speedup": round(base / per_token, 3), "acceptance": [round(level.acceptance_rate, 3) for level in result.levels[1:]],
+                    "book": args.book, "repeat": repeat, "draft": name, "gamma2": gamma2, "ms": round(1e3 * result.seconds / len(result.tokens), 1),
+                    "speedup": round(measured_speedup(reference.seconds, len(reference.tokens), result.seconds, len(result.tokens)), 3), "acceptance": [round(level.acceptance_rate, 3) for level in result.levels[1:]],
                     "tokens_per_target_forward": round(len(result.tokens) / max(1, result.levels[-1].forward_calls), 2),
                     "identical": list(result.tokens) == list(reference.tokens),
                     "level_ms": {level.name: round(1e3 * level.forward_seconds / max(1, level.forward_calls), 1) for level in result.levels},
