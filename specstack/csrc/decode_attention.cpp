@@ -801,6 +801,13 @@ void attend_range_dp_groups(const float *q, int rows, int d, float scale, const 
 // block to float32 for the GEMM path, 1.13x at two (docs/benchmarks.md, "bf16 verifies in dot products").
 
 constexpr int DP_ROWS_BLOCK = 64;  // keys a block: four vectors of sixteen
+// How many blocks ahead a work item asks for keys and values, a share of the block's lines before each pass of G rows,
+// so that a wide verify's memory stream runs beside its products instead of stopping them in bursts. On the AMD Zen 4
+// host, against asking for the whole next block at its start, attention from memory (30 layers, two threads) took
+// 20.0 -> 15.7-16.1 ms at 8 tokens and 32.2 -> 28.0-28.5 at 16 over 7,500 keys (with the cache in the last-level
+// cache: 14.5 and 27.1), 83.7 -> 65.6 at 8 tokens and 138 -> 117 at 16 over 32,000; one block ahead 1.03-1.07x less
+// at 8 tokens than two, four blocks as two (docs/benchmarks.md, "A wide verify's prefetches spread over its passes").
+constexpr int DP_ROWS_AHEAD = 2;
 
 // The block's keys [0, len) transposed into words, kt [d / 2, 4, 16] (word w of key 16u + i at (w * 4 + u) * 16
 // + i), and its values interleaved by key pairs, vi [DP_ROWS_BLOCK / 2, D16, 32] bf16 (pair p's columns 16c .. 16c+15
@@ -895,19 +902,21 @@ void attend_range_dp_rows(const float *q, int rows, float scale, const uint16_t 
     query_words(q, rows, d, qw);
     for (int r = 0; r < rows; ++r) m[r] = -INFINITY, l[r] = 0.0f;
     for (int i = 0; i < rows * d; ++i) acc[i] = 0.0f;
+    constexpr int LINES = DP_ROWS_BLOCK * d * 2 / 64;  // cache lines of a block's keys (and as many of its values)
+    const int passes = rows / G;                          // passes of G rows a block (rows > DP_GROUPED_ROWS >= G)
     for (int64_t b = begin; b < end; b += DP_ROWS_BLOCK) {
         const int len = (int)(end - b < DP_ROWS_BLOCK ? end - b : DP_ROWS_BLOCK);
-        // The next block, keys and values, asked for into L2 while this one is laid out and computed: on the AMD Zen 4
-        // host 1.08-1.13x faster at 2-7 tokens over 32,000 keys than into L1, where the layout pass waited on it; two
-        // blocks ahead measured the same. (The register path asks for nothing there: see DP_PREFETCH.)
-        if (b + DP_ROWS_BLOCK < end)
-            for (int line = 0; line < DP_ROWS_BLOCK * d * 2; line += 64) {
-                _mm_prefetch((const char *)(k + (b + DP_ROWS_BLOCK) * d) + line, _MM_HINT_T1);
-                _mm_prefetch((const char *)(v + (b + DP_ROWS_BLOCK) * d) + line, _MM_HINT_T1);
-            }
+        const int64_t ahead = b + DP_ROWS_AHEAD * DP_ROWS_BLOCK;  // the block asked for while this one is computed
         dp_rows_layout<D16>(k + b * d, v + b * d, len, kt, vi);
         int r = 0;
-        for (; r + G <= rows; r += G) dp_rows<G, D16>(qw + r * WORDS, scale, kt, vi, len, m + r, l + r, acc + r * d);
+        for (int pass = 0; r + G <= rows; r += G, ++pass) {
+            if (ahead < end)  // this pass's share of the block ahead, keys and values, into L2
+                for (int line = LINES * pass / passes; line < LINES * (pass + 1) / passes; ++line) {
+                    _mm_prefetch((const char *)(k + ahead * d) + 64 * line, _MM_HINT_T1);
+                    _mm_prefetch((const char *)(v + ahead * d) + 64 * line, _MM_HINT_T1);
+                }
+            dp_rows<G, D16>(qw + r * WORDS, scale, kt, vi, len, m + r, l + r, acc + r * d);
+        }
         switch (rows - r) {
             case 3: dp_rows<3, D16>(qw + r * WORDS, scale, kt, vi, len, m + r, l + r, acc + r * d); break;
             case 2: dp_rows<2, D16>(qw + r * WORDS, scale, kt, vi, len, m + r, l + r, acc + r * d); break;

@@ -61,8 +61,9 @@ typedef float v8 __attribute__((vector_size(32), aligned(4)));  // 8 floats, loa
 
 constexpr int ROWS = 4;  // weight rows streamed side by side
 constexpr int MAX_FUSED_ROWS = 6;  // fp32 input rows over narrower weights widened in registers; more take a group widened into L1
-constexpr int MAX_Q4_FUSED_ROWS = 6;  // bf16 input rows over Q4_1 weights with each block widened in registers, once for all of them
-constexpr int MAX_Q4_ROWS = 16;  // bf16 input rows over Q4_1 weights: more than MAX_Q4_FUSED_ROWS take passes of at most that many
+constexpr int MAX_Q4_FUSED_ROWS = 6;  // bf16 input rows over Q4_1 weights with each block of a group's four rows widened once for them all
+constexpr int MAX_Q4_PAIR_ROWS = 12;  // more input rows take the group's weight rows two at a time, passes of at most this many input rows
+constexpr int MAX_Q4_ROWS = 16;  // bf16 input rows over Q4_1 weights
 constexpr int MAX_BF16_ROWS = 16;  // bf16 input rows taken (four at a time over each block)
 
 inline v8 load8(const float *p) { return *(const v8 *)p; }
@@ -426,26 +427,28 @@ struct Bf16Blocks<Q8_0> {
     static inline __m512i bf16(const uint8_t *block) { return q8_0_bf16((const int8_t *)block, *(const float *)(block + 32)); }
 };
 
-// sums[j * ROWS + i] = w_{r+i} . x_j for the n <= N input rows, each stored block widened once for them all;
-// every sum takes the same dot products in the same order as bf16_four_outputs.
-template <int N, class Blocks>
-void narrow_four_outputs(const uint8_t *w, const uint16_t *x, int64_t in, int64_t r, float *sums) {
+// sums[j * ROWS + i0 + i] = w_{r+i0+i} . x_j for R of the group's ROWS weight rows from i0 (R = ROWS: all of them) and
+// the N input rows, each stored block widened once for them all; every sum takes the same dot products in the same
+// order as bf16_four_outputs. The part from row 0 asks for the next group's lines.
+template <int N, int R, class Blocks>
+void narrow_outputs(const uint8_t *w, const uint16_t *x, int64_t in, int64_t r, int part, float *sums) {
+    const int i0 = R == ROWS ? 0 : part;  // a constant where the part is the whole group, as the compiler should see
     const int64_t row_bytes = row_bytes_of<Blocks>(in);
     const uint8_t *w0 = w + r * row_bytes, *next = w0 + ROWS * row_bytes;  // this group and the next
-    __m512 a[N][ROWS];
+    __m512 a[N][R];
     for (int j = 0; j < N; ++j)
-        for (int i = 0; i < ROWS; ++i) a[j][i] = _mm512_setzero_ps();
+        for (int i = 0; i < R; ++i) a[j][i] = _mm512_setzero_ps();
     for (int64_t c = 0, block = 0; c < in; c += 32, ++block) {
-        ask_next<Blocks>(next, ROWS, block);
-        __m512i k[ROWS];
-        for (int i = 0; i < ROWS; ++i) k[i] = Blocks::bf16(block_of<Blocks>(w0, ROWS, i, block, in));
+        if (i0 == 0) ask_next<Blocks>(next, ROWS, block);
+        __m512i k[R];
+        for (int i = 0; i < R; ++i) k[i] = Blocks::bf16(block_of<Blocks>(w0, ROWS, i0 + i, block, in));
         for (int j = 0; j < N; ++j) {
             const __m512bh xj = (__m512bh)_mm512_loadu_si512(x + j * in + c);
-            for (int i = 0; i < ROWS; ++i) a[j][i] = _mm512_dpbf16_ps(a[j][i], xj, (__m512bh)k[i]);
+            for (int i = 0; i < R; ++i) a[j][i] = _mm512_dpbf16_ps(a[j][i], xj, (__m512bh)k[i]);
         }
     }
     for (int j = 0; j < N; ++j)
-        for (int i = 0; i < ROWS; ++i) sums[j * ROWS + i] = _mm512_reduce_add_ps(a[j][i]);
+        for (int i = 0; i < R; ++i) sums[j * ROWS + i0 + i] = _mm512_reduce_add_ps(a[j][i]);
 }
 
 // The same for one output row (of the last, short group).
@@ -457,12 +460,35 @@ float narrow_one_output(GroupRow row, const uint16_t *xj, int64_t in) {
     return _mm512_reduce_add_ps(a);
 }
 
+// n <= MAX_Q4_FUSED_ROWS input rows through all four rows of a group.
 template <class Blocks>
 void narrow_rows(const uint8_t *w, const uint16_t *x, int n, int64_t in, int64_t r, float *sums) {
-    typedef void (*Rows)(const uint8_t *, const uint16_t *, int64_t, int64_t, float *);
-    static const Rows rows[] = {narrow_four_outputs<1, Blocks>, narrow_four_outputs<2, Blocks>, narrow_four_outputs<3, Blocks>,
-                                narrow_four_outputs<4, Blocks>, narrow_four_outputs<5, Blocks>, narrow_four_outputs<6, Blocks>};
-    rows[n - 1](w, x, in, r, sums);
+    typedef void (*Rows)(const uint8_t *, const uint16_t *, int64_t, int64_t, int, float *);
+    static const Rows rows[] = {narrow_outputs<1, ROWS, Blocks>, narrow_outputs<2, ROWS, Blocks>, narrow_outputs<3, ROWS, Blocks>,
+                                narrow_outputs<4, ROWS, Blocks>, narrow_outputs<5, ROWS, Blocks>, narrow_outputs<6, ROWS, Blocks>};
+    rows[n - 1](w, x, in, r, 0, sums);
+}
+
+// n <= MAX_Q4_PAIR_ROWS input rows through the group's rows i0 and i0 + 1.
+template <class Blocks>
+void narrow_pair_rows(const uint8_t *w, const uint16_t *x, int n, int64_t in, int64_t r, int i0, float *sums) {
+    typedef void (*Rows)(const uint8_t *, const uint16_t *, int64_t, int64_t, int, float *);
+    static const Rows rows[] = {narrow_outputs<1, 2, Blocks>, narrow_outputs<2, 2, Blocks>,  narrow_outputs<3, 2, Blocks>,
+                                narrow_outputs<4, 2, Blocks>, narrow_outputs<5, 2, Blocks>,  narrow_outputs<6, 2, Blocks>,
+                                narrow_outputs<7, 2, Blocks>, narrow_outputs<8, 2, Blocks>,  narrow_outputs<9, 2, Blocks>,
+                                narrow_outputs<10, 2, Blocks>, narrow_outputs<11, 2, Blocks>, narrow_outputs<12, 2, Blocks>};
+    rows[n - 1](w, x, in, r, i0, sums);
+}
+
+// The n input rows in passes of at most `most`, as even as they go: pass(first row, rows, sums of the first row).
+template <class Pass>
+void in_passes(int n, int most, Pass pass) {
+    const int passes = (n + most - 1) / most;
+    for (int p = 0, j = 0; p < passes; ++p) {
+        const int m = (n - j + passes - p - 1) / (passes - p);
+        pass(j, m);
+        j += m;
+    }
 }
 
 // y [n, out] bf16 = the sums of each group of ROWS output rows, plus the bias, rounded once (to nearest
@@ -488,24 +514,24 @@ void bf16_outputs(const uint16_t *bias, uint16_t *y, int n, int64_t out, int thr
 
 // The bf16 product with W stored as Blocks: each stored block widened in registers to the bf16 numbers the model
 // holds, then the same dot products in the same order as specstack_linear_rows_bf16 over those bf16 weights.
-// Passes of at most MAX_Q4_FUSED_ROWS input rows (one pass up to six), as even as they go, each widening the
-// group's blocks again (from L1 after the first): every sum the same dot products in the same order. On the AMD
-// Zen 4 host the bf16 target's forwards of 7 / 8 / 12 / 16 tokens took 1.24-1.32x / 1.16-1.30x / 1.10-1.18x /
-// 1.02-1.03x less time so (Q4_1 layers) than with oneDNN's packed kernel over the bf16 weights and the lean
-// decoder's Python (over 1,024 and 7,500 cached keys); widening each group once into L1 and taking
-// bf16_four_outputs over it measured 0.93-0.99x of this.
+// Up to MAX_Q4_FUSED_ROWS input rows take a group's four weight rows in one pass (24 sums in registers). More take
+// them two at a time, in passes of at most MAX_Q4_PAIR_ROWS input rows: a block is widened once for up to twelve
+// input rows, where passes of six over all four rows widened it again each pass (from L1 after the first). Every
+// sum the same dot products in the same order either way. On the AMD Zen 4 host the bf16 target's forwards over
+// 7,500 cached keys took 1.04-1.07x less time at 7 and 8 tokens so, and the same at 12 and 16 (docs/benchmarks.md,
+// "A wide verify's prefetches spread over its passes"). Against oneDNN's packed kernel over the bf16 weights and the
+// lean decoder's Python, passes of six had taken the forwards of 7 / 8 / 12 / 16 tokens 1.24-1.32x / 1.16-1.30x /
+// 1.10-1.18x / 1.02-1.03x less time (Q4_1 layers, over 1,024 and 7,500 cached keys); widening each group once into
+// L1 and taking bf16_four_outputs over it measured 0.93-0.99x of those passes.
 template <class Blocks>
 int narrow_bf16_linear(const uint8_t *w, const uint16_t *x, const uint16_t *bias, uint16_t *y, int n, int64_t out, int64_t in, int threads) {
     if (!bf16_shape_taken(n, out, in, threads, MAX_Q4_ROWS)) return -1;
-    const int passes = (n + MAX_Q4_FUSED_ROWS - 1) / MAX_Q4_FUSED_ROWS;
     bf16_outputs<MAX_Q4_ROWS>(
         bias, y, n, out, threads,
         [&](int64_t first, float *sums) {
-            for (int p = 0, j = 0; p < passes; ++p) {
-                const int m = (n - j + passes - p - 1) / (passes - p);
-                narrow_rows<Blocks>(w, x + j * in, m, in, first, sums + j * ROWS);
-                j += m;
-            }
+            if (n <= MAX_Q4_FUSED_ROWS) return narrow_rows<Blocks>(w, x, n, in, first, sums);
+            for (int i0 = 0; i0 < ROWS; i0 += 2)
+                in_passes(n, MAX_Q4_PAIR_ROWS, [&](int j, int m) { narrow_pair_rows<Blocks>(w, x + j * in, m, in, first, i0, sums + j * ROWS); });
         },
         [&](int64_t r, int j) { return narrow_one_output<Blocks>(group_row<Blocks>(w, out, in, r), x + j * in, in); });
     return 0;

@@ -1,0 +1,83 @@
+"""Whole bf16 target forwards through another version of the C++ kernels against this checkout's, in one process.
+
+The embedded target's few-row linear kernel (``csrc/linear_rows.cpp``) and decode-attention kernel
+(``csrc/decode_attention.cpp``) are switched between the versions built from ``--source DIR`` (a directory holding
+both files and the headers they include) and this checkout's; the logits of a forward of each width must be the
+same bits under both (the versions may differ only in speed), then forwards of each width over ``--cache`` random
+cached slots are timed in alternating turns (both orders) and the medians compared.
+
+    mkdir -p /tmp/before && for f in decode_attention.cpp linear_rows.cpp bf16.h amx_tiles.h; do
+        git show HEAD~1:specstack/csrc/$f > /tmp/before/$f; done
+    python examples/forward_versions.py --source /tmp/before --cache 7500 --tokens 1 2 4 8 16
+    python examples/forward_versions.py --source /tmp/before --cache 32000 --tokens 1 8 --context 32768
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from pathlib import Path
+
+import torch
+
+from specstack.batch import TokenBatch
+from specstack.bench.floor import fill, time_forward
+from specstack.decode_attention import load_decode_kernel
+from specstack.models import load_target
+from specstack.packed_linear import PackedLinear, load_rows_kernel
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--source", type=Path, required=True, help="a directory with the other linear_rows.cpp and decode_attention.cpp")
+    parser.add_argument("--cache", type=int, default=7500)
+    parser.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    parser.add_argument("--turns", type=int, default=8)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--context", type=int, default=None, help="the target's window (YaRN beyond 8,192)")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    scaled = {"context": args.context, "rope_scaling": "yarn" if args.context else None}
+    model = load_target(dtype=torch.bfloat16, **scaled)[0]
+    linears = [m for m in model.module.modules() if isinstance(m, PackedLinear)]
+    linears += [product.linear for layer in model.decoder.layers for product in (layer.qkv, layer.gate_up)]
+    kernels = {"other": (load_rows_kernel(source=args.source / "linear_rows.cpp"), load_decode_kernel(source=args.source / "decode_attention.cpp")),
+               "this": (load_rows_kernel(), load_decode_kernel())}
+    if any(kernel is None for pair in kernels.values() for kernel in pair):
+        raise SystemExit("a kernel did not build here")
+
+    def use(name: str) -> None:
+        rows, attention = kernels[name]
+        for m in linears:
+            m._rows = rows
+        object.__setattr__(model, "attention_kernel", attention)
+        if model.decoder.compiled is not None:
+            model.decoder.compiled.plans.clear()  # the compiled layers' plans hold the kernel entries
+
+    generator = torch.Generator().manual_seed(0)
+    store = model.new_cache(args.cache + max(args.tokens))
+    fill(store, args.cache, generator)
+    with torch.no_grad():
+        for t in args.tokens:
+            ids = torch.randint(model.vocab_size, (t,), generator=generator).tolist()
+            logits = {}
+            for name in kernels:
+                use(name)
+                logits[name] = model.forward(TokenBatch.chain(ids, args.cache, t), store).clone()  # [t, V]
+                store.truncate(args.cache)
+            if not torch.equal(logits["other"], logits["this"]):
+                raise SystemExit(f"the two versions' logits differ at {t} tokens")
+        print("the same logits at every width", flush=True)
+        for t in args.tokens:
+            times = {name: [] for name in kernels}
+            for turn in range(args.turns):
+                for name in kernels if turn % 2 == 0 else reversed(list(kernels)):
+                    use(name)
+                    times[name].append(time_forward(model, store, cached=args.cache, tokens=t, tree=False, repeats=3, generator=generator))
+            other, this = statistics.median(times["other"]), statistics.median(times["this"])
+            print(f"{t} tokens over {args.cache} slots: other {1e3 * other:.2f} ms, this {1e3 * this:.2f} ms, {other / this:.3f}x", flush=True)
+    use("this")
+
+
+if __name__ == "__main__":
+    main()
