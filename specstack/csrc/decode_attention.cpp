@@ -681,22 +681,32 @@ constexpr int DP_CHUNK = 1024;  // keys each group takes in turn (256 KB of keys
 // How far a row's scores may rise above its reference before the reference moves up to the block's maximum and the
 // sums so far are rescaled: the weights stay at most e^8 (about 3,000), far inside float32's and bf16's range.
 constexpr float RESCALE_ABOVE = 8.0f;
-// Whether each block asks for the one four ahead. On the Intel AMX host the path was 1.34x slower without
-// (docs/benchmarks.md, 2026-11-24); on the AMD Zen 4 host (no AMX) the hardware prefetcher alone took the one-token
-// case 1.41-1.50x (7,500 keys) and 1.50-1.76x (32,000) faster, and no other distance or hint beat asking for nothing.
+// Whether each block asks for the whole block four ahead at its start. On the Intel AMX host the path was 1.34x
+// slower without (docs/benchmarks.md, 2026-11-24); on the AMD Zen 4 host (no AMX) the hardware prefetcher alone
+// took the one-token case 1.41-1.50x (7,500 keys) and 1.50-1.76x (32,000) faster than that.
 #ifdef SPECSTACK_AMX
 constexpr bool DP_PREFETCH = true;
 #else
 constexpr bool DP_PREFETCH = false;
 #endif
+// Elsewhere a block asks for the one DP_AHEAD ahead in shares, into L2: the keys' lines beside the key loads, the
+// values' lines beside the weighted values, so that the requests go out as evenly as the block's own loads. Only the
+// first group of rows over a chunk asks (the later groups find the chunk in L2). On the AMD Zen 4 host, against the
+// hardware prefetcher alone, attention from memory (30 layers, two threads) took 7.0-7.8 -> 4.8-6.2 ms at one token
+// and 8.4-8.6 -> 6.0-6.8 at two over 7,500 keys, 29.4-32.4 -> 20.3-25.7 at one token over 32,000, 1.05-1.17x less
+// at three to five tokens; 3 to 6 blocks ahead did less well, asking into L1 worse (docs/benchmarks.md, "The
+// register path's prefetches spread over its block").
+constexpr int DP_AHEAD = 2;
 
 // Keys [begin, end) of one KV head for ROWS <= DP_ROWS rows (their queries as bf16 words, qw [ROWS, d / 2]), d = 16 * D16
 // (D16 a multiple of 2): each row's reference score ref[r], weight sums sums[r * 16 ..] (a lane a key) and weighted
 // values acc[r * d ..] move on from where they are (fresh: from nothing; a row's reference -inf, its sums and values zero).
+// Where `ask`, each block asks for the one DP_AHEAD ahead (not where DP_PREFETCH asks for whole blocks).
 template <int ROWS, int D16>
 void attend_range_dp(const uint32_t *qw, float scale, const uint16_t *k, const uint16_t *v, int64_t begin, int64_t end,
-                     float *ref, float *sums, float *acc, bool fresh) {
+                     float *ref, float *sums, float *acc, bool fresh, bool ask) {
     constexpr int d = 16 * D16, WORDS = d / 2;
+    constexpr int BLOCK_LINES = TILE * d * 2 / 64;  // cache lines of a block's keys (and as many of its values)
     const __m512i low = pairs_low(), high = pairs_high();
     __m512 o[ROWS][D16], sum[ROWS];
     float top[ROWS];
@@ -711,9 +721,13 @@ void attend_range_dp(const uint32_t *qw, float scale, const uint16_t *k, const u
                 _mm_prefetch((const char *)(k + (b + 4 * TILE) * d) + line, _MM_HINT_T0);
                 _mm_prefetch((const char *)(v + (b + 4 * TILE) * d) + line, _MM_HINT_T0);
             }
+        const bool spread = !DP_PREFETCH && ask && b + (DP_AHEAD + 1) * TILE <= end;  // the block DP_AHEAD ahead is whole
+        const char *k_ahead = (const char *)(k + (b + DP_AHEAD * TILE) * d), *v_ahead = (const char *)(v + (b + DP_AHEAD * TILE) * d);
         __m512 s[ROWS], s2[ROWS];  // two sums a row: even and odd words (shorter chains of dependent products)
         for (int r = 0; r < ROWS; ++r) s[r] = s2[r] = _mm512_setzero_ps();
         for (int c = 0; c < WORDS; c += TILE) {  // words c .. c+15 of the sixteen keys, transposed: lane i is key i
+            if (spread)  // this share of the keys ahead
+                for (int line = BLOCK_LINES * c / WORDS; line < BLOCK_LINES * (c + TILE) / WORDS; ++line) _mm_prefetch(k_ahead + 64 * line, _MM_HINT_T1);
             __m512 t[TILE];
             for (int i = 0; i < TILE; ++i) t[i] = i < len ? _mm512_loadu_ps(k + (b + i) * d + 2 * c) : _mm512_setzero_ps();
             transpose16(t);
@@ -739,6 +753,8 @@ void attend_range_dp(const uint32_t *qw, float scale, const uint16_t *k, const u
             _mm256_store_si256((__m256i *)weights[r], (__m256i)rounded);
         }
         for (int j = 0; j < len; j += 2) {  // keys j, j+1 (a missing second key: zero values)
+            if (spread)  // this share of the values ahead
+                for (int line = BLOCK_LINES * j / TILE; line < BLOCK_LINES * (j + 2) / TILE; ++line) _mm_prefetch(v_ahead + 64 * line, _MM_HINT_T1);
             const uint16_t *va = v + (b + j) * d, *vb = va + d;
             for (int c = 0; c < D16; c += 2) {  // columns 16c .. 16c+31
                 const __m512i a = _mm512_loadu_si512(va + 16 * c), e = j + 1 < len ? _mm512_loadu_si512(vb + 16 * c) : _mm512_setzero_si512();
@@ -763,16 +779,17 @@ inline bool dp_fits(int rows, int d, bool tiles) { return rows <= (tiles ? DP_RO
 
 // attend_range_dp for rows <= DP_ROWS rows and heads of d (64 or 128).
 void attend_range_dp_any(const uint32_t *qw, int rows, int d, float scale, const uint16_t *k, const uint16_t *v, int64_t begin, int64_t end,
-                         float *ref, float *sums, float *acc, bool fresh) {
-    typedef void (*Range)(const uint32_t *, float, const uint16_t *, const uint16_t *, int64_t, int64_t, float *, float *, float *, bool);
+                         float *ref, float *sums, float *acc, bool fresh, bool ask) {
+    typedef void (*Range)(const uint32_t *, float, const uint16_t *, const uint16_t *, int64_t, int64_t, float *, float *, float *, bool, bool);
     static const Range ranges[2][DP_ROWS] = {{attend_range_dp<1, 4>, attend_range_dp<2, 4>, attend_range_dp<3, 4>, attend_range_dp<4, 4>, attend_range_dp<5, 4>, attend_range_dp<6, 4>},
                                              {attend_range_dp<1, 8>, attend_range_dp<2, 8>, attend_range_dp<3, 8>, attend_range_dp<4, 8>, attend_range_dp<5, 8>, attend_range_dp<6, 8>}};
-    ranges[d == 128][rows - 1](qw, scale, k, v, begin, end, ref, sums, acc, fresh);
+    ranges[d == 128][rows - 1](qw, scale, k, v, begin, end, ref, sums, acc, fresh, ask);
 }
 
 // One work item on the register path (dp_fits): keys [begin, end) of one KV head into running maxima m (the rows'
 // references), sums l and weighted values acc, as attend_range does. The rows go in groups of at most DP_ROWS, as even
-// as can be, each group in turn over each chunk of DP_CHUNK keys; sums is scratch of 16 floats a row.
+// as can be, each group in turn over each chunk of DP_CHUNK keys (the first asking for the blocks ahead, which the
+// later groups then read from L2); sums is scratch of 16 floats a row.
 void attend_range_dp_groups(const float *q, int rows, int d, float scale, const uint16_t *k, const uint16_t *v, int64_t begin, int64_t end,
                             float *sums, float *m, float *l, float *acc) {
     const int groups = (rows + DP_ROWS - 1) / DP_ROWS;
@@ -782,7 +799,7 @@ void attend_range_dp_groups(const float *q, int rows, int d, float scale, const 
         for (int g = 0, first = 0; g < groups; first = rows * ++g / groups) {
             const int count = rows * (g + 1) / groups - first;
             attend_range_dp_any(qw + first * d / 2, count, d, scale, k, v, c, end - c < DP_CHUNK ? end : c + DP_CHUNK, m + first, sums + 16 * first,
-                                acc + first * d, c == begin);
+                                acc + first * d, c == begin, g == 0);
         }
     for (int r = 0; r < rows; ++r) l[r] = _mm512_reduce_add_ps(_mm512_loadu_ps(sums + 16 * r));
 }
