@@ -920,7 +920,7 @@ void attend_range_dp_rows(const float *q, int rows, float scale, const uint16_t 
     for (int r = 0; r < rows; ++r) m[r] = -INFINITY, l[r] = 0.0f;
     for (int i = 0; i < rows * d; ++i) acc[i] = 0.0f;
     constexpr int LINES = DP_ROWS_BLOCK * d * 2 / 64;  // cache lines of a block's keys (and as many of its values)
-    const int passes = rows / G;                          // passes of G rows a block (rows > DP_GROUPED_ROWS >= G)
+    const int passes = rows / G;                          // passes of G rows a block (none: the loop below never asks)
     for (int64_t b = begin; b < end; b += DP_ROWS_BLOCK) {
         const int len = (int)(end - b < DP_ROWS_BLOCK ? end - b : DP_ROWS_BLOCK);
         const int64_t ahead = b + DP_ROWS_AHEAD * DP_ROWS_BLOCK;  // the block asked for while this one is computed
