@@ -821,8 +821,8 @@ constexpr int DP_ROWS_BLOCK = 64;  // keys a block: four vectors of sixteen
 // How many blocks ahead a work item asks for keys and values, a share of the block's lines before each pass of G rows,
 // so that a wide verify's memory stream runs beside its products instead of stopping them in bursts. On the AMD Zen 4
 // host, against asking for the whole next block at its start, attention from memory (30 layers, two threads) took
-// 20.0 -> 15.7-16.1 ms at 8 tokens and 32.2 -> 28.0-28.5 at 16 over 7,500 keys (with the cache in the last-level
-// cache: 14.5 and 27.1), 83.7 -> 65.6 at 8 tokens and 138 -> 117 at 16 over 32,000; one block ahead 1.03-1.07x less
+// 20.0 -> 15.7-16.1 ms at 8 tokens and 32.2 -> 28.5-28.6 at 16 over 7,500 keys (with the cache in the last-level
+// cache: 14.5 and 27.1), 83.7 -> 65.6 at 8 tokens and 138 -> 117 at 16 over 32,000; one block ahead 1.01-1.08x more
 // at 8 tokens than two, four blocks as two (docs/benchmarks.md, "A wide verify's prefetches spread over its passes").
 constexpr int DP_ROWS_AHEAD = 2;
 
