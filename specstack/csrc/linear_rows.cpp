@@ -480,7 +480,7 @@ void narrow_pair_rows(const uint8_t *w, const uint16_t *x, int n, int64_t in, in
     rows[n - 1](w, x, in, r, i0, sums);
 }
 
-// The n input rows in passes of at most `most`, as even as they go: pass(first row, rows, sums of the first row).
+// The n input rows in passes of at most `most`, as even as they go: pass(first input row, input rows).
 template <class Pass>
 void in_passes(int n, int most, Pass pass) {
     const int passes = (n + most - 1) / most;
@@ -519,7 +519,7 @@ void bf16_outputs(const uint16_t *bias, uint16_t *y, int n, int64_t out, int thr
 // input rows, where passes of six over all four rows widened it again each pass (from L1 after the first). Every
 // sum the same dot products in the same order either way. On the AMD Zen 4 host the bf16 target's forwards over
 // 7,500 cached keys took 1.04-1.07x less time at 7 and 8 tokens so, and the same at 12 and 16 (docs/benchmarks.md,
-// "A wide verify's prefetches spread over its passes"). Against oneDNN's packed kernel over the bf16 weights and the
+// "A wide verify's prefetches spread over its passes, and Q4_1 rows two at a time"). Against oneDNN's packed kernel over the bf16 weights and the
 // lean decoder's Python, passes of six had taken the forwards of 7 / 8 / 12 / 16 tokens 1.24-1.32x / 1.16-1.30x /
 // 1.10-1.18x / 1.02-1.03x less time (Q4_1 layers, over 1,024 and 7,500 cached keys); widening each group once into
 // L1 and taking bf16_four_outputs over it measured 0.93-0.99x of those passes.
