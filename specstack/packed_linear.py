@@ -46,9 +46,11 @@ ROWS_SOURCE = SOURCES / "linear_rows.cpp"
 # its prefetch) against oneDNN's packed kernel: fp32 target 1.05-1.11x at 5 and 6 tokens, bf16 target
 # 1.04-1.06x at 5 and 6, 0.98-1.02x at 8 (docs/benchmarks.md, "Prefetching the weights"). The draft,
 # whose weights stay in cache, gains nothing from 5 rows on in either dtype.
-# bf16 (with AVX-512's bf16 dot products and no AMX tiles): up to 16, the Q4_1 blocks widened in passes of six
-# (csrc/linear_rows.cpp, MAX_Q4_ROWS): on the AMD Zen 4 host the bf16 target's forwards of 7-16 tokens took
-# 1.02-1.32x less time than with oneDNN's packed kernel (docs/benchmarks.md, "bf16 verifies in dot products").
+# bf16 (with AVX-512's bf16 dot products and no AMX tiles): up to 16, the Q4_1 blocks widened once for up to six
+# input rows over four weight rows or twelve over two (csrc/linear_rows.cpp, MAX_Q4_ROWS): on the AMD Zen 4 host the
+# bf16 target's forwards of 7-16 tokens took 1.02-1.32x less time than with oneDNN's packed kernel when the kernel
+# still took passes of six (docs/benchmarks.md, "bf16 verifies in dot products"), and 1.04-1.07x less again at 7 and
+# 8 tokens with the pairs.
 MAX_STREAMED_ROWS = {torch.float32: 6, torch.bfloat16: 16}
 # Where the kernel is built for narrower vectors than AVX-512 (AVX2), fp32 products of up to this many rows
 # take it: on the 2-core AMD Zen 3 host the target's 211 matrices took 30 / 38 / 48 ms for 8 / 12 / 16 rows
