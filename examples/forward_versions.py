@@ -40,7 +40,7 @@ def main() -> None:
     scaled = {"context": args.context, "rope_scaling": "yarn" if args.context else None}
     model = load_target(dtype=torch.bfloat16, **scaled)[0]
     linears = [m for m in model.module.modules() if isinstance(m, PackedLinear)]
-    linears += [product.linear for layer in model.decoder.layers for product in (layer.qkv, layer.gate_up)]
+    linears += [product.linear for product in model.decoder.products()]
     kernels = {"other": (load_rows_kernel(source=args.source / "linear_rows.cpp"), load_decode_kernel(source=args.source / "decode_attention.cpp")),
                "this": (load_rows_kernel(), load_decode_kernel())}
     if any(kernel is None for pair in kernels.values() for kernel in pair):
@@ -50,7 +50,7 @@ def main() -> None:
         rows, attention = kernels[name]
         for m in linears:
             m._rows = rows
-        object.__setattr__(model, "attention_kernel", attention)
+        model.attention_kernel = attention
         if model.decoder.compiled is not None:
             model.decoder.compiled.plans.clear()  # the compiled layers' plans hold the kernel entries
 
@@ -76,7 +76,6 @@ def main() -> None:
                     times[name].append(time_forward(model, store, cached=args.cache, tokens=t, tree=False, repeats=3, generator=generator))
             other, this = statistics.median(times["other"]), statistics.median(times["this"])
             print(f"{t} tokens over {args.cache} slots: other {1e3 * other:.2f} ms, this {1e3 * this:.2f} ms, {other / this:.3f}x", flush=True)
-    use("this")
 
 
 if __name__ == "__main__":

@@ -50,7 +50,7 @@ def main() -> None:
     scaled = {"context": args.context, "rope_scaling": "yarn" if args.context else None}
     model = load_target(dtype=dtype, **scaled)[0] if args.model == "target" else load_default(dtype=dtype, **scaled)[1]
     linears = [m for m in model.module.modules() if isinstance(m, PackedLinear)]
-    linears += [product.linear for layer in model.decoder.layers for product in (layer.qkv, layer.gate_up)]
+    linears += [product.linear for product in model.decoder.products()]
     kernels = {"grouped": load_rows_kernel(), "row after row": load_rows_kernel(source=args.previous)}
     stored = {id(m): {"grouped": m._blocks, "row after row": None if m._blocks is None else row_after_row(m._blocks, m._format)} for m in linears}
     print(f"{sum(m._blocks is not None for m in linears)} of {len(linears)} products read stored rows")

@@ -13,6 +13,10 @@
 #include <time.h>
 static double now() { timespec t; clock_gettime(CLOCK_MONOTONIC, &t); return t.tv_sec + 1e-9 * t.tv_nsec; }
 int main(int argc, char **argv) {
+    if (argc != 4) {
+        fprintf(stderr, "usage: %s N mode repeats (mode 0-3)\n", argv[0]);
+        return 2;
+    }
     const long n = atol(argv[1]); const int mode = atoi(argv[2]), reps = atoi(argv[3]);
     const long per = 3 * n * 128;  // bytes of keys of one layer
     char *k = (char *)aligned_alloc(64, per * 30), *v = (char *)aligned_alloc(64, per * 30), *kv = (char *)aligned_alloc(64, 2 * per * 30);
@@ -28,10 +32,10 @@ int main(int argc, char **argv) {
                 for (int h = 0; h < 3; ++h) {
                     long b0 = tid * n / 2, b1 = (tid + 1) * n / 2;
                     const char *kh = k + layer * per + h * n * 128, *vh = v + layer * per + h * n * 128, *kvh = kv + 2 * (layer * per + h * n * 128);
-                    if (mode == 0) {  // 16 keys, then their 16 values
+                    if (mode == 0) {  // each line of 16 keys beside the same line of their values
                         for (long b = b0; b < b1; b += 16)
                             for (int i = 0; i < 16 * 128; i += 64) acc = _mm512_add_ps(acc, _mm512_load_ps(kh + b * 128 + i)), acc2 = _mm512_add_ps(acc2, _mm512_load_ps(vh + b * 128 + i));
-                    } else if (mode == 1) {  // strictly k block then v block
+                    } else if (mode == 1) {  // 16 keys, then their 16 values
                         for (long b = b0; b < b1; b += 16) {
                             for (int i = 0; i < 16 * 128; i += 64) acc = _mm512_add_ps(acc, _mm512_load_ps(kh + b * 128 + i));
                             for (int i = 0; i < 16 * 128; i += 64) acc2 = _mm512_add_ps(acc2, _mm512_load_ps(vh + b * 128 + i));

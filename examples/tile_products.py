@@ -40,7 +40,7 @@ def main() -> None:
     products = []
     for layer in target.decoder.layers:
         products += [layer.qkv.linear, layer.layer.self_attn.o_proj, layer.gate_up.linear, layer.layer.mlp.down_proj]
-    fused = [layer.qkv.linear for layer in target.decoder.layers] + [layer.gate_up.linear for layer in target.decoder.layers]
+    fused = [product.linear for product in target.decoder.products()]
     every = [m for m in target.module.modules() if isinstance(m, PackedLinear)] + fused
     kernel = products[0]._rows
     if kernel is None or not kernel.tiles:

@@ -187,11 +187,14 @@ class LeanDecoder:
             return cls(model=module.model, layers=[LeanLayer.of(layer) for layer in module.model.layers], ops=load_decoder_ops(),
                        compiled=load_compiled_layers())
 
+    def products(self) -> list[FusedProducts]:
+        """Every layer's fused q/k/v and gate/up products, layer by layer."""
+        return [product for layer in self.layers for product in (layer.qkv, layer.gate_up)]
+
     def attach_part_blocks(self) -> None:
         """Each layer's fused q/k/v and gate/up products take their parts' stored weights (given to the parts after fusing)."""
-        for layer in self.layers:
-            layer.qkv.attach_part_blocks()
-            layer.gate_up.attach_part_blocks()
+        for product in self.products():
+            product.attach_part_blocks()
 
     def applies(self, tokens: torch.Tensor) -> bool:
         """Whether a forward over ``tokens`` [1, T] runs here: on the CPU, at most MAX_TOKENS of them."""
@@ -224,4 +227,4 @@ class LeanDecoder:
             with torch.inference_mode(False), torch.no_grad():
                 for i in stale:
                     self.layers[i] = LeanLayer.of(self.layers[i].layer)
-        self.watch = ParameterWatch.of(view for layer in self.layers for product in (layer.qkv, layer.gate_up) for view in product.views)
+        self.watch = ParameterWatch.of(view for product in self.products() for view in product.views)
