@@ -19,7 +19,8 @@ positions. Everything else keeps the lean decoder's Python.
 
 The plan of a forward (each product's kernel entry and stored weight, the norms, the shapes) is made
 once per number of tokens and made again whenever a weight, a norm or a stored format changed: the
-kernels never read a weight the module no longer holds.
+kernels never read a weight the module no longer holds. Inside the decoder's ``weights_held`` scope (a
+generation) that is checked at the first forward of each width only.
 """
 
 from __future__ import annotations
@@ -77,6 +78,8 @@ class _Plan:
     params: ParameterWatch  # every weight, bias and norm weight read, with their version counters where they keep them
     linears: tuple  # the products that may read a stored weight
     blocks: tuple  # each one's stored weight (or None) when it was made
+    storages: tuple = ()  # every parameter's data as read (detached): memory the kernels read stays allocated even where a
+    # weight's storage is replaced inside a weights_held scope, which skips the checks until it closes
 
     def current(self, decoder) -> bool:
         """Whether ``decoder`` still holds what the plan was made from (a few hundred checks, in C loops)."""
@@ -110,8 +113,8 @@ class CompiledLayers:
         first = decoder.layers[0]
         if not kernel.takes(dtype, first.heads, first.kv_heads, t, first.head_dim, store.length + t):
             return None
-        plan = self.plans.get(t)
-        if plan is None or not plan.current(decoder):
+        plan, asked = self.plans.get(t), decoder.asks(("plan", t))
+        if plan is None or (asked and not plan.current(decoder)):
             plan = self.plans[t] = _make_plan(decoder, kernel, t)
         return plan if plan.model is not None else None
 
@@ -165,8 +168,9 @@ def _make_plan(decoder, kernel, t: int) -> _Plan:
     owners = ([(linear, "weight") for linear in linears] + [(linear, "bias") for linear in linears if linear.bias is not None]
               + [(norm, "weight") for norm in norms])
     stored = tuple(linear for linear in linears if isinstance(linear, PackedLinear))
-    plan = _Plan(model=None, lean_layers=tuple(decoder.layers), params=ParameterWatch.now(owners, versions=True), linears=stored,
-                 blocks=tuple(linear._blocks for linear in stored))
+    params = ParameterWatch.now(owners, versions=True)
+    plan = _Plan(model=None, lean_layers=tuple(decoder.layers), params=params, linears=stored, blocks=tuple(linear._blocks for linear in stored),
+                 storages=tuple(param.detach() for param in params.params))
     if None in products or any(type(norm).__name__ not in RMS_NORMS or norm.weight.dtype != dtype or not norm.weight.is_contiguous() for norm in norms):
         return plan
     layers = (_Layer * len(decoder.layers))()

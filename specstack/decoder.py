@@ -30,10 +30,17 @@ Float32 forwards of a few tokens go one step further where they can (:mod:`specs
 each layer is one compiled call to the same kernels, with the same bits.
 
 A layer whose weights moved (``.to()``, ``.data =``, a load) is fused again before its next forward.
+Inside :meth:`LeanDecoder.weights_held` (a generation: ``SpeculationStack.generate`` opens it for each of its
+models) the weights are checked at the first forward only, and the compiled plan of each width at its first
+forward: the checks read a few hundred tensors with the CPU's caches cold from streaming the weights, 4-5% of
+a one-token step (docs/benchmarks.md, "The weights checked once a generation").
 The LM head stays with the caller (``HFCausalLM._run``), as it does after transformers' decoder.
 """
 
 from __future__ import annotations
+
+import contextlib
+from typing import Hashable, Iterator
 
 import attrs
 import torch
@@ -176,6 +183,8 @@ class LeanDecoder:
     ops: DecoderOps | TorchOps = TORCH_OPS  # the layers' small operations: compiled where they could be built
     compiled: CompiledLayers | None = None  # each layer one compiled call, for the forwards it applies to (None: not built here)
     watch: ParameterWatch | None = None  # every fused part's weight (and bias) as the layers were fused: asked before each forward
+    held: int = 0  # weights_held() scopes open: while any is, each check of the weights runs once
+    checked: set = attrs.field(factory=set)  # the checks run since the outermost scope opened: "layers", and ("plan", width)
 
     @classmethod
     def build(cls, module: torch.nn.Module) -> "LeanDecoder | None":
@@ -217,10 +226,32 @@ class LeanDecoder:
             hidden, delta = layer.forward(hidden, delta, cos, sin, cache, attend, attention, self.ops)  # [1, T, H] each
         return self.ops.add_norm(hidden, delta, model.norm)[1]  # [1, T, H]
 
+    @contextlib.contextmanager
+    def weights_held(self) -> Iterator[None]:
+        """A scope over which the weights stay as they are (a generation): each check of them (:meth:`asks`) runs at the
+        first forward that needs it and not again until the outermost scope closes. Weights changed inside it are
+        not seen before then."""
+        self.held += 1
+        try:
+            yield
+        finally:
+            self.held -= 1
+            if not self.held:
+                self.checked.clear()
+
+    def asks(self, check: Hashable) -> bool:
+        """Whether ``check`` (``"layers"``, or ``("plan", width)``) is to run before this forward: always, except where it
+        already ran inside an open :meth:`weights_held` scope."""
+        if check in self.checked:
+            return False
+        if self.held:
+            self.checked.add(check)
+        return True
+
     def _fuse_moved(self) -> None:
         """Fuse again any layer whose weights were replaced since they were fused (all of them asked at once, then
         layer by layer where some were)."""
-        if self.watch is not None and self.watch.current():
+        if not self.asks("layers") or (self.watch is not None and self.watch.current()):
             return
         stale = [i for i, layer in enumerate(self.layers) if not layer.current()]
         if stale:

@@ -222,6 +222,11 @@ class HFCausalLM:
         self.decoder = LeanDecoder.build(self.module) if self.lean_decoder else None
         self.graphs = ForwardGraphs(self._static_forward, config.num_attention_heads // config.num_key_value_heads)
 
+    def weights_held(self) -> contextlib.AbstractContextManager:
+        """A scope over which the weights stay as they are (``SpeculationStack.generate`` opens one for its run): the
+        lean decoder then checks them at its first forward only (:meth:`LeanDecoder.weights_held`)."""
+        return self.decoder.weights_held() if self.decoder is not None else contextlib.nullcontext()
+
     def read_weights_from(self, gguf: str | Path) -> int:
         """Let products of a few rows read the blocks of the GGUF at ``gguf`` (Q4_1 layer matrices; a Q8_0
         embedding for a tied LM head) instead of the weights those blocks widen to, bit for bit

@@ -7,8 +7,9 @@ and the transformers-backed models implement it.
 
 from __future__ import annotations
 
+import contextlib
 import time
-from typing import Protocol, Sequence, runtime_checkable
+from typing import Iterator, Protocol, Sequence, runtime_checkable
 
 import attrs
 import torch
@@ -51,7 +52,8 @@ class KVCache(Protocol):
 
 @runtime_checkable
 class CausalLM(Protocol):
-    """A decoder-only language model as a stack sees it."""
+    """A decoder-only language model as a stack sees it. It may also offer ``weights_held()``, a context manager over
+    which its weights stay as they are (:func:`weights_held`)."""
 
     vocab_size: int
     max_length: int  # the model's context window
@@ -72,6 +74,19 @@ class CausalLM(Protocol):
         ``output_logits(states [n, H]) -> [n, V]``, its output head, ``output_head(rows [R])``, a function
         ``[n, H] -> [n, R]`` computing only the logits of the token ids ``rows``, and
         ``input_embeddings(tokens [n]) -> [n, H]``, its input embedding."""
+
+
+@contextlib.contextmanager
+def weights_held(models: Sequence[CausalLM]) -> Iterator[None]:
+    """A scope over which the weights of ``models`` stay as they are (a generation), opened for each model that offers
+    one (an optional method ``weights_held()`` returning a context manager; :class:`specstack.hf.HFCausalLM` does), so
+    that it may check them once rather than before every forward."""
+    with contextlib.ExitStack() as scope:
+        for model in {id(model): model for model in models}.values():
+            hold = getattr(model, "weights_held", None)
+            if hold is not None:
+                scope.enter_context(hold())
+        yield
 
 
 @attrs.define(eq=False)

@@ -23,7 +23,7 @@ import torch
 
 from .drafters import Drafter, ModelDrafter, ModelLevel
 from .errors import SpecstackError
-from .model import CachedModel, CausalLM, check_window
+from .model import CachedModel, CausalLM, check_window, weights_held
 from .policies import CachePolicy, FullCache
 from .sampling import SamplingConfig, warp
 from .types import Capability, Draft, DraftKind, GenerationResult, LevelStats, TokenSequence, as_tokens
@@ -180,6 +180,7 @@ class SpeculationStack:
     generators: Generators
     stop_tokens: frozenset[int]
     depth: int
+    models: tuple[CausalLM, ...] = ()  # the levels' models, lowest first: their weights are held over each generate
     prefill_chunk: int = PREFILL_CHUNK  # prompt tokens per prefill step (each level feeds a chunk, top level first)
 
     @classmethod
@@ -209,7 +210,8 @@ class SpeculationStack:
                 drafter=drafter, lm=lm, verifier=chosen, gamma=level.gamma, sampling=sampling,
                 generator=generators.on(lm.device), stop_tokens=stops,
             )
-        return cls(top=drafter, target=levels[-1].model, sampling=sampling, generators=generators, stop_tokens=stops, depth=len(levels))
+        return cls(top=drafter, target=levels[-1].model, sampling=sampling, generators=generators, stop_tokens=stops, depth=len(levels),
+                   models=tuple(level.model for level in levels if level.model is not None))
 
     def generate(self, prompt: Sequence[int], max_new_tokens: int, *, seed: int | None = None, progress=None,
                  reuse_cache: bool = False, prefill_progress=None, after_round: Callable[[int], None] | None = None) -> GenerationResult:
@@ -220,7 +222,15 @@ class SpeculationStack:
         top-level round, before the next is drafted (``specstack.autotune.Retuner`` sets γ there). Each call starts from empty
         caches, so equal seeds give equal outputs; ``reuse_cache=True`` keeps whatever the caches hold
         of this prompt from the previous call (much faster for many samples of one long prompt; still
-        lossless, but an evicting cache then starts from a history-dependent view)."""
+        lossless, but an evicting cache then starts from a history-dependent view). The models' weights are
+        held over the call (:func:`specstack.model.weights_held`): changed from a callback, they are seen at
+        the next call."""
+        with weights_held(self.models):
+            return self._generate(prompt, max_new_tokens, seed=seed, progress=progress, reuse_cache=reuse_cache,
+                                  prefill_progress=prefill_progress, after_round=after_round)
+
+    def _generate(self, prompt: Sequence[int], max_new_tokens: int, *, seed: int | None, progress, reuse_cache: bool, prefill_progress,
+                  after_round: Callable[[int], None] | None) -> GenerationResult:
         prompt = _check_prompt(prompt, self.target, max_new_tokens)
         sequence = TokenSequence(prompt)  # shared by every level: O(1) prefixes, O(γ) comparisons
         if seed is not None:

@@ -2,7 +2,8 @@
 it replaces (logits, the keys and values it writes, the query log, the keys as written of a store with
 cache-relative positions), for chains and trees of 1-16 tokens, random Llama, Mistral and Qwen2 models and
 the embedded target and draft reading their stored weights; the forwards it does not take keep the lean
-decoder's Python; a plan is remade when the weights it points at change."""
+decoder's Python; a plan is remade when the weights it points at change; inside a generation
+(``weights_held``) the weights are checked once, and changes made between generations are seen."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ from specstack.batch import TokenBatch
 from specstack.channels import QueryLog
 from specstack.gguf_weights import attach_gguf_blocks
 from specstack.packed_linear import PackedLinear, load_rows_kernel, read_bf16_numbers
+from specstack.parameter_watch import ParameterWatch
+from specstack.registry import Registry
 from specstack.types import Draft, DraftKind
 
 from .test_decoder import CACHED, tiny
@@ -132,6 +135,63 @@ def test_a_plan_is_remade_when_the_weights_it_reads_change() -> None:
         attention.o_proj.weight.data = attention.o_proj.weight.detach().clone() * 2  # and new storage
     changed = forward(model, make, compiled=True)
     assert changed["took"] and same_bits(changed, forward(model, make, compiled=False))
+
+
+def counted_checks(monkeypatch) -> list[int]:
+    """A list that grows by one at each ParameterWatch.current() (the decoder's check of its fused layers, a plan's of
+    the weights it reads)."""
+    calls: list[int] = []
+    current = ParameterWatch.current
+
+    def counting(watch: ParameterWatch) -> bool:
+        calls.append(1)
+        return current(watch)
+
+    monkeypatch.setattr(ParameterWatch, "current", counting)
+    return calls
+
+
+def test_weights_held_checks_each_once(monkeypatch) -> None:
+    """Inside weights_held the decoder's check and each width's plan check run at their first forward only; outside,
+    before every forward. Fails where the scope is ignored (every forward checks) or never closes."""
+    model = tiny("llama")
+    store = model.new_cache(CACHED + 24)
+    model.forward(TokenBatch.chain(list(range(CACHED)), start=0, num_logits=1), store)
+    make = lambda t: TokenBatch.chain([3] * t, start=len(store), num_logits=t)  # noqa: E731
+    model.forward(make(1), store)
+    model.forward(make(2), store)  # both widths' plans exist before the scope opens
+    calls = counted_checks(monkeypatch)
+    with model.weights_held():
+        for t in (1, 1, 1, 2, 2, 1):
+            model.forward(make(t), store)
+    assert len(calls) == 3  # the layers once, the plans of 1 and 2 tokens once each
+    model.forward(make(1), store)
+    model.forward(make(1), store)
+    assert len(calls) == 3 + 4  # closed: both checks before every forward
+
+
+def test_a_generation_checks_the_weights_once_and_sees_changes_made_before_the_next(monkeypatch) -> None:
+    """SpeculationStack.generate holds its models' weights: a 12-token autoregressive run checks them a few times, not
+    twice a forward; weights replaced between two runs (new storage) are read by the next one, whose tokens are then
+    the lean decoder's Python's over the new weights."""
+    model = tiny("llama")
+    stack = Registry.create().stack("autoregressive", target=model)
+    prompt = [(7 * i) % model.vocab_size for i in range(CACHED)]
+    stack.generate(prompt, 4)
+    calls = counted_checks(monkeypatch)
+    stack.generate(prompt, 12)
+    assert 0 < len(calls) <= 4
+    with torch.no_grad():
+        o_proj = model.module.model.layers[0].self_attn.o_proj
+        o_proj.weight.data = o_proj.weight.detach().clone() * 3
+    changed = stack.generate(prompt, 12).tokens
+    decoder = model.decoder
+    own, decoder.compiled = decoder.compiled, None
+    try:
+        python = stack.generate(prompt, 12).tokens
+    finally:
+        decoder.compiled = own
+    assert changed == python
 
 
 def test_stored_weights_attached_after_a_plan_was_made_are_read() -> None:

@@ -11,8 +11,9 @@ each kind of forward a TriForce round makes on the embedded default:
 Each KV store is filled with random keys and values written straight into it (ascending positions:
 no prefill), and rolled back with ``truncate`` after every forward, so every repeat runs over the
 same cache length. Each figure is the median of ``--repeats`` forwards after one warm-up, with a
-fresh :class:`~specstack.batch.TokenBatch` each time, and is reported as a ratio to
-:func:`specstack.floor.forward_floor`. See docs/benchmarks.md, "Forward cost against the floor".
+fresh :class:`~specstack.batch.TokenBatch` each time, the model's weights held as a generation holds
+them (:func:`specstack.model.weights_held`: checked once, not before every forward), and is reported as a
+ratio to :func:`specstack.floor.forward_floor`. See docs/benchmarks.md, "Forward cost against the floor".
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import torch
 
 from ..errors import SpecstackError
 from ..floor import DTYPES, Floor, Machine, ModelShape, dtype_name, forward_floor, measure_machine
+from ..model import weights_held
 from ..run import status, torch_threads
 
 LEVELS = {"full": "L2 target+full", "retrieval": "L1 target+retrieval", "draft": "L0 draft+streaming"}
@@ -107,18 +109,19 @@ def _batch_maker(vocab: int, cached: int, tokens: int, tree: bool, generator: to
 
 def time_forward(model, store, *, cached: int, tokens: int, tree: bool, repeats: int, generator: torch.Generator, warmup: int = 1) -> float:
     """Median seconds of ``model.forward`` of a fresh batch over ``store`` holding ``cached`` slots,
-    rolled back to them after each forward."""
+    rolled back to them after each forward; the weights held as a generation holds them (checked once)."""
     make = _batch_maker(model.vocab_size, cached, tokens, tree, generator)
     times = []
-    for i in range(warmup + repeats):
-        began = time.perf_counter()
-        model.forward(make(), store)
-        elapsed = time.perf_counter() - began
-        store.truncate(cached)
-        if len(store) != cached:
-            raise AssertionError(f"the store holds {len(store)} slots after rollback, not {cached}")
-        if i >= warmup:
-            times.append(elapsed)
+    with weights_held([model]):
+        for i in range(warmup + repeats):
+            began = time.perf_counter()
+            model.forward(make(), store)
+            elapsed = time.perf_counter() - began
+            store.truncate(cached)
+            if len(store) != cached:
+                raise AssertionError(f"the store holds {len(store)} slots after rollback, not {cached}")
+            if i >= warmup:
+                times.append(elapsed)
     return statistics.median(times)
 
 
@@ -127,11 +130,12 @@ def time_forwards(model, store, *, cached: int, widths: Sequence[int], tree: boo
     ``store`` holding ``cached`` slots, the widths taken in turn within each repeat (after one warm-up turn), so
     that a slow spell of a shared machine weighs on every width alike instead of on whichever was being timed."""
     times: dict[int, list[float]] = {t: [] for t in widths}
-    for turn in range(1 + repeats):
-        for t in widths:
-            seconds = time_forward(model, store, cached=cached, tokens=t, tree=tree and t >= 2, repeats=1, generator=generator, warmup=0)
-            if turn > 0:
-                times[t].append(seconds)
+    with weights_held([model]):  # one scope over all turns: each check runs in the warm-up turn
+        for turn in range(1 + repeats):
+            for t in widths:
+                seconds = time_forward(model, store, cached=cached, tokens=t, tree=tree and t >= 2, repeats=1, generator=generator, warmup=0)
+                if turn > 0:
+                    times[t].append(seconds)
     return {t: statistics.median(seconds) for t, seconds in times.items()}
 
 
