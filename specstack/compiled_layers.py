@@ -9,6 +9,12 @@ arguments the lean decoder passes them, and moves the rows between them itself (
 the attention kernel's layout: in bfloat16 its queries widened to float32 and its output rounded back,
 as the lean decoder does). The MLP's activation stays the layer module's own, between two calls,
 so the forward is the lean decoder's, operation for operation: **the same bits** (tests/test_compiled_layers.py).
+In bfloat16 the activation takes 65,536 inputs only, so where a layer's activation is a fixed function (no
+parameters or buffers) of a width the vectorized kernels take whole, its output for every one of them is made
+once by the module itself into a table, and the C code reads the table and multiplies by up as torch's bf16
+multiply rounds. The table is used only where it gives the module's ``act(gate) * up`` bit for bit for every
+gate value on rows of the layer's width (:func:`activation_table`); then the whole forward is one C call, with
+no Python between the layers (docs/benchmarks.md, "The activation from a table, the forward one call").
 
 :meth:`CompiledLayers.plan_for` is the one place that decides which forwards take it: float32 or
 bfloat16 on the CPU (model and cache of one dtype), every product through the few-row kernel and attention through the decode kernel at this many
@@ -47,7 +53,8 @@ class _Product(ctypes.Structure):
 
 class _Layer(ctypes.Structure):
     _fields_ = [("qkv", _Product), ("o", _Product), ("gate_up", _Product), ("down", _Product), ("input_norm", ctypes.c_void_p),
-                ("post_norm", ctypes.c_void_p), ("input_eps", ctypes.c_float), ("post_eps", ctypes.c_float), ("scale", ctypes.c_float)]
+                ("post_norm", ctypes.c_void_p), ("input_eps", ctypes.c_float), ("post_eps", ctypes.c_float), ("scale", ctypes.c_float),
+                ("act_table", ctypes.c_void_p)]
 
 
 class _Model(ctypes.Structure):
@@ -80,6 +87,7 @@ class _Plan:
     blocks: tuple  # each one's stored weight (or None) when it was made
     storages: tuple = ()  # every parameter's data as read (detached): memory the kernels read stays allocated even where a
     # weight's storage is replaced inside a weights_held scope, which skips the checks until it closes
+    tables: tuple | None = None  # each layer's activation table [65536] bf16 where every layer has one: the forward is one call
 
     def current(self, decoder) -> bool:
         """Whether ``decoder`` still holds what the plan was made from (a few hundred checks, in C loops)."""
@@ -95,6 +103,7 @@ class CompiledLayers:
     path: Path
     plans: dict[int, _Plan] = attrs.field(factory=dict)
     forwards: int = 0  # forwards run here
+    tables: dict = attrs.field(factory=dict)  # id(activation module) -> (the module, its table or None), made once each
 
     def __reduce__(self):
         """Pickled and copied (with a model) as a request to load it again where it lands; the plans are remade."""
@@ -115,7 +124,7 @@ class CompiledLayers:
             return None
         plan, asked = self.plans.get(t), decoder.asks(("plan", t))
         if plan is None or (asked and not plan.current(decoder)):
-            plan = self.plans[t] = _make_plan(decoder, kernel, t)
+            plan = self.plans[t] = _make_plan(decoder, kernel, t, self.table)
         return plan if plan.model is not None else None
 
     def run(self, plan: _Plan, decoder, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache, attention: dict) -> torch.Tensor:
@@ -143,6 +152,11 @@ class CompiledLayers:
                        queries=None if queries is None else queries.data_ptr(), query_row=batch.query_row,
                        amx=kernel.tiles(dtype, d, t, store.length + t), dp=kernel.dot_products)
         model, step, call = ctypes.byref(plan.model), ctypes.byref(fields), self.library.specstack_layer_step
+        if plan.tables is not None:  # every activation from its table: the whole forward in C
+            act = torch.empty(t * inner, dtype=dtype, device="cpu")  # [T * I]: each layer's activation times up
+            fields.act = act.data_ptr()
+            _check(self.library.specstack_forward(model, step), 0)
+            return states
         gate, up = gate_up[..., :inner], gate_up[..., inner:]  # [1, T, I] each: every layer writes the same rows
         act = None  # [1, T, I]: kept alive until the next layer's down product has read it
         for i, layer in enumerate(decoder.layers):
@@ -153,14 +167,50 @@ class CompiledLayers:
         return states
 
 
+    def table(self, act: torch.nn.Module, inner: int, dtype: torch.dtype) -> torch.Tensor | None:
+        """The table of ``act`` (:func:`activation_table`) for rows of ``inner`` in ``dtype``, made at its first use."""
+        if dtype != torch.bfloat16:
+            return None
+        if id(act) not in self.tables:
+            self.tables[id(act)] = (act, activation_table(act, inner, self.library.specstack_tabled_act))
+        return self.tables[id(act)][1]
+
+
+EVERY_BF16 = 65536  # bfloat16 bit patterns
+VECTOR_WIDTH = 64  # bf16 numbers a step of torch's vectorized elementwise loop takes (two 512-bit vectors); rows of a multiple
+# of it take no scalar tail, whose arithmetic may round otherwise
+
+
+def activation_table(act: torch.nn.Module, inner: int, tabled_act) -> torch.Tensor | None:
+    """``act``'s output [65536] bf16 for every bf16 input, where ``tabled_act`` (the C lookup times up) gives the module's
+    own ``act(gate) * up`` bit for bit on rows of ``inner``: every gate value once, each beside an up value of every kind
+    (a permutation of all bit patterns: finite, zero, subnormal, infinite, NaN). None where it does not, where ``act``
+    holds parameters or buffers (not a fixed function), or where ``inner`` is no multiple of VECTOR_WIDTH."""
+    if inner % VECTOR_WIDTH or any(True for _ in act.parameters()) or any(True for _ in act.buffers()):
+        return None
+    bits = torch.arange(EVERY_BF16, dtype=torch.int32)  # [65536]
+    with torch.no_grad():
+        table = act.forward(bits.to(torch.int16).view(torch.bfloat16)).contiguous()  # [65536] bf16
+        rows = -(-EVERY_BF16 // inner)
+        gates, ups = torch.zeros(2, rows * inner, dtype=torch.int32)  # [rows * I] each
+        gates[:EVERY_BF16], ups[:EVERY_BF16] = bits, bits * 40503 % EVERY_BF16  # an odd multiplier: every pattern once
+        gate_up = torch.cat([gates.view(rows, inner), ups.view(rows, inner)], dim=1).to(torch.int16).view(torch.bfloat16)[None]  # [1, rows, 2 I]
+        want = act.forward(gate_up[..., :inner]) * gate_up[..., inner:]  # [1, rows, I]
+    if table.dtype != torch.bfloat16 or want.dtype != torch.bfloat16:
+        return None
+    got = torch.empty(rows, inner, dtype=torch.bfloat16)  # [rows, I]
+    tabled_act(table.data_ptr(), gate_up.data_ptr(), got.data_ptr(), rows, inner)
+    return table if torch.equal(got.view(torch.int16), want[0].view(torch.int16)) else None
+
+
 def _check(status: int, layer: int) -> None:
     if status != 0:
         raise ValueError(f"a compiled kernel refused layer {layer}'s forward (status {status})")
 
 
-def _make_plan(decoder, kernel, t: int) -> _Plan:
+def _make_plan(decoder, kernel, t: int, table) -> _Plan:
     """The plan of ``decoder``'s forwards of ``t`` tokens of its dtype (its model None where some part of them
-    does not take the compiled kernels)."""
+    does not take the compiled kernels); ``table(act, inner, dtype)`` gives a layer's activation table, or None."""
     linears = [linear for layer in decoder.layers for linear in (layer.qkv.linear, layer.o_proj, layer.gate_up.linear, layer.down_proj)]
     norms = [decoder.model.norm] + [norm for layer in decoder.layers for norm in (layer.input_norm, layer.post_norm)]
     dtype = decoder.model.norm.weight.dtype
@@ -173,6 +223,8 @@ def _make_plan(decoder, kernel, t: int) -> _Plan:
                  storages=tuple(param.detach() for param in params.params))
     if None in products or any(type(norm).__name__ not in RMS_NORMS or norm.weight.dtype != dtype or not norm.weight.is_contiguous() for norm in norms):
         return plan
+    tables = [table(layer.act, layer.inner, dtype) for layer in decoder.layers]
+    plan.tables = tuple(tables) if all(each is not None for each in tables) else None
     layers = (_Layer * len(decoder.layers))()
     for i, (slot, layer) in enumerate(zip(layers, decoder.layers)):
         slot.qkv, slot.o, slot.gate_up, slot.down = products[4 * i : 4 * i + 4]
@@ -180,6 +232,7 @@ def _make_plan(decoder, kernel, t: int) -> _Plan:
         slot.input_eps, slot.post_eps = float(layer.input_norm.variance_epsilon), float(layer.post_norm.variance_epsilon)
         scaling = layer.attention.scaling
         slot.scale = scaling if scaling is not None else layer.head_dim**-0.5
+        slot.act_table = plan.tables[i].data_ptr() if plan.tables is not None else None
     first, ops = decoder.layers[0], decoder.ops.library
     plan.model = _Model(add_norm=_address(ops.add_rms_norm), rotate=_address(ops.rotate), attend=_address(kernel.library.specstack_decode_attention),
                         layers=layers, count=len(decoder.layers), heads=first.heads, kv_heads=first.kv_heads, head_dim=first.head_dim,
@@ -205,4 +258,7 @@ def load_compiled_layers(cache: Path | None = None) -> CompiledLayers | None:
     if loaded is None:
         return None
     library, path = loaded
+    library.specstack_forward.restype, library.specstack_forward.argtypes = ctypes.c_int, [ctypes.POINTER(_Model), ctypes.POINTER(_Step)]
+    library.specstack_tabled_act.restype = None
+    library.specstack_tabled_act.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
     return CompiledLayers(library=library, path=path)

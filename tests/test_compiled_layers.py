@@ -3,15 +3,19 @@ it replaces (logits, the keys and values it writes, the query log, the keys as w
 cache-relative positions), for chains and trees of 1-16 tokens, random Llama, Mistral and Qwen2 models and
 the embedded target and draft reading their stored weights; the forwards it does not take keep the lean
 decoder's Python; a plan is remade when the weights it points at change; inside a generation
-(``weights_held``) the weights are checked once, and changes made between generations are seen."""
+(``weights_held``) the weights are checked once, and changes made between generations are seen; a bf16
+activation is read from a table only where the table gives the module's bits for every input."""
 
 from __future__ import annotations
+
+import ctypes
 
 import pytest
 import torch
 
 from specstack.batch import TokenBatch
 from specstack.channels import QueryLog
+from specstack.compiled_layers import activation_table
 from specstack.gguf_weights import attach_gguf_blocks
 from specstack.packed_linear import PackedLinear, load_rows_kernel, read_bf16_numbers
 from specstack.parameter_watch import ParameterWatch
@@ -82,6 +86,8 @@ def test_compiled_layers_give_the_lean_decoders_bits(kind, dtype, tokens) -> Non
         compiled = forward(model, make, compiled=True, queries=True)
         assert compiled["took"], "the forward did not take the compiled layers"
         assert same_bits(compiled, forward(model, make, compiled=False, queries=True))
+    if dtype == torch.bfloat16:  # every layer's activation from its table: the whole forward was one call
+        assert model.decoder.compiled.plans[tokens].tables is not None
 
 
 def test_a_store_with_cache_relative_positions_keeps_its_keys_as_written() -> None:
@@ -135,6 +141,24 @@ def test_a_plan_is_remade_when_the_weights_it_reads_change() -> None:
         attention.o_proj.weight.data = attention.o_proj.weight.detach().clone() * 2  # and new storage
     changed = forward(model, make, compiled=True)
     assert changed["took"] and same_bits(changed, forward(model, make, compiled=False))
+
+
+def test_an_activation_table_is_refused_where_it_would_change_a_bit() -> None:
+    """activation_table gives SiLU's table on rows of 128 (the tiny models' MLP width) and refuses: a C product that
+    differs from torch's in one bit of one of the 65,536 gate values, a width with a scalar tail (96), and an
+    activation with parameters (PReLU)."""
+    kernel = tiny("llama").decoder.compiled.library.specstack_tabled_act
+    silu = torch.nn.SiLU()
+    assert activation_table(silu, 128, kernel) is not None
+
+    def one_bit_off(table, gate_up, out, rows, inner):
+        kernel(table, gate_up, out, rows, inner)
+        word = ctypes.c_uint16.from_address(out + 2 * 777)
+        word.value ^= 1
+
+    assert activation_table(silu, 128, one_bit_off) is None
+    assert activation_table(silu, 96, kernel) is None
+    assert activation_table(torch.nn.PReLU().to(torch.bfloat16), 128, kernel) is None
 
 
 def counted_checks(monkeypatch) -> list[int]:

@@ -8,10 +8,12 @@
 // Python hands their addresses over once (ctypes), so this file holds none of their arithmetic and
 // only moves rows between them: the new keys and values into the KV store, the queries into the
 // attention kernel's layout and its output back. A forward through here therefore gives the lean
-// decoder's bits. The MLP's activation stays with the caller between two calls (its torch kernel,
-// whose rounding this file would otherwise have to copy), so a layer's call begins with the previous
-// layer's down product and ends with this layer's gate and up products. float32, or bfloat16 (rows,
-// weights, norms and cache; the attention kernel's queries widened to float32 and its output rounded to
+// decoder's bits. The MLP's activation is torch's: either the caller applies it between two calls
+// (specstack_layer_step: a layer's call begins with the previous layer's down product and ends with this
+// layer's gate and up products), or, in bfloat16, a table holds its output for each of the 65,536 bf16
+// inputs as torch's kernel computed it, which the caller checked against that kernel on rows of the layer's
+// width (specstack_tabled_act), and the whole forward is one call (specstack_forward). float32, or bfloat16
+// (rows, weights, norms and cache; the attention kernel's queries widened to float32 and its output rounded to
 // bfloat16 to nearest even, as the lean decoder's .float() and .to(bfloat16) do).
 
 #include <stdint.h>
@@ -37,6 +39,13 @@ inline void row_from_float(const float *row, bool bf16, int d, char *out) {
         return;
     }
     for (int c = 0; c < d; ++c) ((uint16_t *)out)[c] = float_to_bf16(row[c]);
+}
+
+// a * b rounded to bfloat16 as torch's bf16 multiply on the CPU rounds it: the float32 product (exact: two bf16
+// numbers' product has at most 16 significant bits) to nearest even, a NaN as 0xFFFF.
+inline uint16_t bf16_product(uint16_t a, uint16_t b) {
+    const float product = bf16_to_float(a) * bf16_to_float(b);
+    return product != product ? (uint16_t)0xFFFF : float_to_bf16(product);
 }
 
 typedef int (*linear_fn)(const void *w, const void *x, const void *bias, void *y, int n, int64_t out, int64_t in, int threads);
@@ -66,6 +75,7 @@ struct Layer {
     Product qkv, o, gate_up, down;
     const void *input_norm, *post_norm;  // [hidden]
     float input_eps, post_eps, scale;     // the norms' epsilons, the attention's scaling
+    const uint16_t *act_table;            // [65536] bf16: the activation of each bf16 input (specstack_forward), or null
 };
 
 // The model: the kernels, the shapes, the layers and the final norm.
@@ -92,8 +102,8 @@ struct Step {
     float *query;    // [kv_heads, group * t, head_dim] the attention kernel's layout: row g * t + i, head g of the group, token i
     float *attended; // [kv_heads, group * t, head_dim] its output
     void *merged;    // [t, heads * head_dim] the same, token by token: o's input
-    void *gate_up;   // [t, 2 inner]: the caller applies the activation
-    const void *act; // [t, inner] the previous layer's activation times up (down's input)
+    void *gate_up;   // [t, 2 inner]: the activation's input (gate) and up
+    void *act;       // [t, inner] the previous layer's activation times up (down's input)
     const void *cos, *sin;  // [t, head_dim]
     const uint8_t *sees;    // [t, t] among the new tokens, or null for a chain
     void *keys, *values, *written;  // the store's [layers, kv_heads, capacity, head_dim] buffers; written null where it keeps none
@@ -148,6 +158,30 @@ int specstack_layer_step(const Model *m, const Step *s, int layer) {
     if ((status = l.o.entry(l.o.weight, s->merged, l.o.bias, s->delta, t, l.o.out, l.o.in, s->threads))) return status;
     if ((status = m->add_norm(s->hidden, s->delta, l.post_norm, s->normed, t, m->hidden, l.post_eps, bf16))) return status;
     return l.gate_up.entry(l.gate_up.weight, s->normed, l.gate_up.bias, s->gate_up, t, l.gate_up.out, l.gate_up.in, s->threads);
+}
+
+// act[i] = table[gate[i]] * up[i] for t rows of gate_up [t, 2 inner] (gate the first inner numbers of a row, up the
+// rest), act [t, inner], bfloat16: the activation read from its table, the product rounded as torch's bf16 multiply.
+void specstack_tabled_act(const uint16_t *table, const uint16_t *gate_up, uint16_t *act, int t, int inner) {
+    for (int i = 0; i < t; ++i) {
+        const uint16_t *gate = gate_up + (int64_t)i * 2 * inner, *up = gate + inner;
+        uint16_t *out = act + (int64_t)i * inner;
+        for (int c = 0; c < inner; ++c) out[c] = bf16_product(table[gate[c]], up[c]);
+    }
+}
+
+// A whole bfloat16 forward in one call, where every layer's activation has a table: each layer's step
+// (specstack_layer_step), its activation times up into s->act, and the final norm. Returns 0, or the failing
+// kernel's status (nonzero); -1 where a layer has no table or the model is not bfloat16.
+int specstack_forward(const Model *m, const Step *s) {
+    if (!m->bf16) return -1;
+    for (int layer = 0; layer < m->count; ++layer)
+        if (!m->layers[layer].act_table) return -1;
+    for (int layer = 0; layer <= m->count; ++layer) {
+        if (const int status = specstack_layer_step(m, s, layer)) return status;
+        if (layer < m->count) specstack_tabled_act(m->layers[layer].act_table, (const uint16_t *)s->gate_up, (uint16_t *)s->act, s->t, m->inner);
+    }
+    return 0;
 }
 
 }  // extern "C"
