@@ -39,8 +39,10 @@ def _speculative(registry, *, target, draft, gamma: int = 4, draft_vocab: int = 
     return [Level(model=with_draft_vocabulary(draft, draft_vocab), name="draft"), _full(target, gamma)]
 
 
-def _prompt_lookup(registry, *, target, gamma: int = 4, max_ngram: int = 3) -> list[Level]:
-    lookup = registry.drafter("prompt-lookup", vocab=target.vocab_size, max_ngram=max_ngram)
+def _prompt_lookup(registry, *, target, gamma: int = 4, max_ngram: int = 3, min_ngram: int = 1) -> list[Level]:
+    """Prompt lookup into the target; ``min_ngram``: the shortest match it drafts from (docs/results.md, "Prompt
+    lookup's shortest match and γ": on prose, drafting only from 3-token matches paid more than from any)."""
+    lookup = registry.drafter("prompt-lookup", vocab=target.vocab_size, max_ngram=max_ngram, min_ngram=min_ngram)
     return [Level(drafter=lookup), _full(target, gamma)]
 
 

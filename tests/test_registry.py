@@ -88,9 +88,12 @@ def test_recipes_build_stacks_by_name(registry) -> None:
 
     target = SyntheticLM(vocab_size=6, seed=1)
     draft = SyntheticLM(vocab_size=6, seed=2, base=target, noise=0.5)
-    for name, extra in [("autoregressive", {}), ("speculative", {"draft": draft, "gamma": 3}), ("prompt-lookup", {})]:
+    for name, extra in [("autoregressive", {}), ("speculative", {"draft": draft, "gamma": 3}), ("prompt-lookup", {}),
+                        ("prompt-lookup", {"min_ngram": 2, "gamma": 1})]:
         stack = registry.stack(name, target=target, **extra)
         assert list(stack.generate([1, 2], 12).tokens) == greedy_decode(target, [1, 2], 12)
+    lookup = registry.stack("prompt-lookup", target=target, min_ngram=2).top.drafter
+    assert (lookup.min_ngram, lookup.max_ngram) == (2, 3)
     with pytest.raises(SpecstackError, match="stack 'speculative' needs a draft model"):
         registry.stack("speculative", target=target)
     with pytest.raises(SpecstackError, match="stack 'speculative' has no option 'gama'; options: gamma"):
