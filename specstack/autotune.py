@@ -7,7 +7,9 @@ hierarchy; Sequoia (Chen et al., 2024) does the same for tree sizes against a ha
 1. a short calibration generation with the stack's current γ measures each verifying level's
    per-token acceptance α_i (``LevelStats.token_acceptance_rate``) and the drafter's cost per token;
 2. each verifying level's forward is timed at T = 1 … γ_max + 1 tokens over a cache as long as the
-   one it will hold (random keys and values: the cost does not depend on them);
+   one it will hold (random keys and values: the cost does not depend on them), and level 0's drafter is
+   told the first level's costs (``Drafter.price``): one that then chooses each draft's length itself
+   (prompt lookup) gets γ_max as the first level's γ, a cap;
 3. every γ combination is scored with :class:`specstack.speedup.StackCost` (the one place the
    predicted speedup is computed) and the best one is set on the stack's levels.
 
@@ -77,10 +79,13 @@ class Tuning:
     calibration_tokens: int
     max_gamma: int  # the longest chain γ priced (verify_costs hold forwards up to max_gamma + 1 tokens)
     fixed: tuple[TreeRound | None, ...]  # per verifying level: a tree, kept and priced as measured; None: a chain, tuned
+    priced: bool = False  # level 0 was told the first level's costs and chooses each draft's length (Drafter.price)
 
     def choose(self, acceptances: Sequence[float]) -> tuple[tuple[int, ...], float]:
-        """The best γ per level for ``acceptances`` at the measured costs, and its predicted speedup."""
-        return best_gammas(self.draft_cost, self.verify_costs, acceptances, self.verify_costs[-1][1], self.max_gamma, self.fixed)
+        """The best γ per level for ``acceptances`` at the measured costs, and its predicted speedup (for drafts
+        of the full γ). Where level 0 chooses each draft's length itself, the first level's γ is max_gamma, a cap."""
+        gammas, speedup = best_gammas(self.draft_cost, self.verify_costs, acceptances, self.verify_costs[-1][1], self.max_gamma, self.fixed)
+        return ((self.max_gamma, *gammas[1:]) if self.priced else gammas), speedup
 
     def describe(self) -> str:
         """One line: the choice and what it was made from (for a tree level, what its rounds emitted and how wide
@@ -89,7 +94,9 @@ class Tuning:
         accept = ", ".join(f"{a:.2f}" for a in self.acceptances)
         trees = "".join(f"; γ{i + 1} kept: a tree emitting {tree.emitted:.2f} tokens a round, forwards of {tree.width} tokens"
                         for i, tree in enumerate(self.fixed) if tree is not None)
-        chosen = f"gamma=auto chose {gammas} (acceptance {accept} over {self.calibration_tokens} calibration tokens{trees}; predicted {self.predicted_speedup:.2f}x)"
+        priced = "; level 0 chooses each draft's length from the measured costs, γ1 its cap" if self.priced else ""
+        chosen = (f"gamma=auto chose {gammas} (acceptance {accept} over {self.calibration_tokens} calibration tokens{trees}{priced}; "
+                  f"predicted {self.predicted_speedup:.2f}x)")
         if self.predicted_speedup >= 1.0:
             return chosen
         return f"{chosen}; no γ up to {self.max_gamma} is predicted to beat autoregressive decoding at this acceptance and these forward costs"
@@ -184,8 +191,9 @@ def tune(stack: SpeculationStack, prompt: Sequence[int], *, calibration_tokens: 
     fixed = tuple(TreeRound.measured(s, level.gamma) if _verifies_trees(level) else None  # a tree's shape stays
                   for level, s in zip(levels, stats[1:]))
     costs = tuple(_verify_costs(level, len(prompt), _widths(tree, max_gamma), repeats, seed) for level, tree in zip(levels, fixed))
+    priced = fixed[0] is None and levels[0].drafter.price([costs[0][t] for t in sorted(costs[0])])
     tuning = Tuning(gammas=before, before=before, acceptances=acceptances, draft_cost=draft_cost, verify_costs=costs,
-                    predicted_speedup=0.0, calibration_tokens=len(calibration.tokens), max_gamma=max_gamma, fixed=fixed)
+                    predicted_speedup=0.0, calibration_tokens=len(calibration.tokens), max_gamma=max_gamma, fixed=fixed, priced=priced)
     gammas, speedup = tuning.choose(acceptances)
     _set_gammas(levels, gammas)
     return attrs.evolve(tuning, gammas=gammas, predicted_speedup=speedup)

@@ -18,6 +18,7 @@ from .channels import HiddenStateChannel
 from .errors import SpecstackError
 from .model import CachedModel
 from .sampling import SamplingConfig, sample, warp
+from .speedup import best_length
 from .types import Capability, Draft, DraftKind, LevelStats, SeenTokens, TokenView, as_tokens
 
 
@@ -63,6 +64,12 @@ class Drafter(abc.ABC):
 
     def observe(self, drafted: int, accepted: int) -> None:
         """How the level above judged this drafter's last draft (used by refreshable caches)."""
+
+    def price(self, verify_seconds: Sequence[float]) -> bool:
+        """Told what the level above's forward of 1, 2, … tokens costs (``verify_seconds[t]``: t + 1 tokens; the tuner
+        measures them). True where the drafter then chooses each draft's length itself, so that the level's γ is only
+        its cap; the default: False, the costs unused."""
+        return False
 
     def attach_hidden_states(self, channel: HiddenStateChannel) -> None:
         """Called once when the stack is built, for a drafter whose ``requires`` holds
@@ -161,6 +168,12 @@ class LookupFirstDrafter(ModelDrafter):
             super().observe(drafted, accepted)
 
 
+# A priced prompt lookup's running acceptance per match length and draft position (PromptLookupDrafter):
+ACCEPTANCE_PRIOR = 0.5  # where an estimate starts, and where one priced out drifts back to
+ACCEPTANCE_WEIGHT = 0.1  # how far each observed round moves an estimate toward its outcome
+RETRY = 0.02  # how far each round priced out moves its first position back toward the prior
+
+
 @attrs.define(eq=False, kw_only=True)
 class PromptLookupDrafter(Drafter):
     """Prompt-lookup (n-gram) drafting (Saxena, 2023): find the latest earlier occurrence of the last
@@ -172,6 +185,14 @@ class PromptLookupDrafter(Drafter):
     where its occurrences end. Each call indexes only the tokens appended since the last one and
     unindexes those rolled back (O(γ) per round, :class:`~specstack.types.SeenTokens` finds which),
     then looks the last n-grams up: no scan of the context.
+
+    Once priced (:meth:`price`: the tuner tells it what the level above's forward of 1, 2, … tokens costs), it
+    drafts only as many of the matched tokens as pay: the length :func:`specstack.speedup.best_length` picks from
+    those costs and from the acceptance it measured, for matches of the same length, at each position of a draft
+    (a running estimate, ACCEPTANCE_WEIGHT of the way to each round's outcome; a position not yet examined taken
+    as the deepest one examined; a match length priced out drifts back toward ACCEPTANCE_PRIOR, RETRY of the way
+    each time, so that it is tried again). What is drafted depends on earlier rounds only, never on the level's
+    draws in this one, so verification stays exact.
     """
 
     name: ClassVar[str] = "prompt-lookup"
@@ -182,6 +203,9 @@ class PromptLookupDrafter(Drafter):
     stats: LevelStats = attrs.field(factory=lambda: LevelStats(name="prompt-lookup"))
     _seen: SeenTokens = attrs.field(init=False, factory=SeenTokens)  # the tokens indexed
     _ends: dict[tuple[int, ...], list[int]] = attrs.field(init=False, factory=dict)  # n-gram -> where its occurrences end, ascending
+    _verify_seconds: tuple[float, ...] = attrs.field(init=False, default=())  # the level above's forward of 1, 2, … tokens (price); () drafts all
+    _acceptance: dict[int, list[float]] = attrs.field(init=False, factory=dict)  # match length -> acceptance at each position examined
+    _matched: int = attrs.field(init=False, default=0)  # the match length of the last draft (0: none drafted)
 
     def __attrs_post_init__(self) -> None:
         if not 1 <= self.min_ngram <= self.max_ngram:
@@ -194,6 +218,24 @@ class PromptLookupDrafter(Drafter):
     def reset(self) -> None:
         self._seen.truncate(0)
         self._ends.clear()
+        self._acceptance.clear()  # equal seeds, equal drafts
+        self._matched = 0
+
+    def price(self, verify_seconds: Sequence[float]) -> bool:
+        self._verify_seconds = tuple(verify_seconds)
+        self._acceptance.clear()
+        return True
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        """Fold the last draft's outcome into the acceptance of its match length: accepted positions, and the first
+        rejected one (those after it were not examined)."""
+        if not (self._verify_seconds and self._matched and drafted):
+            return
+        rates = self._acceptance[self._matched]
+        for i in range(min(accepted + 1, drafted)):
+            if i == len(rates):  # first examined here: from the deepest estimate
+                rates.append(rates[-1])
+            rates[i] += ACCEPTANCE_WEIGHT * ((i < accepted) - rates[i])
 
     def prefill(self, prompt: Sequence[int]) -> None:
         self._catch_up(as_tokens(prompt))
@@ -201,21 +243,33 @@ class PromptLookupDrafter(Drafter):
     def propose(self, prefix: Sequence[int], n: int) -> Draft:
         prefix = as_tokens(prefix)
         self._catch_up(prefix)
-        tokens = self._lookup(prefix.array(), n)
+        tokens, matched = self._lookup(prefix.array(), n)
+        if self._verify_seconds and tokens:
+            tokens = tokens[: self._paying(matched, len(tokens))]
+        self._matched = matched if tokens else 0
         self.stats.drafted += len(tokens)
         ids = torch.tensor(tokens, dtype=torch.long, device="cpu")  # [k]; model-free: the verifying level moves it
         probs = torch.zeros(len(tokens), self.vocab, device="cpu").scatter_(1, ids[:, None], 1.0)  # [k, V]
         return Draft(tokens=ids, probs=probs)
 
-    def _lookup(self, seq: np.ndarray, n: int) -> list[int]:
-        """What followed the latest earlier occurrence of the longest matching suffix n-gram of ``seq``."""
+    def _lookup(self, seq: np.ndarray, n: int) -> tuple[list[int], int]:
+        """What followed the latest earlier occurrence of the longest matching suffix n-gram of ``seq`` (up to ``n``
+        tokens), and that n-gram's length (0: none matched)."""
         length = seq.shape[0]
         for size in range(min(self.max_ngram, length - 1), self.min_ngram - 1, -1):
             ends = self._ends.get(tuple(seq[length - size :].tolist()), [])
             if len(ends) > 1:  # the last occurrence is the suffix itself
                 start = ends[-2] + 1
-                return seq[start : start + n].tolist()
-        return []
+                return seq[start : start + n].tolist(), size
+        return [], 0
+
+    def _paying(self, matched: int, found: int) -> int:
+        """How many of ``found`` tokens from a match of ``matched`` tokens to draft at the priced costs."""
+        rates = self._acceptance.setdefault(matched, [ACCEPTANCE_PRIOR])  # position i: a draft's token i; grows as examined
+        kept = best_length([rates[min(i, len(rates) - 1)] for i in range(found)], self._verify_seconds)
+        if kept == 0:  # priced out: drift back, to be tried again
+            rates[0] += RETRY * (ACCEPTANCE_PRIOR - rates[0])
+        return kept
 
     def _catch_up(self, prefix: TokenView) -> None:
         """Make the index that of ``prefix``: unindex the seen tokens it does not share, index its new ones."""

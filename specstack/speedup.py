@@ -49,6 +49,25 @@ def expected_emitted(acceptance: float, gamma: int) -> float:
     return (1 - acceptance ** (gamma + 1)) / (1 - acceptance)
 
 
+def best_length(acceptance, costs) -> int:
+    """How many tokens of a chain to draft this round: the j (0 … len(costs) − 1, and within ``acceptance``) that
+    maximises the tokens the round is expected to emit per second of its verifying forward,
+
+        (1 + Σ_{i<j} Π_{l<=i} a_l) / c_j,
+
+    where ``acceptance[l]`` = a_l is the chance that the draft's token l is accepted once the tokens before it
+    were (Eq. 1 above without its one α: a_l may fall along the chain) and ``costs[j]`` = c_j the seconds of a
+    forward of j + 1 tokens (``costs[0]``: the level's own step, nothing drafted). The drafter's own cost is left
+    out, as a lookup's is negligible."""
+    best, best_rate, emitted, survive = 0, 1.0 / costs[0], 1.0, 1.0
+    for j in range(1, min(len(costs), len(acceptance) + 1)):
+        survive *= acceptance[j - 1]
+        emitted += survive
+        if emitted / costs[j] > best_rate:
+            best, best_rate = j, emitted / costs[j]
+    return best
+
+
 @attrs.frozen(kw_only=True)
 class LevelCost:
     """One verifying level: the acceptance of its drafter's tokens, γ, and its forward of γ+1 tokens."""

@@ -273,3 +273,70 @@ def test_adaptive_tuning_hands_back_a_retuner_and_auto_does_not(monkeypatch) -> 
     assert retuner.describe() == "gamma=adaptive kept them during decoding"
     with pytest.raises(SpecstackError, match="gamma='sometimes' is not allowed; use an integer >= 1, auto or adaptive"):
         autotune.tuned(stack, prompt, "sometimes")
+
+
+def test_best_length_matches_the_hand_computed_optimum() -> None:
+    """(1 + Σ Π a) / c_j: acceptance 0.9 then 0.5 at costs 1, 1.3, 2.0 -> one token (1.46 a second against 1.0 and
+    1.175); every token where forwards cost the same and drafts are accepted; none where a second token costs much
+    and is rarely accepted."""
+    from specstack.speedup import best_length
+
+    assert best_length([0.9, 0.5], [1.0, 1.3, 2.0]) == 1
+    assert best_length([0.9, 0.9, 0.9], [1.0, 1.0, 1.0, 1.0]) == 3
+    assert best_length([0.2, 0.2], [1.0, 1.5, 2.0]) == 0
+    assert best_length([0.9, 0.9, 0.9], [1.0, 1.1]) == 1  # no cost beyond a 2-token forward: no longer draft
+
+
+def test_a_priced_prompt_lookup_drafts_what_pays_for_each_match_length() -> None:
+    """After rounds in which drafts from 3-token matches were all accepted and drafts from 1-token matches all
+    rejected, at costs where a second token costs 0.3 of a step: it drafts every matched token after a 3-token match,
+    none after a 1-token match; unpriced, it drafts all after both. Fails where observe does not learn, or where the
+    length is not chosen per match length."""
+    from specstack.drafters import PromptLookupDrafter
+
+    long_match = [1, 2, 3, 4, 5, 6, 7, 1, 2, 3]  # suffix 1 2 3 occurred before: proposes 4 5 6 7 ...
+    short_match = [9, 8, 7, 6, 5, 0, 11, 12, 13, 14, 9]  # suffix 9 occurred before (no longer suffix did): proposes 8 7 6
+    lookup = PromptLookupDrafter(vocab=16)
+    assert [len(lookup.propose(p, 3).tokens) for p in (long_match, short_match)] == [3, 3]
+    assert lookup.price([1.0, 1.3, 1.6, 1.9])
+    for _ in range(30):
+        drafted = len(lookup.propose(long_match, 3).tokens)
+        assert drafted >= 1
+        lookup.observe(drafted, drafted)
+        lookup.observe(len(lookup.propose(short_match, 3).tokens), 0)
+    assert len(lookup.propose(long_match, 3).tokens) == 3
+    assert len(lookup.propose(short_match, 3).tokens) == 0
+
+
+def test_gamma_auto_prices_a_prompt_lookup_and_stays_lossless(monkeypatch) -> None:
+    """gamma=auto tells prompt lookup the target's forward costs: the level's γ becomes max_gamma (a cap), the
+    description says who chooses the lengths, and the output is still the target's greedy decoding."""
+    from specstack.drafters import PromptLookupDrafter
+
+    target = SyntheticLM(vocab_size=8, seed=1)
+    stack = SpeculationStack.build([Level(drafter=PromptLookupDrafter(vocab=8)), Level(model=target, gamma=4)])
+    monkeypatch.setattr(autotune, "_verify_costs", lambda level, context, widths, repeats, seed: {t: 1.0 + 0.3 * (t - 1) for t in widths})
+    prompt = [1, 2, 3, 4, 1, 2, 3, 4, 1, 2]
+    tuning = autotune.tune(stack, prompt, calibration_tokens=8, max_gamma=5)
+    assert tuning.priced and tuning.gammas == (5,) and autotune.verifying_levels(stack)[0].gamma == 5
+    assert "level 0 chooses each draft's length" in tuning.describe()
+    assert list(stack.generate(prompt, 30).tokens) == greedy_decode(target, prompt, 30)
+
+
+def test_a_priced_prompt_lookup_samples_from_the_target() -> None:
+    """Sampled at T = 1 with prompt lookup choosing each draft's length from what earlier rounds accepted: chi-square
+    against the exact distribution of 3-token continuations of a prompt that repeats (so that it drafts)."""
+    from specstack import SamplingConfig
+    from specstack.drafters import PromptLookupDrafter
+    from specstack.synthetic import sequence_probabilities
+    from specstack.testing import ALPHA, SAMPLES, chi_square_pvalue
+
+    sampling = SamplingConfig(temperature=1.0)
+    target = SyntheticLM(vocab_size=4, seed=3)
+    lookup = PromptLookupDrafter(vocab=4)
+    stack = SpeculationStack.build([Level(drafter=lookup), Level(model=target, gamma=3)], sampling=sampling, seed=5)
+    lookup.price([1.0, 1.2, 1.5, 1.9])
+    prompt = [1, 2, 3, 1, 2, 3, 1, 2]
+    drawn = [stack.generate(prompt, 3, reuse_cache=True).tokens for _ in range(SAMPLES)]
+    assert lookup.stats.drafted > 0
+    assert chi_square_pvalue(drawn, sequence_probabilities(target, prompt, 3, sampling)) > ALPHA
