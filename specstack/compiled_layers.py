@@ -155,7 +155,7 @@ class CompiledLayers:
         if plan.tables is not None:  # every activation from its table: the whole forward in C
             act = torch.empty(t * inner, dtype=dtype, device="cpu")  # [T * I]: each layer's activation times up
             fields.act = act.data_ptr()
-            _check(self.library.specstack_forward(model, step), 0)
+            _check(self.library.specstack_forward(model, step), None)
             return states
         gate, up = gate_up[..., :inner], gate_up[..., inner:]  # [1, T, I] each: every layer writes the same rows
         act = None  # [1, T, I]: kept alive until the next layer's down product has read it
@@ -165,7 +165,6 @@ class CompiledLayers:
             fields.act = act.data_ptr()
         _check(call(model, step, len(decoder.layers)), len(decoder.layers))
         return states
-
 
     def table(self, act: torch.nn.Module, inner: int, dtype: torch.dtype) -> torch.Tensor | None:
         """The table of ``act`` (:func:`activation_table`) for rows of ``inner`` in ``dtype``, made at its first use."""
@@ -203,9 +202,11 @@ def activation_table(act: torch.nn.Module, inner: int, tabled_act) -> torch.Tens
     return table if torch.equal(got.view(torch.int16), want[0].view(torch.int16)) else None
 
 
-def _check(status: int, layer: int) -> None:
+def _check(status: int, layer: int | None) -> None:
+    """Raise where a compiled call failed: one layer's step, or (``layer`` None) the whole forward."""
     if status != 0:
-        raise ValueError(f"a compiled kernel refused layer {layer}'s forward (status {status})")
+        what = "the forward" if layer is None else f"layer {layer}'s forward"
+        raise ValueError(f"a compiled kernel refused {what} (status {status})")
 
 
 def _make_plan(decoder, kernel, t: int, table) -> _Plan:

@@ -32,8 +32,9 @@ each layer is one compiled call to the same kernels, with the same bits.
 A layer whose weights moved (``.to()``, ``.data =``, a load) is fused again before its next forward.
 Inside :meth:`LeanDecoder.weights_held` (a generation: ``SpeculationStack.generate`` opens it for each of its
 models) the weights are checked at the first forward only, and the compiled plan of each width at its first
-forward: the checks read a few hundred tensors with the CPU's caches cold from streaming the weights, 4-5% of
-a one-token step (docs/benchmarks.md, "The weights checked once a generation").
+forward: the checks read a few hundred tensors with the CPU's caches cold from streaming the weights, and
+bf16 forwards of the embedded target ran 1.03-1.10x faster without them (docs/benchmarks.md, "The weights checked
+once a generation").
 The LM head stays with the caller (``HFCausalLM._run``), as it does after transformers' decoder.
 """
 
