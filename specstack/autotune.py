@@ -95,9 +95,9 @@ class Tuning:
         trees = "".join(f"; γ{i + 1} kept: a tree emitting {tree.emitted:.2f} tokens a round, forwards of {tree.width} tokens"
                         for i, tree in enumerate(self.fixed) if tree is not None)
         priced = "; level 0 chooses each draft's length from the measured costs, γ1 its cap" if self.priced else ""
-        chosen = (f"gamma=auto chose {gammas} (acceptance {accept} over {self.calibration_tokens} calibration tokens{trees}{priced}; "
-                  f"predicted {self.predicted_speedup:.2f}x)")
-        if self.predicted_speedup >= 1.0:
+        predicted = f"{self.predicted_speedup:.2f}x" + (" had every draft been the formula's best γ1" if self.priced else "")
+        chosen = f"gamma=auto chose {gammas} (acceptance {accept} over {self.calibration_tokens} calibration tokens{trees}{priced}; predicted {predicted})"
+        if self.predicted_speedup >= 1.0 or self.priced:  # a priced drafter drafts only what pays: the formula does not bound it
             return chosen
         return f"{chosen}; no γ up to {self.max_gamma} is predicted to beat autoregressive decoding at this acceptance and these forward costs"
 
