@@ -136,7 +136,7 @@ class CompiledLayers:
         t, width, dtype = hidden.shape[1], hidden.shape[2], hidden.dtype
         hq, hkv, d, inner = first.heads, first.kv_heads, first.head_dim, first.inner
         self.forwards += 1
-        sizes = (width, width, (hq + 2 * hkv) * d, hq * d, 2 * inner)  # per token, in the model's dtype: delta, normed, qkv, merged, gate_up
+        sizes = (width, width, (hq + 2 * hkv) * d, hq * d, 2 * inner, inner)  # per token, in the model's dtype: delta, normed, qkv, merged, gate_up, act
         parts = torch.empty(t * sum(sizes), dtype=dtype, device="cpu").split([t * size for size in sizes])  # one allocation for the forward's rows
         query, attended = torch.empty(2 * t * hq * d, dtype=torch.float32, device="cpu").split(t * hq * d)  # the attention kernel's, float32
         states = parts[1].view(1, t, width)  # [1, T, H]: the last norm's output
@@ -153,8 +153,7 @@ class CompiledLayers:
                        amx=kernel.tiles(dtype, d, t, store.length + t), dp=kernel.dot_products)
         model, step, call = ctypes.byref(plan.model), ctypes.byref(fields), self.library.specstack_layer_step
         if plan.tables is not None:  # every activation from its table: the whole forward in C
-            act = torch.empty(t * inner, dtype=dtype, device="cpu")  # [T * I]: each layer's activation times up
-            fields.act = act.data_ptr()
+            fields.act = parts[5].data_ptr()  # [T * I]: each layer's activation times up
             _check(self.library.specstack_forward(model, step), None)
             return states
         gate, up = gate_up[..., :inner], gate_up[..., inner:]  # [1, T, I] each: every layer writes the same rows
