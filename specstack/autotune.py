@@ -9,7 +9,8 @@ hierarchy; Sequoia (Chen et al., 2024) does the same for tree sizes against a ha
 2. each verifying level's forward is timed at T = 1 … γ_max + 1 tokens over a cache as long as the
    one it will hold (random keys and values: the cost does not depend on them), and level 0's drafter is
    told the first level's costs (``Drafter.price``): one that then chooses each draft's length itself
-   (prompt lookup) gets γ_max as the first level's γ, a cap;
+   (prompt lookup) gets γ_max as the first level's γ, a cap; one drafting trees (Medusa heads) chooses
+   each draft's nodes, and its tree keeps its depth;
 3. every γ combination is scored with :class:`specstack.speedup.StackCost` (the one place the
    predicted speedup is computed) and the best one is set on the stack's levels.
 
@@ -83,9 +84,9 @@ class Tuning:
 
     def choose(self, acceptances: Sequence[float]) -> tuple[tuple[int, ...], float]:
         """The best γ per level for ``acceptances`` at the measured costs, and its predicted speedup (for drafts
-        of the full γ). Where level 0 chooses each draft's length itself, the first level's γ is max_gamma, a cap."""
+        of the full γ). Where level 0 chooses each chain's length itself, the first level's γ is max_gamma, a cap."""
         gammas, speedup = best_gammas(self.draft_cost, self.verify_costs, acceptances, self.verify_costs[-1][1], self.max_gamma, self.fixed)
-        return ((self.max_gamma, *gammas[1:]) if self.priced else gammas), speedup
+        return ((self.max_gamma, *gammas[1:]) if self.priced and self.fixed[0] is None else gammas), speedup
 
     def describe(self) -> str:
         """One line: the choice and what it was made from (for a tree level, what its rounds emitted and how wide
@@ -94,8 +95,10 @@ class Tuning:
         accept = ", ".join(f"{a:.2f}" for a in self.acceptances)
         trees = "".join(f"; γ{i + 1} kept: a tree emitting {tree.emitted:.2f} tokens a round, forwards of {tree.width} tokens"
                         for i, tree in enumerate(self.fixed) if tree is not None)
-        priced = "; level 0 chooses each draft's length from the measured costs, γ1 its cap" if self.priced else ""
-        predicted = f"{self.predicted_speedup:.2f}x" + (" had every draft been the formula's best γ1" if self.priced else "")
+        tree = self.fixed[0] is not None
+        priced = ("; level 0 chooses each draft's " + ("nodes" if tree else "length, γ1 its cap,") + " from the measured costs") if self.priced else ""
+        unpriced = " from the calibration's unpriced rounds" if tree else " had every draft been the formula's best γ1"
+        predicted = f"{self.predicted_speedup:.2f}x" + (unpriced if self.priced else "")
         chosen = f"gamma=auto chose {gammas} (acceptance {accept} over {self.calibration_tokens} calibration tokens{trees}{priced}; predicted {predicted})"
         if self.predicted_speedup >= 1.0 or self.priced:  # a priced drafter drafts only what pays: the formula does not bound it
             return chosen
@@ -190,8 +193,9 @@ def tune(stack: SpeculationStack, prompt: Sequence[int], *, calibration_tokens: 
     draft_cost = _draft_cost(levels[0].drafter, stats[0])
     fixed = tuple(TreeRound.measured(s, level.gamma) if _verifies_trees(level) else None  # a tree's shape stays
                   for level, s in zip(levels, stats[1:]))
-    costs = tuple(_verify_costs(level, len(prompt), _widths(tree, max_gamma), repeats, seed) for level, tree in zip(levels, fixed))
-    priced = fixed[0] is None and levels[0].drafter.price([costs[0][t] for t in sorted(costs[0])])
+    costs = tuple(_verify_costs(level, len(prompt), _widths(tree, max_gamma, priced=i == 0), repeats, seed)
+                  for i, (level, tree) in enumerate(zip(levels, fixed)))
+    priced = levels[0].drafter.price([costs[0][t] for t in range(1, max_gamma + 2)])
     tuning = Tuning(gammas=before, before=before, acceptances=acceptances, draft_cost=draft_cost, verify_costs=costs,
                     predicted_speedup=0.0, calibration_tokens=len(calibration.tokens), max_gamma=max_gamma, fixed=fixed, priced=priced)
     gammas, speedup = tuning.choose(acceptances)
@@ -287,10 +291,12 @@ def _verifies_trees(level: SpeculativeLevel) -> bool:
     return level.drafter.draft_kind is not DraftKind.CHAIN
 
 
-def _widths(tree: TreeRound | None, max_gamma: int) -> tuple[int, ...]:
-    """The forward widths a level is timed at: a chain level's 1 … max_gamma + 1 tokens; a tree level's
-    single token (the autoregressive step, where it is the top) and its measured tree width."""
-    return tuple(range(1, max_gamma + 2)) if tree is None else tuple(sorted({1, tree.width}))
+def _widths(tree: TreeRound | None, max_gamma: int, priced: bool = False) -> tuple[int, ...]:
+    """The forward widths a level is timed at: a chain level's, and the first level's (whose costs its drafter
+    is told), 1 … max_gamma + 1 tokens; another tree level's single token (the autoregressive step, where it is
+    the top); a tree level's measured tree width too."""
+    chain = range(1, max_gamma + 2) if tree is None or priced else (1,)
+    return tuple(sorted({*chain, *((tree.width,) if tree is not None else ())}))
 
 
 def _verify_costs(level: SpeculativeLevel, context: int, widths: Sequence[int], repeats: int, seed: int) -> dict[int, float]:

@@ -314,7 +314,9 @@ class MergedDrafter(Drafter):
     ``probs`` row is the part's that proposed it first; the verifiers do not read it.
 
     Parts with a model of their own (:class:`ModelLevel`) are refused: their caches learn from the
-    verdicts on their own drafts (``observe``), which a merged draft does not give them.
+    verdicts on their own drafts (``observe``), which a merged draft does not give them. A verdict reaches a
+    part only when the draft was that part's alone (``first_only``, or the other parts proposed nothing): a
+    priced part (:meth:`price`, passed to every part) learns from it what its drafts are accepted.
     """
 
     name: ClassVar[str] = "merged"
@@ -323,6 +325,7 @@ class MergedDrafter(Drafter):
     parts: tuple[Drafter, ...] = attrs.field(converter=tuple)
     first_only: bool = attrs.field(default=False, validator=lambda _, __, value: _check_flag("first_only", value))
     stats: LevelStats = attrs.field(init=False)
+    _sole: Drafter | None = attrs.field(init=False, default=None)  # the one part that proposed the last draft (None: several, or none)
 
     def __attrs_post_init__(self) -> None:
         if not self.parts or any(isinstance(part, ModelLevel) for part in self.parts):
@@ -349,6 +352,7 @@ class MergedDrafter(Drafter):
                 part.attach_hidden_states(channel)
 
     def reset(self) -> None:
+        self._sole = None
         for part in self.parts:
             part.reset()
 
@@ -356,12 +360,21 @@ class MergedDrafter(Drafter):
         for part in self.parts:
             part.prefill(prompt)
 
+    def price(self, verify_seconds: Sequence[float]) -> bool:
+        return any([part.price(verify_seconds) for part in self.parts])  # every part told, not only up to the first that uses it
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        if self._sole is not None:
+            self._sole.observe(drafted, accepted)
+
     def propose(self, prefix: Sequence[int], n: int) -> Draft:
         tokens, parents, rows, nodes = [], [], [], {}  # nodes: (parent, token) -> index in the trie
+        proposing = []
         for part in self.parts:
             if self.first_only and tokens:
                 break  # the later parts are not asked
             draft = part.propose(prefix, n).to("cpu")
+            proposing += [part] if len(draft) else []
             index = []  # the part's node i -> its node in the trie
             for token, parent, row in zip(draft.tokens.tolist(), draft.parent_index().tolist(), draft.probs):
                 key = (index[parent] if parent >= 0 else -1, token)
@@ -371,6 +384,7 @@ class MergedDrafter(Drafter):
                     parents.append(key[0])
                     rows.append(row)
                 index.append(nodes[key])
+        self._sole = proposing[0] if len(proposing) == 1 else None
         self.stats.drafted += len(tokens)
         if not tokens:
             return Draft.empty(self.vocab_size)

@@ -19,7 +19,9 @@ view (acceptance β of the draft, γ1), L2 the target over the full cache (accep
 
 from __future__ import annotations
 
+import itertools
 import math
+import operator
 
 import attrs
 
@@ -49,23 +51,29 @@ def expected_emitted(acceptance: float, gamma: int) -> float:
     return (1 - acceptance ** (gamma + 1)) / (1 - acceptance)
 
 
-def best_length(acceptance, costs) -> int:
-    """How many tokens of a chain to draft this round: the j (0 … len(costs) − 1, and within ``acceptance``) that
+def best_count(reach, costs) -> int:
+    """How many nodes of a draft to verify this round: the m (0 … len(costs) − 1, and within ``reach``) that
     maximises the tokens the round is expected to emit per second of its verifying forward,
 
-        (1 + Σ_{i<j} Π_{l<=i} a_l) / c_j,
+        (1 + Σ_{i<m} r_i) / c_m,
 
-    where ``acceptance[l]`` = a_l is the chance that the draft's token l is accepted once the tokens before it
-    were (Eq. 1 above without its one α: a_l may fall along the chain) and ``costs[j]`` = c_j the seconds of a
-    forward of j + 1 tokens (``costs[0]``: the level's own step, nothing drafted). The drafter's own cost is left
-    out, as a lookup's is negligible."""
-    best, best_rate, emitted, survive = 0, 1.0 / costs[0], 1.0, 1.0
-    for j in range(1, min(len(costs), len(acceptance) + 1)):
-        survive *= acceptance[j - 1]
-        emitted += survive
-        if emitted / costs[j] > best_rate:
-            best, best_rate = j, emitted / costs[j]
+    where ``reach[i]`` = r_i is the chance that node i is accepted (it and every node above it: a round emits one
+    token per accepted node, plus the recovered or bonus one), the first m nodes form a draft for every m (parents
+    before children), and ``costs[m]`` = c_m the seconds of a forward of m + 1 tokens (``costs[0]``: the level's own
+    step, nothing drafted). The drafter's own cost is left out, as a lookup's or a head's is small."""
+    best, best_rate, emitted = 0, 1.0 / costs[0], 1.0
+    for m in range(1, min(len(costs), len(reach) + 1)):
+        emitted += reach[m - 1]
+        if emitted / costs[m] > best_rate:
+            best, best_rate = m, emitted / costs[m]
     return best
+
+
+def best_length(acceptance, costs) -> int:
+    """:func:`best_count` for a chain: ``acceptance[l]`` = a_l is the chance that the draft's token l is accepted
+    once the tokens before it were (Eq. 1 above without its one α: a_l may fall along the chain), so token i is
+    reached with Π_{l<=i} a_l."""
+    return best_count(list(itertools.accumulate(acceptance, operator.mul)), costs)
 
 
 @attrs.frozen(kw_only=True)

@@ -152,7 +152,7 @@ def test_a_tree_level_is_priced_by_what_its_calibration_rounds_emitted_and_fed(m
     (tree,) = tuning.fixed
     assert tree.emitted == pytest.approx(stats.emitted / stats.rounds) and tree.emitted > 1
     assert tree.width == round(stats.forward_tokens / stats.forward_calls) > tree.depth + 1  # its nodes and the token before them
-    assert timed == [(1, tree.width)]
+    assert timed == [tuple(sorted({1, 2, 3, tree.width}))]  # 1 … max_gamma + 1 tokens for the drafter's prices, and the tree's width
     round_seconds = tree.depth * tuning.draft_cost + (1.0 + 0.1 * tree.width)
     assert tuning.predicted_speedup == pytest.approx(1.1 / (round_seconds / tree.emitted))
 
@@ -285,6 +285,18 @@ def test_best_length_matches_the_hand_computed_optimum() -> None:
     assert best_length([0.9, 0.9, 0.9], [1.0, 1.0, 1.0, 1.0]) == 3
     assert best_length([0.2, 0.2], [1.0, 1.5, 2.0]) == 0
     assert best_length([0.9, 0.9, 0.9], [1.0, 1.1]) == 1  # no cost beyond a 2-token forward: no longer draft
+
+
+def test_best_count_takes_the_nodes_in_their_order_as_many_as_pay() -> None:
+    """(1 + Σ_{i<m} r_i) / c_m over the nodes' own chances of acceptance: 0.9, 0.5, 0.1 at costs 1, 1.1, 1.5, 2.0 ->
+    one node (1.73 a second against 1.0, 1.6 and 1.25); all where forwards cost the same; best_length is the same
+    figure over a chain's running products."""
+    from specstack.speedup import best_count, best_length
+
+    assert best_count([0.9, 0.5, 0.1], [1.0, 1.1, 1.5, 2.0]) == 1
+    assert best_count([0.9, 0.5, 0.1], [1.0, 1.0, 1.0, 1.0]) == 3
+    assert best_count([0.9, 0.5, 0.1], [1.0, 2.0]) == 0
+    assert best_count([0.9, 0.45], [1.0, 1.1, 1.3]) == best_length([0.9, 0.5], [1.0, 1.1, 1.3]) == 2
 
 
 def test_a_priced_prompt_lookup_drafts_what_pays_for_each_match_length() -> None:

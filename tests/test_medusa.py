@@ -15,11 +15,12 @@ import torch
 from specstack import Level, Registry, SamplingConfig, SpecstackError, SpeculationStack
 from specstack.cli import main
 from specstack.synthetic import SyntheticLM, greedy_decode
-from specstack.testing import ALPHA, stack_pvalue
+from specstack.synthetic import sequence_probabilities
+from specstack.testing import ALPHA, SAMPLES, chi_square_pvalue, stack_pvalue
 from specstack.types import Capability, Draft, DraftKind
 from specstack_medusa import MedusaDrafter, MedusaHeads, load_heads, plugin, save_heads
 from specstack_medusa.heads import HeadsInfo, synthetic_heads
-from specstack_medusa.tree import choose_paths, confident_nodes, parents_of
+from specstack_medusa.tree import choose_paths, confident_nodes, parents_of, path_probabilities, paying_nodes
 
 SMALL = {"budget": 16, "chunk_size": 4, "stride": 8}  # retrieval sized for prompts of a few dozen tokens
 PROMPT = [1, 2]
@@ -87,6 +88,94 @@ def test_sampled_medusa_with_pruned_trees_keeps_the_target_distribution() -> Non
     drafter = MedusaDrafter(vocab=4, heads=synthetic_heads(4, chained=True), tree_size=6, min_prob=0.1)
     stack = SpeculationStack.build([Level(drafter=drafter), Level(model=target, gamma=drafter.step)], sampling=sampling, seed=3)
     assert stack_pvalue(stack, target, sampling, PROMPT) > ALPHA
+
+
+# -- priced trees ---------------------------------------------------------------------------------
+
+
+def test_the_paying_nodes_are_the_likeliest_as_many_as_pay() -> None:
+    """Nodes by their chance of acceptance, not by tree order: node 2 (0.6, under node 0) before node 1 (0.3). At
+    costs 1, 1.2, 1.3, 2.0 a second node pays and a third does not (1.5, 1.85, 1.35 tokens a second); a parent ranks
+    before its equally likely child; only the nodes offered are taken."""
+    reach = [0.8, 0.3, 0.6, 0.1]  # parents -1, -1, 0, 0
+    assert paying_nodes(reach, [0, 1, 2, 3], [1.0, 1.2, 1.3, 2.0, 2.0]) == [0, 2]
+    assert paying_nodes(reach, [0, 1, 2, 3], [1.0] * 5) == [0, 1, 2, 3]
+    assert paying_nodes(reach, [0, 1, 2, 3], [1.0, 2.0, 3.0, 4.0, 5.0]) == []
+    assert paying_nodes(reach, [0, 1], [1.0] * 5) == [0, 1]
+    assert paying_nodes([0.5, 0.2, 0.5], [0, 1, 2], [1.0, 1.2, 2.0, 3.0]) == [0]  # node 2 (under 0) ties with it
+    assert path_probabilities([0.8, 0.15, 0.5], [-1, -1, 0]) == pytest.approx([0.8, 0.15, 0.4])
+
+
+def _drafting(drafter: MedusaDrafter, prompt: list[int]) -> SpeculationStack:
+    """A stack over ``drafter`` that has run one token, so that the drafter holds a state to draft from."""
+    target = SyntheticLM(vocab_size=drafter.vocab, seed=1, sharpness=2.0)
+    stack = SpeculationStack.build([Level(drafter=drafter), Level(model=target, gamma=drafter.step)])
+    stack.generate(prompt, 1)
+    return stack
+
+
+def test_a_priced_medusa_drafter_drafts_what_pays_and_learns_how_often_it_is_right() -> None:
+    """Told forward costs of 0.1 step a node, it drafts the subtree paying_nodes picks from the heads' path
+    probabilities; after rounds in which nothing it drafted was accepted it drafts fewer nodes, then none; rounds priced
+    out move its calibration back until it drafts again; after rounds in which every draft was accepted to its depth, it drafts at
+    least as much as at first. Fails where observe does not learn, where a priced-out round does not move the
+    calibration back, or where pricing is ignored."""
+    drafter = MedusaDrafter(vocab=16, heads=synthetic_heads(16, token_input=True), tree_size=8, min_prob=0.0)
+    prompt = list(range(8)) * 3
+    _drafting(drafter, prompt)
+    after = prompt + [3]
+    whole = drafter.propose(after, drafter.step)
+    costs = [1.0 + 0.1 * m for m in range(9)]
+    assert drafter.price(costs)
+    node = whole.probs.gather(1, whole.tokens[:, None])[:, 0].tolist()
+    chosen = paying_nodes(path_probabilities(node, whole.parents.tolist()), list(range(len(whole))), costs)
+    assert 0 < len(chosen) < len(whole)  # these random heads are sure enough of some nodes and not of others
+    first = drafter.propose(after, drafter.step)
+    assert torch.equal(first.tokens, whole.tokens[chosen])
+    sizes = []
+    for _ in range(80):  # nothing accepted
+        draft = drafter.propose(after, drafter.step)
+        drafter.observe(len(draft), 0)
+        sizes.append(len(draft))
+    assert sizes[0] == len(first) and max(sizes[40:]) < len(first)  # fewer nodes pay
+    assert 0 in sizes[40:] and sum(sizes[40:]) > 0  # priced out, and tried again
+    for _ in range(60):  # everything accepted down to the draft's depth
+        draft = drafter.propose(after, drafter.step)
+        drafter.observe(len(draft), int(draft.depths().max()) + 1 if len(draft) else 0)
+    assert len(drafter.propose(after, drafter.step)) >= len(first)
+
+
+def test_gamma_auto_prices_a_medusa_tree_and_keeps_greedy_output(monkeypatch) -> None:
+    """gamma=auto tells the heads the target's forward costs: the level keeps its tree's depth, the description says
+    the drafter chooses each draft's nodes, and the output is still the target's greedy decoding."""
+    from specstack import autotune
+
+    drafter = MedusaDrafter(vocab=16, heads=synthetic_heads(16, chained=True), tree_size=8, min_prob=0.0)
+    target = SyntheticLM(vocab_size=16, seed=1, sharpness=2.0)
+    stack = SpeculationStack.build([Level(drafter=drafter), Level(model=target, gamma=drafter.step)])
+    monkeypatch.setattr(autotune, "_verify_costs", lambda level, context, widths, repeats, seed: {t: 1.0 + 0.1 * (t - 1) for t in widths})
+    prompt = list(range(8)) * 3
+    tuning = autotune.tune(stack, prompt, calibration_tokens=8, max_gamma=4)
+    assert tuning.priced and tuning.gammas == (drafter.step,)
+    assert "level 0 chooses each draft's nodes" in tuning.describe()
+    assert list(stack.generate(prompt, 30).tokens) == greedy_decode(target, prompt, 30)
+
+
+def test_sampled_medusa_lookup_priced_keeps_the_target_distribution(registry) -> None:
+    """``medusa-lookup`` with both parts priced (prompt lookup's chains and the heads' trees each cut to what pays,
+    each learning from the verdicts on its own drafts across the samples): chi-square at T = 0.8."""
+    sampling = SamplingConfig(temperature=0.8)
+    target = SyntheticLM(vocab_size=4, seed=11, sharpness=1.5)
+    stack = registry.stack("medusa-lookup", target=target, heads=synthetic_heads(4, token_input=True), tree_size=6, sampling=sampling, seed=3,
+                           min_ngram=1, min_prob=0.0)
+    merged = stack.top.drafter
+    assert merged.price([1.0 + 0.25 * m for m in range(9)])
+    lookup, heads = merged.parts
+    prompt = [1, 2, 3, 1, 2]
+    exact = sequence_probabilities(target, prompt, 3, sampling)
+    drawn = [stack.generate(prompt, 3, reuse_cache=True).tokens for _ in range(SAMPLES)]
+    assert lookup.stats.drafted > 0 and heads.stats.drafted > 0
+    assert chi_square_pvalue(drawn, exact) > ALPHA
 
 
 def test_heads_round_trip_through_a_file_and_bad_files_are_one_line(tmp_path) -> None:

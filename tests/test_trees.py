@@ -285,6 +285,41 @@ def test_with_first_only_the_first_part_that_drafts_is_the_draft() -> None:
         MergedDrafter(parts=(TreeOnly(),), first_only="yes")
 
 
+class PricedChain(FixedChain):
+    """A fixed chain that takes prices and records the verdicts it is told."""
+
+    def __init__(self, tokens: list[int]) -> None:
+        super().__init__(tokens)
+        self.prices, self.verdicts = [], []
+
+    def price(self, verify_seconds) -> bool:
+        self.prices.append(list(verify_seconds))
+        return True
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        self.verdicts.append((drafted, accepted))
+
+
+def test_a_merged_drafter_prices_every_part_and_tells_a_verdict_to_the_part_that_drafted_alone() -> None:
+    """Every part is told the prices (the merged drafter then chooses its drafts' size); a verdict reaches a part only
+    when the draft was its alone: with first_only, the first part that drafted; without, only where no other part
+    drafted anything. Fails where a verdict on a shared draft is told to a part, or where a sole part is not told."""
+    from specstack import MergedDrafter
+
+    empty, first, second = PricedChain([]), PricedChain([3, 6]), PricedChain([4])
+    merged = MergedDrafter(parts=(empty, first, second), first_only=True)
+    assert merged.price([1.0, 1.2, 1.5]) and empty.prices == first.prices == second.prices == [[1.0, 1.2, 1.5]]
+    merged.observe(len(merged.propose([0], 2)), 1)
+    assert first.verdicts == [(2, 1)] and empty.verdicts == second.verdicts == []
+    union = MergedDrafter(parts=(first, second))
+    union.observe(len(union.propose([0], 2)), 1)  # both drafted: the verdict is on neither's draft alone
+    assert first.verdicts == [(2, 1)] and second.verdicts == []
+    alone = MergedDrafter(parts=(empty, second))
+    alone.observe(len(alone.propose([0], 2)), 0)
+    assert second.verdicts == [(1, 0)] and empty.verdicts == []
+    assert not MergedDrafter(parts=(TreeOnly(), FixedChain([3]))).price([1.0, 1.2])  # no part takes prices
+
+
 def test_merged_drafts_take_model_free_parts_and_ask_what_their_parts_ask() -> None:
     from specstack import MergedDrafter, ModelDrafter
 

@@ -13,6 +13,8 @@ from __future__ import annotations
 import heapq
 from typing import Sequence
 
+from specstack.speedup import best_count
+
 Path = tuple[int, ...]
 
 
@@ -39,13 +41,27 @@ def parents_of(paths: Sequence[Path]) -> list[int]:
     return [index[path[:-1]] if len(path) > 1 else -1 for path in paths]
 
 
-def confident_nodes(node_probs: Sequence[float], parents: Sequence[int], least: float) -> list[int]:
-    """The nodes worth verifying: those whose path probability (the product of the heads' probabilities
-    of the node's tokens from the root down to it) is at least ``least``, in their order (EAGLE-2, Li et
-    al., 2024, Sec. 4: the draft model's confidence approximates a node's chance of acceptance). A path's
-    probability never exceeds its parent's, so the kept set is closed under taking parents."""
+def path_probabilities(node_probs: Sequence[float], parents: Sequence[int]) -> list[float]:
+    """Each node's path probability: the product of the heads' probabilities of the node's tokens from the root
+    down to it (EAGLE-2, Li et al., 2024, Sec. 4: the draft model's confidence approximates a node's chance of
+    acceptance). It never exceeds its parent's."""
     path: list[float] = []
     for p, parent in zip(node_probs, parents):
         path.append(float(p) * (path[parent] if parent >= 0 else 1.0))
-    return [i for i, p in enumerate(path) if p >= least]
+    return path
 
+
+def confident_nodes(node_probs: Sequence[float], parents: Sequence[int], least: float) -> list[int]:
+    """The nodes worth verifying: those whose path probability (:func:`path_probabilities`) is at least ``least``,
+    in their order; closed under taking parents, as a path's probability never exceeds its parent's."""
+    return [i for i, p in enumerate(path_probabilities(node_probs, parents)) if p >= least]
+
+
+def paying_nodes(reach: Sequence[float], nodes: Sequence[int], costs: Sequence[float]) -> list[int]:
+    """The nodes of ``nodes`` (a tree's, closed under taking parents, in tree order) worth a forward at ``costs``
+    (``costs[m]``: the seconds of a forward of m + 1 tokens): the m most likely to be accepted by ``reach`` (each
+    node's estimated chance; a parent's is never below its child's, and ranks first at a tie, as it comes first),
+    with m the count that maximises the tokens a round emits per second (:func:`specstack.speedup.best_count`).
+    Closed under taking parents, in tree order."""
+    likeliest = sorted(nodes, key=lambda i: -reach[i])  # stable: a parent before its equally likely child
+    return sorted(likeliest[: best_count([reach[i] for i in likeliest], costs)])
