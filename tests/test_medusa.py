@@ -20,7 +20,7 @@ from specstack.testing import ALPHA, SAMPLES, chi_square_pvalue, stack_pvalue
 from specstack.types import Capability, Draft, DraftKind
 from specstack_medusa import MedusaDrafter, MedusaHeads, load_heads, plugin, save_heads
 from specstack_medusa.heads import HeadsInfo, synthetic_heads
-from specstack_medusa.tree import choose_paths, confident_nodes, parents_of, path_probabilities, paying_nodes
+from specstack_medusa.tree import DepthCalibration, choose_paths, confident_nodes, parents_of, path_probabilities, paying_nodes
 
 SMALL = {"budget": 16, "chunk_size": 4, "stride": 8}  # retrieval sized for prompts of a few dozen tokens
 PROMPT = [1, 2]
@@ -104,6 +104,31 @@ def test_the_paying_nodes_are_the_likeliest_as_many_as_pay() -> None:
     assert paying_nodes(reach, [0, 1], [1.0] * 5) == [0, 1]
     assert paying_nodes([0.5, 0.2, 0.5], [0, 1, 2], [1.0, 1.2, 2.0, 3.0]) == [0]  # node 2 (under 0) ties with it
     assert path_probabilities([0.8, 0.15, 0.5], [-1, -1, 0]) == pytest.approx([0.8, 0.15, 0.4])
+
+
+def test_the_calibration_learns_each_depth_and_keeps_a_child_below_its_parent() -> None:
+    """Rounds that accept the depth-0 node and never one at depth 1: depth 0's chances rise toward 1 and depth 1's
+    fall toward 0, each from the same path probability; a child is never given more than its parent, even where its
+    depth's ratio is higher; a depth priced out moves back toward 1. Fails where the depths share one ratio, where a
+    child can outrank its parent, or where a verdict is learnt from without a draft shown."""
+    calibration = DepthCalibration(weight=0.1, retry=0.02)
+    path, depths, parents = [0.5, 0.5], [0, 1], [-1, 0]  # a chain of two nodes
+    assert calibration.reach(path, depths, parents) == [0.5, 0.5]
+    for _ in range(50):
+        calibration.show(path, depths, [0, 1])
+        calibration.observe(1)  # the first node accepted, the second not
+    deep = calibration.reach([0.5, 0.5, 0.5], [0, 1, 1], [-1, -1, 0])
+    assert deep[0] > 0.9 and deep[1] < 0.1 and deep[2] < 0.1
+    before = calibration.reach([0.5], [1], [-1])
+    calibration.observe(0)  # nothing shown since: nothing learnt
+    assert calibration.reach([0.5], [1], [-1]) == before
+    calibration.priced_out({1})
+    assert calibration.reach([0.5], [1], [-1])[0] > before[0]
+    for _ in range(50):
+        calibration.show([0.9, 0.1], depths, [0, 1])
+        calibration.observe(2)  # both accepted: depth 1's ratio (about 10) far above depth 0's (about 1.1)
+    top = calibration.reach([0.5], [0], [-1])[0]
+    assert top < 1.0 and calibration.reach([0.5, 0.5], depths, parents) == [top, top]  # the child capped at its parent
 
 
 def _drafting(drafter: MedusaDrafter, prompt: list[int]) -> SpeculationStack:

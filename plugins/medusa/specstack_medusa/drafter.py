@@ -33,7 +33,7 @@ from specstack.drafters import ACCEPTANCE_WEIGHT, RETRY, Drafter
 from specstack.types import Capability, DraftKind
 
 from .heads import HeadsInfo, MedusaHeads, load_heads, shipped_heads, synthetic_heads
-from .tree import choose_paths, confident_nodes, parents_of, path_probabilities, paying_nodes
+from .tree import DepthCalibration, choose_paths, confident_nodes, parents_of, path_probabilities, paying_nodes
 
 UNTRAINED_ACCURACY = (0.5, 0.1, 0.05)  # rank accuracies assumed for heads that carry no measurement
 MIN_PROB = 0.1  # the default min_prob: measured best or within 0.03x of it among 0-0.3 in fp32 (docs/medusa.md)
@@ -71,10 +71,9 @@ class MedusaDrafter(Drafter):
     Once priced (:meth:`price`: the tuner tells it what the level above's forward of 1, 2, … tokens costs), a
     round drafts only the nodes that pay (:func:`~specstack_medusa.tree.paying_nodes`): the likeliest ones, as
     many as maximise the tokens a round emits per second, each node's chance of acceptance taken as its path
-    probability times a calibration, the running ratio of the tokens the level above accepted to the path
-    probabilities of the nodes it was shown (ACCEPTANCE_WEIGHT of the way to each round's, from 1; a round priced
-    out entirely moves it RETRY of the way back to 1, so that drafting is tried again). What is drafted depends
-    on earlier rounds only, never on the level's draws in this one, so verification stays exact."""
+    probability times its depth's calibration (:class:`~specstack_medusa.tree.DepthCalibration`: how often the
+    level above accepted a node at that depth against the path probabilities it was shown there). What is drafted
+    depends on earlier rounds only, never on the level's draws in this one, so verification stays exact."""
 
     name: ClassVar[str] = "medusa"
     requires: ClassVar[frozenset[Capability]] = frozenset({Capability.HIDDEN_STATES})
@@ -90,8 +89,7 @@ class MedusaDrafter(Drafter):
     _channel: HiddenStateChannel | None = attrs.field(init=False, default=None)
     _trees: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = attrs.field(init=False, factory=dict)  # first head -> (depth, rank, parent) per node
     _verify_seconds: tuple[float, ...] = attrs.field(init=False, default=())  # the level above's forward of 1, 2, … tokens (price); (): no pricing
-    _calibration: list[float] = attrs.field(init=False, factory=lambda: [1.0, 1.0])  # running (accepted tokens, path probabilities drafted) a round
-    _predicted: float = attrs.field(init=False, default=0.0)  # the path probabilities of the last priced draft's nodes (0: none drafted)
+    _calibration: DepthCalibration = attrs.field(init=False, factory=lambda: DepthCalibration(weight=ACCEPTANCE_WEIGHT, retry=RETRY))
 
     _model: MedusaHeads = attrs.field(init=False)
     _output: object = attrs.field(init=False, default=None)  # [n, H] -> [n, R] logits: the level's output head, or its draft_vocab rows
@@ -142,19 +140,14 @@ class MedusaDrafter(Drafter):
         return True
 
     def reset(self) -> None:
-        self._calibration = [1.0, 1.0]  # equal seeds, equal drafts
-        self._predicted = 0.0
+        self._calibration = DepthCalibration(weight=ACCEPTANCE_WEIGHT, retry=RETRY)  # equal seeds, equal drafts
 
     def observe(self, drafted: int, accepted: int) -> None:
-        """Fold the last priced draft's outcome into the calibration: the tokens accepted against the path
-        probabilities of its nodes (their sum is the tokens a round accepts where they are exact)."""
-        if not (self._predicted and drafted):
-            return
-        self._calibration[0] += ACCEPTANCE_WEIGHT * (accepted - self._calibration[0])
-        self._calibration[1] += ACCEPTANCE_WEIGHT * (self._predicted - self._calibration[1])
+        if drafted:
+            self._calibration.observe(accepted)
 
     def propose(self, prefix: Sequence[int], n: int) -> Draft:
-        self._predicted = 0.0
+        self._calibration.show([], [], [])  # until a priced draft is made
         if self._channel is None:
             raise SpecstackError("the medusa drafter reads the hidden states of the level above it; use it at level 0 of a stack")
         found = self._channel.latest(prefix)
@@ -178,29 +171,25 @@ class MedusaDrafter(Drafter):
             nodes = self._chained_nodes if self.info.chained else self._parallel_nodes
             tokens, probs = nodes(state, after, first, depth.to(state.device), rank.to(state.device), parents.to(state.device))  # [k], [k, V]
         draft = Draft(tokens=tokens, probs=probs, parents=parents.to(state.device), kind=self.draft_kind)
-        return self._chosen(draft, parents) if self.min_prob > 0 or self._verify_seconds else draft
+        return self._chosen(draft, depth.tolist(), parents.tolist()) if self.min_prob > 0 or self._verify_seconds else draft
 
-    def _chosen(self, draft: Draft, parents: torch.Tensor) -> Draft:
-        """The subtree of ``draft`` (whose ``parents`` [k] are on the host) worth verifying, possibly empty: the nodes
-        with path probability >= ``min_prob`` and, once priced, of those the ones that pay."""
+    def _chosen(self, draft: Draft, depths: list[int], parents: list[int]) -> Draft:
+        """The subtree of ``draft`` (its nodes' ``depths`` and ``parents``, on the host) worth verifying, possibly empty:
+        the nodes with path probability >= ``min_prob`` and, once priced, of those the ones that pay."""
         node_probs = draft.probs.gather(1, draft.tokens[:, None])[:, 0].tolist()  # [k] each node's probability of its own token
-        kept = confident_nodes(node_probs, parents.tolist(), self.min_prob)
+        kept = confident_nodes(node_probs, parents, self.min_prob)
         if self._verify_seconds:
-            kept = self._paying(path_probabilities(node_probs, parents.tolist()), kept)
+            kept = self._paying(path_probabilities(node_probs, parents), depths, parents, kept)
         if not kept:
             return Draft.empty(self.vocab, device=draft.device)
         return draft.subtree(torch.tensor(kept, dtype=torch.long, device="cpu"))  # [k']
 
-    def _paying(self, path: list[float], kept: list[int]) -> list[int]:
-        """Of the nodes ``kept``, those that pay at the priced costs, each accepted with its path probability times the
-        calibration; records their path probabilities for :meth:`observe`, or, where none pays, moves the calibration
-        back toward 1."""
-        accepted, predicted = self._calibration
-        paying = paying_nodes([min(1.0, p * accepted / predicted) for p in path], kept, self._verify_seconds)
-        if paying:
-            self._predicted = sum(path[i] for i in paying)
-        else:  # priced out: drift back, to be tried again
-            self._calibration[0] += RETRY * (predicted - accepted)
+    def _paying(self, path: list[float], depths: list[int], parents: list[int], kept: list[int]) -> list[int]:
+        """Of the nodes ``kept``, those that pay at the priced costs by their calibrated chances; the calibration is
+        shown them, and moves the depths where none paid back toward 1."""
+        paying = paying_nodes(self._calibration.reach(path, depths, parents), kept, self._verify_seconds)
+        self._calibration.show(path, depths, paying)
+        self._calibration.priced_out({depths[i] for i in kept} - {depths[i] for i in paying})
         return paying
 
     def _parallel_nodes(self, state, after, first, depth, rank, parents) -> tuple[torch.Tensor, torch.Tensor]:
