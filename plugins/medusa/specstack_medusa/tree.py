@@ -6,6 +6,11 @@ at least as likely as the path, so the set is closed under taking parents.
 
 Medusa's heads all read the same hidden state, so the candidates at a depth do not depend on the
 tokens above them: the tree is fixed per accuracy table, and each node's token is a lookup.
+
+Each round, which of the tree's nodes to verify: those the heads are confident of (``confident_nodes``,
+EAGLE-2's path probability), and, where the level above's forward costs are known, those that pay
+(``paying_nodes``, Sequoia's hardware-aware sizing made per round), by chances of acceptance that
+``DepthCalibration`` corrects depth by depth from the verdicts.
 """
 
 from __future__ import annotations
