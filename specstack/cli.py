@@ -15,6 +15,10 @@ from .errors import SpecstackError
 from .registry import Kind, Registry
 from .run import torch_threads
 
+# What `specstack demo` (and `make demo`) compares: TriForce, and the fastest stack measured on this CPU with its γ
+# tuned, whose priced prompt lookup takes every match length (docs/results.md, "Medusa trees priced node by node")
+DEMO_STACKS = ("triforce", "medusa-lookup:min_ngram=1")
+
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -60,7 +64,8 @@ def _parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
     demo.add_argument("--prompt-tokens", type=int, default=None,
                       help="tokens of Pride and Prejudice before the summary request (default: 7000, or what fills --context)")
     demo.add_argument("--prompt-file", help="use this file's text as the prompt instead ('-' for stdin)")
-    demo.add_argument("--stacks", nargs="+", default=["triforce", "medusa-lookup"], metavar="NAME", help="stacks to compare (default: triforce medusa-lookup)")
+    demo.add_argument("--stacks", nargs="+", default=list(DEMO_STACKS), metavar="NAME",
+                      help=f"stacks to compare, each NAME or NAME:key=value,... (default: {' '.join(DEMO_STACKS)})")
     demo.add_argument("--no-tune", dest="tune", action="store_false", help="keep each stack's default γ instead of tuning it (gamma=auto; -o gamma=adaptive also re-tunes it during decoding)")
     demo.add_argument("--json", action="store_true", help="print one JSON record instead of the table")
     demo.add_argument("--synthetic", action="store_true", help="use synthetic models (no weights needed)")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
+from typing import Sequence
 
 import attrs
 import torch
@@ -96,8 +97,11 @@ def triforce_demo(args) -> int:
     sampling = session.sampling
     run.status(f"prompt: {source}, {len(prompt)} tokens; {args.max_new_tokens} new tokens; temperature {sampling.temperature}; "
                f"{session.dtype}; torch threads {torch.get_num_threads()}; device {session.target.device}")
-    options, mode = autotune.auto_options(args.option)
-    stacks = {name: session.stack(name, options) for name in args.stacks}  # bad names and options fail before any decoding
+    stacks, modes = {}, {}
+    for text in args.stacks:  # bad names and options fail before any decoding
+        name, options = _spec(text, args.option)
+        options, modes[text] = autotune.auto_options(options)
+        stacks[text] = session.stack(name, options)
     autoregressive = session.stack("autoregressive", [])
     run.warm_up(session.registry, session.models, prompt)  # no timed run pays for first-call set-up (as specstack bench warms)
     reference = autoregressive.generate(prompt, args.max_new_tokens, seed=args.seed, progress=run.progress_printer("autoregressive"),
@@ -106,7 +110,7 @@ def triforce_demo(args) -> int:
     replay = functools.cache(lambda: GreedyReference(session.target, prompt, list(reference.tokens), decoded_by=autoregressive))  # made once, for every stack's certificate
     for name, stack in stacks.items():
         shared = stack.share_prefill(autoregressive, prompt)  # the target's prefill, paid once
-        rows.append(_demo_row(session, name, stack, mode or ("auto" if args.tune else None), args, prompt, reference, shared, replay))
+        rows.append(_demo_row(session, name, stack, modes[name] or ("auto" if args.tune else None), args, prompt, reference, shared, replay))
     text = session.tokenizer.decode(list(reference.tokens))
     if args.json:
         print(json.dumps({"prompt": source, "prompt_tokens": len(prompt), "new_tokens": args.max_new_tokens, "dtype": str(session.dtype).removeprefix("torch."),
@@ -123,6 +127,13 @@ def triforce_demo(args) -> int:
         print(f"  exactness: {row.exactness}")
     print("text:", text[:600].replace("\n", " "))
     return 0
+
+
+def _spec(text: str, shared: Sequence[str]) -> tuple[str, list[str]]:
+    """A ``--stacks`` entry, ``NAME`` or ``NAME:key=value,key=value`` (as ``specstack bench`` takes it), as the
+    recipe's name and its options: the ``-o`` options every stack shares, then the entry's own, which win."""
+    name, _, own = text.partition(":")
+    return name.strip(), [*shared, *(part.strip() for part in own.split(",") if part.strip())]
 
 
 def _demo_row(session, name: str, stack, tuning_mode: str | None, args, prompt: list[int], reference, shared: bool, replay) -> DemoRow:

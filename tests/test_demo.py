@@ -8,6 +8,8 @@ import json
 import pytest
 
 from specstack.cli import main
+from specstack.demo import _spec
+from specstack.run import parse_options
 
 pytestmark = pytest.mark.real_model
 
@@ -20,7 +22,7 @@ def _demo_json(capsys, threads: str, *extra: str) -> dict:
 def test_demo_compares_triforce_and_the_fastest_stack_with_tuned_gammas(capsys, threads) -> None:
     record = _demo_json(capsys, threads)
     assert record["dtype"] == "float32" and record["prompt_tokens"] > 500
-    assert [row["stack"] for row in record["stacks"]] == ["triforce", "medusa-lookup"]
+    assert [row["stack"] for row in record["stacks"]] == ["triforce", "medusa-lookup:min_ngram=1"]
     for row in record["stacks"]:
         assert row["identical"] is True, row
         assert row["exactness"] == "identical to autoregressive decoding, token for token"
@@ -31,6 +33,23 @@ def test_demo_compares_triforce_and_the_fastest_stack_with_tuned_gammas(capsys, 
     assert set(merged["acceptance"]) == {"target"}
     assert merged["tuning"]["gammas"] == [6]  # a tree's depth (the chained head's five steps and the LM head) is kept
     assert record["text"].strip()
+
+
+def test_a_demo_stack_takes_its_own_options_after_the_shared_ones(capsys, tmp_path, threads) -> None:
+    """``NAME:key=value`` gives one stack options the others do not take (triforce has no min_ngram), its own winning
+    over ``-o``; a bad entry is a one-line error."""
+    path = tmp_path / "prompt.txt"
+    path.write_text("The quick brown fox jumps over the lazy dog. " * 40, encoding="utf-8")
+    record = _demo_json(capsys, threads, "--prompt-file", str(path), "--stacks", "prompt-lookup:min_ngram=2,gamma=3", "prompt-lookup",
+                        "--no-tune", "-o", "gamma=5")
+    own, shared = record["stacks"]
+    assert own["stack"] == "prompt-lookup:min_ngram=2,gamma=3" and shared["stack"] == "prompt-lookup"
+    name, options = _spec("prompt-lookup:min_ngram=2,gamma=3", ["gamma=5"])
+    assert name == "prompt-lookup" and parse_options(options) == {"gamma": 3, "min_ngram": 2}
+    assert _spec("prompt-lookup", ["gamma=5"]) == ("prompt-lookup", ["gamma=5"])
+    assert own["identical"] is True and shared["identical"] is True
+    assert main(["demo", "--prompt-file", str(path), "--max-new-tokens", "4", "--stacks", "prompt-lookup:min_ngram", "--no-tune"]) == 2
+    assert "min_ngram" in capsys.readouterr().err.strip().splitlines()[-1]
 
 
 def test_demo_reads_a_prompt_file_and_keeps_default_gammas_without_tuning(capsys, tmp_path, threads) -> None:
