@@ -32,6 +32,7 @@ from .graphs import ForwardGraphs, StaticView
 from .kvstore import KVStore
 from .gguf_weights import attach_gguf_blocks
 from .packed_linear import PackedLinear, pack_linears, read_bf16_numbers
+from .weight_formats import blocks_of, grouped
 from .types import Capability
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
@@ -286,7 +287,8 @@ class HFCausalLM:
     @torch.inference_mode()
     def output_head(self, rows: torch.Tensor):
         """The LM head's rows ``rows`` [R] (token ids) as a function [n, H] -> [n, R] float32 logits: a copy of
-        those rows of its weight (R x H), computed as the LM head is (the few-row kernel where it has one)."""
+        those rows of its weight (R x H), computed as the LM head is (the few-row kernel where it has one, reading those rows
+        of its narrower stored blocks where it reads them)."""
         head = self.module.lm_head
         part = torch.nn.Linear(head.in_features, rows.numel(), bias=head.bias is not None, device=head.weight.device, dtype=head.weight.dtype)
         part.weight.copy_(head.weight[rows.to(head.weight.device)])  # [R, H]
@@ -295,6 +297,8 @@ class HFCausalLM:
         part.requires_grad_(False)
         if isinstance(head, PackedLinear):
             PackedLinear.adopt(part, head._rows)
+            if head._blocks is not None:  # the head's rows stored narrower (the GGUF's Q8_0): read those rows' blocks too
+                part.attach_exact_blocks(grouped(blocks_of(head._blocks, head._format.block_bytes)[rows.to(head._blocks.device)]), head._format)
         return lambda states: part(states.to(part.weight.dtype)).float()  # [n, H] -> [n, R]
 
     def with_vocabulary(self, rows: torch.Tensor) -> "HFCausalLM":

@@ -258,6 +258,24 @@ def test_the_embedded_targets_bf16_forward_reads_every_layer_matrix_as_blocks_wi
     assert attach_gguf_blocks(target.module, find_gguf()) == 7 * layers + 1
 
 
+@needs_bf16_rows
+def test_the_bf16_targets_output_head_rows_read_their_q8_0_blocks_with_the_same_logits() -> None:
+    """The rows of the bf16 target's LM head that a Medusa draft vocabulary computes (``output_head``) read those rows'
+    Q8_0 blocks, as the whole head reads its own, and give the head's columns bit for bit, read so or not."""
+    from specstack.models import load_target
+
+    target = load_target(dtype=torch.bfloat16)[0]
+    rows = torch.tensor([7, 0, 49151, 13, 2048, 5, 6, 9, 100])  # not a multiple of the four rows a group holds
+    states = torch.randn(3, target.hidden_size, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    part = target.output_head(rows)
+    linear = part.__closure__[0].cell_contents
+    assert linear._format is Q8_0 and linear._blocks is not None
+    read = part(states)  # [3, 9]
+    assert torch.equal(read, target.output_logits(states)[:, rows])
+    linear._blocks = None
+    assert torch.equal(read, part(states))
+
+
 @pytest.mark.real_model
 @needs_bf16_rows
 def test_the_bf16_drafts_lm_head_reads_the_targets_q8_0_embedding_with_the_same_logits() -> None:

@@ -362,6 +362,53 @@ def test_chained_heads_expand_each_node_from_the_state_its_parents_token_leads_t
     assert len(siblings) == 2 and not torch.equal(states[siblings[0]], states[siblings[1]])
 
 
+class CountingSteps(MedusaDrafter):
+    """Counts the chained head's steps."""
+
+    steps: int = 0
+
+    def _step(self, states, tokens):
+        self.steps += 1
+        return super()._step(states, tokens)
+
+
+def test_chained_heads_stop_growing_at_a_depth_where_no_node_is_kept() -> None:
+    """A chained tree grows depth by depth only while a node of the last depth grown is kept: a deeper node's path
+    probability is at most its parent's, so with ``min_prob`` the draft is the whole tree's confident subtree, node
+    for node, and the head steps past the first depth with no kept node never run (a drafter that grows every
+    depth, or stops at the first depth that lost a node, fails)."""
+    import attrs
+
+    target = SyntheticLM(vocab_size=10, seed=1, sharpness=2.0)
+    heads = synthetic_heads(10, chained=True)
+    heads.info = attrs.evolve(heads.info, accuracy=[[0.5, 0.4], [0.5, 0.4], [0.5, 0.4]])
+    prompt = list(range(10)) * 3
+    drafters = {least: CountingSteps(vocab=10, heads=heads, tree_size=9, top_k=2, min_prob=least) for least in (0.0, 0.2)}
+    stacks = {least: SpeculationStack.build([Level(drafter=d), Level(model=target, gamma=d.step)]) for least, d in drafters.items()}
+    prefix = prompt + list(stacks[0.0].generate(prompt, 12).tokens)
+    assert list(stacks[0.2].generate(prompt, 12).tokens) == prefix[len(prompt):]
+    stopped = 0
+    for end in range(len(prompt) + 1, len(prefix) + 1):
+        whole = drafters[0.0].propose(prefix[:end], 3)
+        if len(whole) == 0:  # no state for this prefix
+            continue
+        node_probs = whole.probs.gather(1, whole.tokens[:, None])[:, 0].tolist()
+        parents = whole.parents.tolist()
+        kept = confident_nodes(node_probs, parents, 0.2)
+        pruned, before = drafters[0.2], drafters[0.2].steps
+        draft = pruned.propose(prefix[:end], 3)
+        assert draft.tokens.tolist() == [int(whole.tokens[i]) for i in kept]
+        assert draft.parents.tolist() == [kept.index(parents[i]) if parents[i] >= 0 else -1 for i in kept]
+        depths = [0 if p < 0 else -1 for p in parents]
+        for i, p in enumerate(parents):
+            depths[i] = 0 if p < 0 else depths[p] + 1
+        grown = min(max(depths) + 1, max((depths[i] for i in kept), default=-1) + 2)  # up to the first depth keeping nothing
+        first_step = 1 if pruned._channel.latest(prefix[:end])[0] == end - 2 else 0
+        assert pruned.steps - before == first_step + grown - 1
+        stopped += grown < max(depths) + 1
+    assert stopped >= 3
+
+
 def test_chained_heads_need_token_input() -> None:
     with pytest.raises(SpecstackError, match="chained medusa heads read the token after each state; set token_input too"):
         HeadsInfo(hidden_size=8, heads=3, vocab_size=10, chained=True)

@@ -32,8 +32,8 @@ from specstack.channels import HiddenStateChannel
 from specstack.drafters import ACCEPTANCE_WEIGHT, RETRY, Drafter
 from specstack.types import Capability, DraftKind
 
-from .heads import HeadsInfo, MedusaHeads, load_heads, shipped_heads, synthetic_heads
-from .tree import DepthCalibration, choose_paths, confident_nodes, parents_of, path_probabilities, paying_nodes
+from .heads import HeadsInfo, MedusaHeads, load_heads, shipped_heads, stream_on_cpu, synthetic_heads
+from .tree import DepthCalibration, RankTree, choose_paths, confident_nodes, path_probabilities, paying_nodes, subtree_parents
 
 UNTRAINED_ACCURACY = (0.5, 0.1, 0.05)  # rank accuracies assumed for heads that carry no measurement
 MIN_PROB = 0.1  # the default min_prob: measured best or within 0.03x of it among 0-0.3 in fp32 (docs/medusa.md)
@@ -87,7 +87,7 @@ class MedusaDrafter(Drafter):
     min_prob: float = attrs.field(default=MIN_PROB, validator=_probability)  # drop nodes the heads give a lower path probability
     stats: LevelStats = attrs.field(factory=lambda: LevelStats(name="medusa"))
     _channel: HiddenStateChannel | None = attrs.field(init=False, default=None)
-    _trees: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = attrs.field(init=False, factory=dict)  # first head -> (depth, rank, parent) per node
+    _trees: dict[int, RankTree] = attrs.field(init=False, factory=dict)  # first head -> its tree of rank paths
     _verify_seconds: tuple[float, ...] = attrs.field(init=False, default=())  # the level above's forward of 1, 2, … tokens (price); (): no pricing
     _calibration: DepthCalibration = attrs.field(init=False, factory=lambda: DepthCalibration(weight=ACCEPTANCE_WEIGHT, retry=RETRY))
 
@@ -129,6 +129,7 @@ class MedusaDrafter(Drafter):
                                  f"train heads for this target with `specstack train medusa`")
         self._channel = channel
         self._model.to(channel.device)
+        stream_on_cpu(self._model)
         self._output, self._rows = channel.output_logits, None
         if self.draft_vocab:
             self._rows = self._model.token_rank[: self.draft_vocab].to(channel.device)  # [R]
@@ -161,74 +162,83 @@ class MedusaDrafter(Drafter):
 
     def _draft(self, state: torch.Tensor, after: int | None, first: int, n: int) -> Draft:
         """The tree of candidates at most ``n`` deep for head ``first`` on (depth 0), from the hidden state
-        ``state`` [H] and ``after``, the token after its position when the prefix holds it."""
-        depth, rank, parents = self._tree(first)
-        k = int((depth < n).sum())  # nodes are ordered by depth: the first k are the ones that fit
-        if k == 0:  # no rank of the first head was ever right: nothing worth drafting
+        ``state`` [H] and ``after``, the token after its position when the prefix holds it: of its nodes, those worth
+        verifying (:meth:`_worth`). Chained heads stop growing it at a depth none of whose nodes is worth it."""
+        tree = self._tree(first).cut(n)
+        if not tree:  # no rank of the first head was ever right: nothing worth drafting
             return Draft.empty(self.vocab, device=self._channel.device)
-        depth, rank, parents = depth[:k], rank[:k], parents[:k]
         with torch.inference_mode():
             nodes = self._chained_nodes if self.info.chained else self._parallel_nodes
-            tokens, probs = nodes(state, after, first, depth.to(state.device), rank.to(state.device), parents.to(state.device))  # [k], [k, V]
-        draft = Draft(tokens=tokens, probs=probs, parents=parents.to(state.device), kind=self.draft_kind)
-        return self._chosen(draft, depth.tolist(), parents.tolist()) if self.min_prob > 0 or self._verify_seconds else draft
-
-    def _chosen(self, draft: Draft, depths: list[int], parents: list[int]) -> Draft:
-        """The subtree of ``draft`` (its nodes' ``depths`` and ``parents``, on the host) worth verifying, possibly empty:
-        the nodes with path probability >= ``min_prob`` and, once priced, of those the ones that pay."""
-        node_probs = draft.probs.gather(1, draft.tokens[:, None])[:, 0].tolist()  # [k] each node's probability of its own token
-        kept = confident_nodes(node_probs, parents, self.min_prob)
+            picks, rows, node_probs = nodes(state, after, first, tree)  # [k'], [k', R], k' floats (k' <= k: the nodes grown)
+        depths, parents = tree.depth[: len(node_probs)], tree.parent[: len(node_probs)]
+        path, kept, worth = self._worth(node_probs, depths, parents)
         if self._verify_seconds:
-            kept = self._paying(path_probabilities(node_probs, parents), depths, parents, kept)
-        if not kept:
-            return Draft.empty(self.vocab, device=draft.device)
-        return draft.subtree(torch.tensor(kept, dtype=torch.long, device="cpu"))  # [k']
+            self._calibration.show(path, depths, worth)
+            self._calibration.priced_out({depths[i] for i in kept} - {depths[i] for i in worth})
+        if not worth:
+            return Draft.empty(self.vocab, device=self._channel.device)
+        index = torch.tensor(worth, dtype=torch.long, device=picks.device)  # [m]
+        return Draft(tokens=self._ids(picks[index]), probs=self._spread(rows[index]), kind=self.draft_kind,  # [m], [m, V]
+                     parents=torch.tensor(subtree_parents(worth, parents), dtype=torch.long, device=picks.device))  # [m]
 
-    def _paying(self, path: list[float], depths: list[int], parents: list[int], kept: list[int]) -> list[int]:
-        """Of the nodes ``kept``, those that pay at the priced costs by their calibrated chances; the calibration is
-        shown them, and moves the depths where none paid back toward 1."""
-        paying = paying_nodes(self._calibration.reach(path, depths, parents), kept, self._verify_seconds)
-        self._calibration.show(path, depths, paying)
-        self._calibration.priced_out({depths[i] for i in kept} - {depths[i] for i in paying})
-        return paying
+    def _worth(self, node_probs: Sequence[float], depths: Sequence[int], parents: Sequence[int]) -> tuple[list[float], list[int], list[int]]:
+        """Of nodes with the heads' probabilities ``node_probs`` of their own tokens (and their ``depths`` and
+        ``parents``): their path probabilities, the nodes kept by ``min_prob``, and of those the ones worth verifying:
+        all of them unpriced; once priced, the ones that pay at the priced costs by their calibrated chances."""
+        path, kept = path_probabilities(node_probs, parents), confident_nodes(node_probs, parents, self.min_prob)
+        if not self._verify_seconds:
+            return path, kept, kept
+        return path, kept, paying_nodes(self._calibration.reach(path, depths, parents), kept, self._verify_seconds)
 
-    def _parallel_nodes(self, state, after, first, depth, rank, parents) -> tuple[torch.Tensor, torch.Tensor]:
-        """Parallel heads: every node's token is a rank of its depth's head, whatever its parent; the
-        output head runs once for all depths. -> tokens [k], and the distribution each was drawn from [k, V]."""
-        d = int(depth[-1]) + 1
+    def _parallel_nodes(self, state, after, first, tree: RankTree) -> tuple[torch.Tensor, torch.Tensor, list[float]]:
+        """Parallel heads: every node's token is a rank of its depth's head, whatever its parent; the output head runs
+        once for all depths. -> each node's candidate [k] and the distribution it was taken from [k, R] (indices of the
+        draft vocabulary), and each node's probability of it."""
         states = torch.cat([state[None], self._head_states(state, after)])  # [K+1, H]
-        ranks, rows = self._candidates(states[first : first + d])  # [d, top_k], [d, V]
-        return ranks[depth, rank], rows[depth]  # [k], [k, V]
+        top, dist = self._candidates(states[first : first + tree.depths])  # [d, top_k], [d, R]
+        depth = torch.tensor(tree.depth, dtype=torch.long, device=state.device)  # [k]
+        picks, rows = top[depth, torch.tensor(tree.rank, dtype=torch.long, device=state.device)], dist[depth]  # [k], [k, R]
+        return picks, rows, rows.gather(1, picks[:, None])[:, 0].tolist()
 
-    def _chained_nodes(self, state, after, first, depth, rank, parents) -> tuple[torch.Tensor, torch.Tensor]:
-        """Chained heads: a node's children are ranks of the state that its parent's token leads to
-        (one step of the head per depth, one pass of the output head per depth, over that depth's
-        parents). -> tokens [k], and the distribution each was drawn from [k, V]."""
-        frontier = state[None] if first == 0 else self._step(state[None], torch.tensor([after], device=state.device))  # [1, H]: depth 0's parent
-        tokens = torch.empty(depth.shape[0], dtype=torch.long, device=state.device)  # [k]
-        probs = torch.empty(depth.shape[0], self.vocab, dtype=torch.float32, device=state.device)  # [k, V]
-        low, last = 0, int(depth[-1])  # the first node of the depth before; the deepest depth
-        for d in range(last + 1):
-            at = (depth == d).nonzero()[:, 0]  # [m] this depth's nodes (contiguous)
-            slot = parents[at] - low if d > 0 else torch.zeros_like(at)  # [m] each node's parent's row of frontier
-            ranks, rows = self._candidates(frontier)  # [f, top_k], [f, V]
-            tokens[at] = ranks[slot, rank[at]]
-            probs[at] = rows[slot]
-            if d < last:
-                frontier = self._step(frontier[slot], tokens[at])  # [m, H]: the states this depth's tokens lead to
-            low = int(at[0])
-        return tokens, probs
+    def _chained_nodes(self, state, after, first, tree: RankTree) -> tuple[torch.Tensor, torch.Tensor, list[float]]:
+        """Chained heads: a node's children are ranks of the state that its parent's token leads to (one step of the
+        head and one pass of the output head per depth, over that depth's parents). The tree grows depth by depth
+        while a node of the last depth grown is worth verifying (a deeper node's path probability is at most its
+        parent's). -> as :meth:`_parallel_nodes`, for the nodes grown."""
+        device = state.device
+        frontier = state[None] if first == 0 else self._step(state[None], torch.tensor([after], device=device))  # [1, H]: depth 0's parent
+        picks, rows, node_probs = [], [], []
+        for d in range(tree.depths):
+            top, dist = self._candidates(frontier)  # [f, top_k], [f, R]
+            slot = torch.tensor(tree.slots(d), dtype=torch.long, device=device)  # [m] each node's parent's row of frontier
+            pick = top[slot, torch.tensor([tree.rank[i] for i in tree.at(d)], dtype=torch.long, device=device)]  # [m]
+            picks.append(pick)
+            rows.append(dist[slot])  # [m, R]
+            node_probs += rows[-1].gather(1, pick[:, None])[:, 0].tolist()
+            if d + 1 == tree.depths or not self._grows(node_probs, tree, d):
+                break
+            frontier = self._step(frontier[slot], self._ids(pick))  # [m, H]: the states this depth's tokens lead to
+        return torch.cat(picks), torch.cat(rows), node_probs  # [k'], [k', R]
+
+    def _grows(self, node_probs: list[float], tree: RankTree, depth: int) -> bool:
+        """Whether a node of ``depth`` (the last grown) is worth verifying among the nodes grown so far."""
+        k = len(node_probs)
+        _, _, worth = self._worth(node_probs, tree.depth[:k], tree.parent[:k])
+        return bool(worth) and worth[-1] >= tree.at(depth).start
 
     def _candidates(self, states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """[f, H] states -> their ``top_k`` candidate tokens [f, top_k] (best first) and their distributions
-        [f, V] over the draft vocabulary (zero outside it)."""
+        """[f, H] states -> their ``top_k`` candidates [f, top_k] (best first) and their distributions [f, R], both
+        over the draft vocabulary (:meth:`_ids` turns its indices into token ids)."""
         logits = self._output(states)  # [f, R]
-        top = logits.topk(min(self.top_k, logits.shape[-1])).indices  # [f, top_k]
-        rows = torch.softmax(logits, dim=-1)  # [f, R]
-        if self._rows is None:
-            return top, rows
-        spread = rows.new_zeros(rows.shape[0], self.vocab).index_copy_(1, self._rows, rows)  # [f, V]
-        return self._rows[top], spread
+        return logits.topk(min(self.top_k, logits.shape[-1])).indices, torch.softmax(logits, dim=-1)  # [f, top_k], [f, R]
+
+    def _ids(self, picks: torch.Tensor) -> torch.Tensor:
+        """[m] indices of the draft vocabulary -> [m] token ids."""
+        return picks if self._rows is None else self._rows[picks]
+
+    def _spread(self, rows: torch.Tensor) -> torch.Tensor:
+        """[m, R] distributions over the draft vocabulary -> [m, V] over the whole vocabulary (zero outside it)."""
+        return rows if self._rows is None else rows.new_zeros(rows.shape[0], self.vocab).index_copy_(1, self._rows, rows)
 
     def _step(self, states: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         """Chained heads' one step: [m, H] states and [m] the tokens after them -> [m, H] the next states."""
@@ -251,18 +261,13 @@ class MedusaDrafter(Drafter):
             embedded = self._embedded(torch.tensor([after], device=self._channel.device))  # [1, H]
         return self._model(state[None].to(dtype), embedded)[:, 0].to(state.dtype)  # [K, H]
 
-    def _tree(self, first: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """[k] depth, rank and parent of every node of the tree of rank paths when head ``first`` drafts
-        depth 0 (nodes ordered by depth): the LM head's top-1 is the level's own greedy choice, so it is
-        taken as certain. Built once per ``first``."""
+    def _tree(self, first: int) -> RankTree:
+        """The tree of rank paths when head ``first`` drafts depth 0: the LM head's top-1 is the level's own greedy
+        choice, so it is taken as certain. Built once per ``first``."""
         if first not in self._trees:
             measured = [list(row) for row in self.info.accuracy] or [list(UNTRAINED_ACCURACY)] * self.info.heads
             table = [row[: min(self.top_k, self.vocab)] for row in ([[1.0]] + measured)[first:]]
-            paths = choose_paths(table, self.tree_size)
-            host = torch.device("cpu")
-            self._trees[first] = (torch.tensor([len(p) - 1 for p in paths], dtype=torch.long, device=host),  # [k]
-                                  torch.tensor([p[-1] for p in paths], dtype=torch.long, device=host),  # [k]
-                                  torch.tensor(parents_of(paths), dtype=torch.long, device=host))  # [k]
+            self._trees[first] = RankTree.of(choose_paths(table, self.tree_size))
         return self._trees[first]
 
     def level_stats(self) -> list[LevelStats]:

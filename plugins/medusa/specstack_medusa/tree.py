@@ -48,6 +48,48 @@ def parents_of(paths: Sequence[Path]) -> list[int]:
     return [index[path[:-1]] if len(path) > 1 else -1 for path in paths]
 
 
+@attrs.frozen
+class RankTree:
+    """A tree of rank paths (``choose_paths``) as the drafter walks it: per node, in depth order, its ``depth``, its
+    ``rank`` and its ``parent`` (-1 at depth 0). A depth's nodes are contiguous."""
+
+    depth: tuple[int, ...]
+    rank: tuple[int, ...]
+    parent: tuple[int, ...]
+
+    @classmethod
+    def of(cls, paths: Sequence[Path]) -> "RankTree":
+        return cls(depth=tuple(len(p) - 1 for p in paths), rank=tuple(p[-1] for p in paths), parent=tuple(parents_of(paths)))
+
+    def __len__(self) -> int:
+        return len(self.depth)
+
+    @property
+    def depths(self) -> int:
+        return self.depth[-1] + 1 if self.depth else 0
+
+    def cut(self, depths: int) -> "RankTree":
+        """The nodes of the first ``depths`` depths."""
+        k = sum(d < depths for d in self.depth)
+        return RankTree(depth=self.depth[:k], rank=self.rank[:k], parent=self.parent[:k])
+
+    def at(self, depth: int) -> range:
+        """The nodes at ``depth``."""
+        return range(self.depth.index(depth), len(self.depth) - self.depth[::-1].index(depth))
+
+    def slots(self, depth: int) -> list[int]:
+        """Each node at ``depth``'s parent as a row among the nodes of the depth above (0 at depth 0: the root)."""
+        nodes = self.at(depth)
+        first_above = self.at(depth - 1).start if depth else 0
+        return [max(self.parent[i] - first_above, 0) for i in nodes]
+
+
+def subtree_parents(nodes: Sequence[int], parents: Sequence[int]) -> list[int]:
+    """``parents`` renumbered for the subtree of ``nodes`` (ascending, closed under taking parents)."""
+    index = {node: i for i, node in enumerate(nodes)}
+    return [index[parents[node]] if parents[node] >= 0 else -1 for node in nodes]
+
+
 def path_probabilities(node_probs: Sequence[float], parents: Sequence[int]) -> list[float]:
     """Each node's path probability: the product of the heads' probabilities of the node's tokens from the root
     down to it (EAGLE-2, Li et al., 2024, Sec. 4: the draft model's confidence approximates a node's chance of
