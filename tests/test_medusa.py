@@ -20,7 +20,8 @@ from specstack.testing import ALPHA, SAMPLES, chi_square_pvalue, stack_pvalue
 from specstack.types import Capability, Draft, DraftKind
 from specstack_medusa import MedusaDrafter, MedusaHeads, load_heads, plugin, save_heads
 from specstack_medusa.heads import HeadsInfo, synthetic_heads
-from specstack_medusa.tree import DepthCalibration, choose_paths, confident_nodes, parents_of, path_probabilities, paying_nodes
+from specstack_medusa.tree import (DepthCalibration, RankTree, choose_paths, confident_nodes, parents_of, path_probabilities, paying_nodes,
+                                   subtree_parents)
 
 SMALL = {"budget": 16, "chunk_size": 4, "stride": 8}  # retrieval sized for prompts of a few dozen tokens
 PROMPT = [1, 2]
@@ -47,6 +48,17 @@ def test_the_tree_takes_the_likeliest_rank_paths_parents_first() -> None:
     assert parents_of(paths) == [-1, -1, 0, 1]
     assert choose_paths([[1.0], [0.5, 0.0]], size=5) == [(0,), (0, 0)]  # a rank never right is never drafted
     assert len(choose_paths([[0.5] * 8] * 4, size=16)) == 16
+
+
+def test_a_rank_tree_walks_its_paths_depth_by_depth() -> None:
+    """RankTree: each node's depth, rank and parent; a depth's nodes; each node's parent as a row of the depth above
+    (what a chained draft indexes its frontier with); the first depths alone; a subtree's parents renumbered."""
+    tree = RankTree.of([(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)])
+    assert (tree.depth, tree.rank, tree.parent) == ((0, 0, 1, 1, 1, 2), (0, 1, 0, 1, 0, 0), (-1, -1, 0, 0, 1, 2))
+    assert [tree.at(d) for d in range(3)] == [range(0, 2), range(2, 5), range(5, 6)]
+    assert [tree.slots(d) for d in range(3)] == [[0, 0], [0, 0, 1], [0]]  # node 5's parent, node 2, is depth 1's row 0
+    assert tree.depths == 3 and len(tree.cut(2)) == 5 and tree.cut(2).depths == 2 and len(tree.cut(0)) == 0
+    assert subtree_parents([0, 1, 4], list(tree.parent)) == [-1, -1, 1]
 
 
 def test_confidence_keeps_the_nodes_whose_path_probability_is_high_enough() -> None:
