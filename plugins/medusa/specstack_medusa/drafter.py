@@ -73,7 +73,11 @@ class MedusaDrafter(Drafter):
     many as maximise the tokens a round emits per second, each node's chance of acceptance taken as its path
     probability times its depth's calibration (:class:`~specstack_medusa.tree.DepthCalibration`: how often the
     level above accepted a node at that depth against the path probabilities it was shown there). What is drafted
-    depends on earlier rounds only, never on the level's draws in this one, so verification stays exact."""
+    depends on earlier rounds only, never on the level's draws in this one, so verification stays exact.
+
+    Chained heads grow the tree depth by depth and stop at a depth none of whose nodes is worth verifying. The drafter
+    takes its heads over: it moves them to the level's device and, on the CPU, gives their linears the few-row kernel
+    over their weights rounded to bf16 (:func:`~specstack_medusa.heads.stream_on_cpu`)."""
 
     name: ClassVar[str] = "medusa"
     requires: ClassVar[frozenset[Capability]] = frozenset({Capability.HIDDEN_STATES})
