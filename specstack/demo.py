@@ -132,8 +132,10 @@ def triforce_demo(args) -> int:
 def _spec(text: str, shared: Sequence[str]) -> tuple[str, list[str]]:
     """A ``--stacks`` entry, ``NAME`` or ``NAME:key=value,key=value`` (as ``specstack bench`` takes it), as the
     recipe's name and its options: the ``-o`` options every stack shares, then the entry's own, which win."""
-    name, _, own = text.partition(":")
-    return name.strip(), [*shared, *(part.strip() for part in own.split(",") if part.strip())]
+    from .run import split_spec
+
+    name, own = split_spec(text, "--stacks entry")
+    return name, [*shared, *own]
 
 
 def _demo_row(session, name: str, stack, tuning_mode: str | None, args, prompt: list[int], reference, shared: bool, replay) -> DemoRow:

@@ -156,6 +156,15 @@ def _read(path: str) -> str:
         raise SpecstackError(f"cannot read prompt file {path!r}: {error.strerror}") from None
 
 
+def split_spec(text: str, what: str) -> tuple[str, list[str]]:
+    """``NAME`` or ``NAME:key=value,key=value`` (a ``--stacks`` or ``--tasks`` entry) -> the name and its
+    ``key=value`` options, unparsed (:func:`parse_options` parses them)."""
+    if not isinstance(text, str) or not text.split(":", 1)[0].strip():
+        raise SpecstackError(f"{what} {text!r} is not allowed; use NAME or NAME:key=value,key=value")
+    name, _, rest = text.partition(":")
+    return name.strip(), [part.strip() for part in rest.split(",")] if rest.strip() else []
+
+
 def parse_options(options: Sequence[str]) -> dict[str, object]:
     """``["budget=1024", "gamma2=6"]`` -> ``{"budget": 1024, "gamma2": 6}``."""
     parsed = {}

@@ -20,7 +20,7 @@ from typing import Any, Iterable, Mapping
 import attrs
 
 from ..errors import SpecstackError
-from ..run import check_device, parse_options
+from ..run import check_device, parse_options, split_spec
 from .tasks import task_by_name
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -53,11 +53,8 @@ class Spec:
 
     @classmethod
     def parse(cls, text: str, what: str) -> "Spec":
-        if not isinstance(text, str) or not text.split(":", 1)[0].strip():
-            raise SpecstackError(f"{what} {text!r} is not allowed; use NAME or NAME:key=value,key=value")
-        name, _, rest = text.partition(":")
-        options = parse_options([part.strip() for part in rest.split(",")]) if rest.strip() else {}
-        return cls(name=name.strip(), options=tuple(sorted(options.items())))
+        name, options = split_spec(text, what)
+        return cls(name=name, options=tuple(sorted(parse_options(options).items())))
 
     @property
     def text(self) -> str:

@@ -141,7 +141,7 @@ class MedusaHeads(torch.nn.Module):
 def stream_on_cpu(heads: MedusaHeads) -> int:
     """Let the fp32 heads' linears on the CPU take the project's few-row kernel (:mod:`specstack.packed_linear`),
     their weights rounded to bf16 numbers and read as bf16: half the bytes, fp32 arithmetic. A draft's step reads
-    its 5 MB of weights from memory after each target forward, where this took 0.38-0.40 ms a step against
+    its 5 MB of weights from memory after each target forward, where this took 0.38-0.49 ms a step against
     0.76-0.81 through ``F.linear`` (chained heads, 7,500-token bf16 target, docs/medusa.md). Only the draft
     changes (by the weights' rounding), never the verified output. The heads are drafting's from then on: no
     gradients. Returns how many linears read bf16."""
