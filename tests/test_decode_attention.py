@@ -61,7 +61,8 @@ def random_tree_mask(t: int, generator: torch.Generator) -> torch.Tensor:
     (2, 515, 128, 2, 4),  # a wider head
     (7, 133, 72, 1, 8),  # a head dimension that is not a multiple of 64
     (8, 300, 64, 1, 8),  # 64 query rows, the most it takes
-    (2, 200, 64, 3, 3), (4, 3_000, 64, 3, 3), (5, 300, 64, 1, 5),  # 6, 12 and 25 rows: around GEMM_ROWS (8 with AVX-512, 25 with AVX2)
+    (2, 200, 64, 3, 3), (4, 3_000, 64, 3, 3), (5, 300, 64, 1, 5),  # 6, 12 and 25 rows: around GEMM_ROWS (16 with AVX-512, 25 with AVX2)
+    (1, 301, 72, 2, 3), (4, 300, 40, 1, 3),  # few rows (3; 12 as two sixes) over heads whose last 8 columns the wide vectors leave
     (7, 400, 64, 1, 1), (2, 400, 64, 2, 4), (3, 400, 64, 2, 3), (11, 400, 64, 2, 1),  # 7, 8, 9, 11 rows: a six, then a row, a pair, a pair and a row
     (6, 1_500, 64, 1, 3), (10, 500, 64, 1, 2),  # 18 and 20 rows: three sixes, and a pair after them (the few-row path with AVX2)
     (7, 400, 64, 1, 5),  # 35 rows: the GEMM's blocks of six and four, then one row left over

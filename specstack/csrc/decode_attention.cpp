@@ -84,8 +84,11 @@ constexpr int MAX_DIM = 256;    // head dimension
 // Zen 3 host (AVX2), with the sixes, up to 18 rows took 1.02-1.32x less time on the few-row path than as a
 // GEMM over 7,500 and 32,000 keys, fp32 and bf16 alike, and 24 rows 1.06-1.12x less in fp32 and 1.02x more in
 // bf16. So there the GEMM starts at 25 rows, for both dtypes (a bf16 cache then gives the float32 kernel's
-// bits on its numbers); where vectors hold 16 floats (AVX-512) at 8, as measured on the Intel host.
-constexpr int GEMM_ROWS = W == 16 ? 8 : 25;
+// bits on its numbers). Where vectors hold 16 floats (AVX-512) it started at 8 rows (measured on the Intel host
+// while the few-row scores took eight lanes); with the scores sixteen lanes wide, 9 and 15 rows took 1.12-1.34x
+// less time on the few-row path over 7,500 bf16 keys and 9-15 rows 1.05-1.22x less over fp32 ones, 12 bf16 rows
+// 1.05x more (the 2-core Intel host without bf16 dot products), so there the GEMM starts at 16.
+constexpr int GEMM_ROWS = W == 16 ? 16 : 25;
 // Whether each work item asks for its next block of keys and values while it computes the current one:
 // on the Intel host (AVX-512) the one-token case over 32,000 keys took 1.21x less time with it; on the AMD
 // Zen 3 host (AVX2) 1.09x more (1.09-1.12x at one and two tokens over 7,500 and 32,000 keys; no change from
@@ -167,55 +170,102 @@ struct Ahead {
     }
 };
 
+// A key's score takes the widest vectors the machine has (vw) along the head's dimension, then folds them to eight
+// lanes (lane l plus lane l + 8 with AVX-512), adds the last d % W columns eight at a time, and sums the eight lanes
+// by a fixed tree (sums8, or hsum): every path below folds and sums alike, so a row's scores are the same bits on
+// any of them (docs/benchmarks.md, "The fp32 sums sixteen lanes wide on AVX-512").
+inline vw roww(const float *p) { return loadw(p); }
+#if defined(__AVX512F__)
+inline vw splatw(float x) { return (vw)_mm512_set1_ps(x); }
+inline vw roww(const uint16_t *p) { return (vw)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16); }
+inline v8 fold(vw x) { return __builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7) + __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15); }
+#else
+inline vw splatw(float x) { return splat(x); }
+inline vw roww(const uint16_t *p) { return load8_bf16(p); }
+inline v8 fold(vw x) { return x; }
+#endif
+
+// The columns of a head's dimension that the wide vectors take; the rest (d % W of them) go eight at a time.
+inline int wide_columns(int d) { return d - d % W; }
+
 // s[r * BLOCK + j] = q_r . k_j for keys j < len (q already scaled) of one row, eight keys at a time.
 template <typename T>
 void row_scores(const float *qr, int d, const T *k, int len, float *sr, Ahead ahead = {}) {
+    const int wide = wide_columns(d);
     int j = 0;
     for (; j + 8 <= len; j += 8) {
         const T *kj = k + (int64_t)j * d;
         ahead.ask(j, 8);
-        v8 a0{}, a1{}, a2{}, a3{}, a4{}, a5{}, a6{}, a7{};
-        for (int c = 0; c < d; c += 8) {
-            const v8 x = load8(qr + c);
-            a0 += x * row8(kj + c), a1 += x * row8(kj + d + c), a2 += x * row8(kj + 2 * d + c), a3 += x * row8(kj + 3 * d + c);
-            a4 += x * row8(kj + 4 * d + c), a5 += x * row8(kj + 5 * d + c), a6 += x * row8(kj + 6 * d + c), a7 += x * row8(kj + 7 * d + c);
+        vw a[8];
+        for (int i = 0; i < 8; ++i) a[i] = vw{};
+        for (int c = 0; c < wide; c += W) {
+            const vw x = loadw(qr + c);
+            for (int i = 0; i < 8; ++i) a[i] += x * roww(kj + i * d + c);
         }
-        store8(sr + j, sums8(a0, a1, a2, a3, a4, a5, a6, a7));
+        v8 f[8];
+        for (int i = 0; i < 8; ++i) f[i] = fold(a[i]);
+        for (int c = wide; c < d; c += 8) {
+            const v8 x = load8(qr + c);
+            for (int i = 0; i < 8; ++i) f[i] += x * row8(kj + i * d + c);
+        }
+        store8(sr + j, sums8(f[0], f[1], f[2], f[3], f[4], f[5], f[6], f[7]));
     }
     ahead.ask(j, len - j);
     if (j + 4 <= len) {  // four keys left: summed as the pair and triple paths sum them, so every path gives the same bits
         const T *kj = k + (int64_t)j * d;
-        v8 a0{}, a1{}, a2{}, a3{};
-        for (int c = 0; c < d; c += 8) {
-            const v8 x = load8(qr + c);
-            a0 += x * row8(kj + c), a1 += x * row8(kj + d + c), a2 += x * row8(kj + 2 * d + c), a3 += x * row8(kj + 3 * d + c);
+        vw a[4];
+        for (int i = 0; i < 4; ++i) a[i] = vw{};
+        for (int c = 0; c < wide; c += W) {
+            const vw x = loadw(qr + c);
+            for (int i = 0; i < 4; ++i) a[i] += x * roww(kj + i * d + c);
         }
-        const v8 sums = sums8(a0, a1, a2, a3, a0, a1, a2, a3);
+        v8 f[4];
+        for (int i = 0; i < 4; ++i) f[i] = fold(a[i]);
+        for (int c = wide; c < d; c += 8) {
+            const v8 x = load8(qr + c);
+            for (int i = 0; i < 4; ++i) f[i] += x * row8(kj + i * d + c);
+        }
+        const v8 sums = sums8(f[0], f[1], f[2], f[3], f[0], f[1], f[2], f[3]);
         for (int i = 0; i < 4; ++i) sr[j + i] = sums[i];
         j += 4;
     }
     for (; j < len; ++j) {
-        v8 a{};
-        for (int c = 0; c < d; c += 8) a += load8(qr + c) * row8(k + (int64_t)j * d + c);
-        sr[j] = hsum(a);
+        const T *kj = k + (int64_t)j * d;
+        vw a{};
+        for (int c = 0; c < wide; c += W) a += loadw(qr + c) * roww(kj + c);
+        v8 f = fold(a);
+        for (int c = wide; c < d; c += 8) f += load8(qr + c) * row8(kj + c);
+        sr[j] = hsum(f);
     }
 }
 
 // The same for two rows at once, four keys at a time: each key read once for both.
 template <typename T>
 void pair_scores(const float *q0, const float *q1, int d, const T *k, int len, float *s0, float *s1, Ahead ahead = {}) {
+    const int wide = wide_columns(d);
     int j = 0;
     for (; j + 4 <= len; j += 4) {
         const T *kj = k + (int64_t)j * d;
         ahead.ask(j, 4);
-        v8 a0{}, a1{}, a2{}, a3{}, b0{}, b1{}, b2{}, b3{};
-        for (int c = 0; c < d; c += 8) {
-            const v8 x = load8(q0 + c), y = load8(q1 + c);
-            const v8 k0 = row8(kj + c), k1 = row8(kj + d + c), k2 = row8(kj + 2 * d + c), k3 = row8(kj + 3 * d + c);
-            a0 += x * k0, a1 += x * k1, a2 += x * k2, a3 += x * k3;
-            b0 += y * k0, b1 += y * k1, b2 += y * k2, b3 += y * k3;
+        vw a[4], b[4];
+        for (int i = 0; i < 4; ++i) a[i] = vw{}, b[i] = vw{};
+        for (int c = 0; c < wide; c += W) {
+            const vw x = loadw(q0 + c), y = loadw(q1 + c);
+            for (int i = 0; i < 4; ++i) {
+                const vw key = roww(kj + i * d + c);
+                a[i] += x * key, b[i] += y * key;
+            }
         }
-        const v8 sums = sums8(a0, a1, a2, a3, b0, b1, b2, b3);
+        v8 f[4], g[4];
+        for (int i = 0; i < 4; ++i) f[i] = fold(a[i]), g[i] = fold(b[i]);
+        for (int c = wide; c < d; c += 8) {
+            const v8 x = load8(q0 + c), y = load8(q1 + c);
+            for (int i = 0; i < 4; ++i) {
+                const v8 key = row8(kj + i * d + c);
+                f[i] += x * key, g[i] += y * key;
+            }
+        }
+        const v8 sums = sums8(f[0], f[1], f[2], f[3], g[0], g[1], g[2], g[3]);
         for (int i = 0; i < 4; ++i) s0[j + i] = sums[i], s1[j + i] = sums[4 + i];
     }
     ahead.ask(j, len - j);
@@ -226,24 +276,31 @@ void pair_scores(const float *q0, const float *q1, int d, const T *k, int len, f
 // time: twelve sums in registers, each key read once for the three.
 template <typename T>
 void triple_scores(const float *q0, const float *q1, const float *q2, int d, const T *k, int len, float *s0, float *s1, float *s2, Ahead ahead = {}) {
+    const int wide = wide_columns(d);
     int j = 0;
     for (; j + 4 <= len; j += 4) {
         const T *kj = k + (int64_t)j * d;
         ahead.ask(j, 4);
-        v8 a0{}, a1{}, a2{}, a3{}, b0{}, b1{}, b2{}, b3{}, e0{}, e1{}, e2{}, e3{};
-        for (int c = 0; c < d; c += 8) {
-            const v8 x = load8(q0 + c), y = load8(q1 + c), z = load8(q2 + c);
-            v8 key = row8(kj + c);
-            a0 += x * key, b0 += y * key, e0 += z * key;
-            key = row8(kj + d + c);
-            a1 += x * key, b1 += y * key, e1 += z * key;
-            key = row8(kj + 2 * d + c);
-            a2 += x * key, b2 += y * key, e2 += z * key;
-            key = row8(kj + 3 * d + c);
-            a3 += x * key, b3 += y * key, e3 += z * key;
+        vw a[4], b[4], e[4];
+        for (int i = 0; i < 4; ++i) a[i] = vw{}, b[i] = vw{}, e[i] = vw{};
+        for (int c = 0; c < wide; c += W) {
+            const vw x = loadw(q0 + c), y = loadw(q1 + c), z = loadw(q2 + c);
+            for (int i = 0; i < 4; ++i) {
+                const vw key = roww(kj + i * d + c);
+                a[i] += x * key, b[i] += y * key, e[i] += z * key;
+            }
         }
-        const v8 ab = sums8(a0, a1, a2, a3, b0, b1, b2, b3), ee = sums8(e0, e1, e2, e3, e0, e1, e2, e3);
-        for (int i = 0; i < 4; ++i) s0[j + i] = ab[i], s1[j + i] = ab[4 + i], s2[j + i] = ee[i];
+        v8 f[4], g[4], h[4];
+        for (int i = 0; i < 4; ++i) f[i] = fold(a[i]), g[i] = fold(b[i]), h[i] = fold(e[i]);
+        for (int c = wide; c < d; c += 8) {
+            const v8 x = load8(q0 + c), y = load8(q1 + c), z = load8(q2 + c);
+            for (int i = 0; i < 4; ++i) {
+                const v8 key = row8(kj + i * d + c);
+                f[i] += x * key, g[i] += y * key, h[i] += z * key;
+            }
+        }
+        const v8 fg = sums8(f[0], f[1], f[2], f[3], g[0], g[1], g[2], g[3]), hh = sums8(h[0], h[1], h[2], h[3], h[0], h[1], h[2], h[3]);
+        for (int i = 0; i < 4; ++i) s0[j + i] = fg[i], s1[j + i] = fg[4 + i], s2[j + i] = hh[i];
     }
     ahead.ask(j, len - j);
     if (j < len) {
@@ -257,20 +314,30 @@ void triple_scores(const float *q0, const float *q1, const float *q2, int d, con
 // summed as the other paths sum them (row_scores), so every path gives the same bits. q [6, d], s [6, BLOCK].
 template <typename T>
 void six_scores(const float *q, int d, const T *k, int len, float *s, Ahead ahead = {}) {
+    const int wide = wide_columns(d);
     const int grouped = len - len % 4;  // keys summed by sums8's tree; the rest by hsum, as row_scores does
     for (int j = 0; j < grouped; j += 2) {
         const T *kj = k + (int64_t)j * d;
         if (j % 4 == 0) ahead.ask(j, 4);
-        v8 a[6], b[6];
-        for (int r = 0; r < 6; ++r) a[r] = v8{}, b[r] = v8{};
-        for (int c = 0; c < d; c += 8) {
-            const v8 k0 = row8(kj + c), k1 = row8(kj + d + c);
+        vw a[6], b[6];
+        for (int r = 0; r < 6; ++r) a[r] = vw{}, b[r] = vw{};
+        for (int c = 0; c < wide; c += W) {
+            const vw k0 = roww(kj + c), k1 = roww(kj + d + c);
             for (int r = 0; r < 6; ++r) {
-                const v8 x = load8(q + r * d + c);
+                const vw x = loadw(q + r * d + c);
                 a[r] += x * k0, b[r] += x * k1;
             }
         }
-        const v8 first = sums8(a[0], b[0], a[1], b[1], a[2], b[2], a[3], b[3]), rest = sums8(a[4], b[4], a[5], b[5], a[4], b[4], a[5], b[5]);
+        v8 f[6], g[6];
+        for (int r = 0; r < 6; ++r) f[r] = fold(a[r]), g[r] = fold(b[r]);
+        for (int c = wide; c < d; c += 8) {
+            const v8 k0 = row8(kj + c), k1 = row8(kj + d + c);
+            for (int r = 0; r < 6; ++r) {
+                const v8 x = load8(q + r * d + c);
+                f[r] += x * k0, g[r] += x * k1;
+            }
+        }
+        const v8 first = sums8(f[0], g[0], f[1], g[1], f[2], g[2], f[3], g[3]), rest = sums8(f[4], g[4], f[5], g[5], f[4], g[4], f[5], g[5]);
         for (int r = 0; r < 4; ++r) s[r * BLOCK + j] = first[2 * r], s[r * BLOCK + j + 1] = first[2 * r + 1];
         for (int r = 0; r < 2; ++r) s[(4 + r) * BLOCK + j] = rest[2 * r], s[(4 + r) * BLOCK + j + 1] = rest[2 * r + 1];
     }
@@ -279,19 +346,22 @@ void six_scores(const float *q, int d, const T *k, int len, float *s, Ahead ahea
         for (int r = 0; r < 6; ++r) row_scores(q + r * d, d, k + (int64_t)grouped * d, len - grouped, s + r * BLOCK + grouped);
 }
 
+// The weighted values below take the widest vectors the machine has too: each output column sums its p_j v_j over
+// the keys in order, whatever the width, so the width changes only the speed.
 // acc = acc * keep + sum_j p[j] v_j for one row, 64 columns at a time in registers.
 template <typename T>
 void row_values(const float *p, float keep, int d, const T *v, int len, float *acc) {
+    constexpr int N = 64 / W;  // vectors in 64 columns
     int c0 = 0;
     for (; c0 + 64 <= d; c0 += 64) {
-        v8 a[8];
-        for (int i = 0; i < 8; ++i) a[i] = load8(acc + c0 + 8 * i) * splat(keep);
+        vw a[N];
+        for (int i = 0; i < N; ++i) a[i] = loadw(acc + c0 + W * i) * splatw(keep);
         for (int j = 0; j < len; ++j) {
-            const v8 w = splat(p[j]);
+            const vw w = splatw(p[j]);
             const T *vj = v + (int64_t)j * d + c0;
-            for (int i = 0; i < 8; ++i) a[i] += w * row8(vj + 8 * i);
+            for (int i = 0; i < N; ++i) a[i] += w * roww(vj + W * i);
         }
-        for (int i = 0; i < 8; ++i) store8(acc + c0 + 8 * i, a[i]);
+        for (int i = 0; i < N; ++i) storew(acc + c0 + W * i, a[i]);
     }
     for (; c0 < d; c0 += 8) {  // a head dimension that is not a multiple of 64
         v8 a = load8(acc + c0) * splat(keep);
@@ -300,74 +370,74 @@ void row_values(const float *p, float keep, int d, const T *v, int len, float *a
     }
 }
 
-// The same for two rows at once, 32 columns at a time: each value read once for both.
+// The same for two rows at once, four vectors of columns at a time: each value read once for both.
 template <typename T>
 void pair_values(const float *p0, const float *p1, float keep0, float keep1, int d, const T *v, int len, float *acc0, float *acc1) {
-    if (d % 32 != 0) {
+    if (d % (4 * W) != 0) {
         row_values(p0, keep0, d, v, len, acc0), row_values(p1, keep1, d, v, len, acc1);
         return;
     }
-    for (int c0 = 0; c0 < d; c0 += 32) {
-        v8 a[4], b[4];
-        for (int i = 0; i < 4; ++i) a[i] = load8(acc0 + c0 + 8 * i) * splat(keep0), b[i] = load8(acc1 + c0 + 8 * i) * splat(keep1);
+    for (int c0 = 0; c0 < d; c0 += 4 * W) {
+        vw a[4], b[4];
+        for (int i = 0; i < 4; ++i) a[i] = loadw(acc0 + c0 + W * i) * splatw(keep0), b[i] = loadw(acc1 + c0 + W * i) * splatw(keep1);
         for (int j = 0; j < len; ++j) {
-            const v8 w0 = splat(p0[j]), w1 = splat(p1[j]);
+            const vw w0 = splatw(p0[j]), w1 = splatw(p1[j]);
             const T *vj = v + (int64_t)j * d + c0;
             for (int i = 0; i < 4; ++i) {
-                const v8 x = row8(vj + 8 * i);
+                const vw x = roww(vj + W * i);
                 a[i] += w0 * x, b[i] += w1 * x;
             }
         }
-        for (int i = 0; i < 4; ++i) store8(acc0 + c0 + 8 * i, a[i]), store8(acc1 + c0 + 8 * i, b[i]);
+        for (int i = 0; i < 4; ++i) storew(acc0 + c0 + W * i, a[i]), storew(acc1 + c0 + W * i, b[i]);
     }
 }
 
-// The same for three rows at once, 32 columns at a time: twelve sums in registers, each value read once
-// for the three.
+// The same for three rows at once, four vectors of columns at a time: twelve sums in registers, each value
+// read once for the three.
 template <typename T>
 void triple_values(const float *const p[3], const float keep[3], int d, const T *v, int len, float *const acc[3]) {
-    if (d % 32 != 0) {
+    if (d % (4 * W) != 0) {
         for (int r = 0; r < 3; ++r) row_values(p[r], keep[r], d, v, len, acc[r]);
         return;
     }
-    for (int c0 = 0; c0 < d; c0 += 32) {
-        v8 a[4], b[4], e[4];
+    for (int c0 = 0; c0 < d; c0 += 4 * W) {
+        vw a[4], b[4], e[4];
         for (int i = 0; i < 4; ++i) {
-            a[i] = load8(acc[0] + c0 + 8 * i) * splat(keep[0]), b[i] = load8(acc[1] + c0 + 8 * i) * splat(keep[1]);
-            e[i] = load8(acc[2] + c0 + 8 * i) * splat(keep[2]);
+            a[i] = loadw(acc[0] + c0 + W * i) * splatw(keep[0]), b[i] = loadw(acc[1] + c0 + W * i) * splatw(keep[1]);
+            e[i] = loadw(acc[2] + c0 + W * i) * splatw(keep[2]);
         }
         for (int j = 0; j < len; ++j) {
-            const v8 w0 = splat(p[0][j]), w1 = splat(p[1][j]), w2 = splat(p[2][j]);
+            const vw w0 = splatw(p[0][j]), w1 = splatw(p[1][j]), w2 = splatw(p[2][j]);
             const T *vj = v + (int64_t)j * d + c0;
             for (int i = 0; i < 4; ++i) {
-                const v8 x = row8(vj + 8 * i);
+                const vw x = roww(vj + W * i);
                 a[i] += w0 * x, b[i] += w1 * x, e[i] += w2 * x;
             }
         }
-        for (int i = 0; i < 4; ++i) store8(acc[0] + c0 + 8 * i, a[i]), store8(acc[1] + c0 + 8 * i, b[i]), store8(acc[2] + c0 + 8 * i, e[i]);
+        for (int i = 0; i < 4; ++i) storew(acc[0] + c0 + W * i, a[i]), storew(acc[1] + c0 + W * i, b[i]), storew(acc[2] + c0 + W * i, e[i]);
     }
 }
 
-// The same for six rows at once, 16 columns at a time: twelve sums in registers, each value widened once
-// for the six. p [6, BLOCK], keep [6], acc [6, d].
+// The same for six rows at once, two vectors of columns at a time: twelve sums in registers, each value widened
+// once for the six. p [6, BLOCK], keep [6], acc [6, d].
 template <typename T>
 void six_values(const float *p, const float *keep, int d, const T *v, int len, float *acc) {
-    if (d % 16 != 0) {
+    if (d % (2 * W) != 0) {
         for (int r = 0; r < 6; ++r) row_values(p + r * BLOCK, keep[r], d, v, len, acc + r * d);
         return;
     }
-    for (int c0 = 0; c0 < d; c0 += 16) {
-        v8 a[6], b[6];
-        for (int r = 0; r < 6; ++r) a[r] = load8(acc + r * d + c0) * splat(keep[r]), b[r] = load8(acc + r * d + c0 + 8) * splat(keep[r]);
+    for (int c0 = 0; c0 < d; c0 += 2 * W) {
+        vw a[6], b[6];
+        for (int r = 0; r < 6; ++r) a[r] = loadw(acc + r * d + c0) * splatw(keep[r]), b[r] = loadw(acc + r * d + c0 + W) * splatw(keep[r]);
         for (int j = 0; j < len; ++j) {
             const T *vj = v + (int64_t)j * d + c0;
-            const v8 x = row8(vj), y = row8(vj + 8);
+            const vw x = roww(vj), y = roww(vj + W);
             for (int r = 0; r < 6; ++r) {
-                const v8 w = splat(p[r * BLOCK + j]);
+                const vw w = splatw(p[r * BLOCK + j]);
                 a[r] += w * x, b[r] += w * y;
             }
         }
-        for (int r = 0; r < 6; ++r) store8(acc + r * d + c0, a[r]), store8(acc + r * d + c0 + 8, b[r]);
+        for (int r = 0; r < 6; ++r) storew(acc + r * d + c0, a[r]), storew(acc + r * d + c0 + W, b[r]);
     }
 }
 

@@ -58,6 +58,20 @@
 namespace {
 
 typedef float v8 __attribute__((vector_size(32), aligned(4)));  // 8 floats, loads need no alignment
+// The float32 sums' vector: as wide as the machine has (16 floats with AVX-512, else 8). Each sum's lane l adds the
+// columns l, l + LANES, l + 2 LANES, ... in order, and the lanes are summed by hsum at the end, so this width is part
+// of every fp32 product's order (the same on one machine for any number of rows, threads or stored format). On the
+// 2-core Intel host without bf16 dot products (AVX-512F) 16 lanes took half the instructions of 8 to widen a Q4_1
+// block (a table of its sixteen values, then two permutes) and to sum it (docs/benchmarks.md, "The fp32 sums sixteen
+// lanes wide on AVX-512").
+#if defined(__AVX512F__)
+constexpr int LANES = 16;
+#else
+constexpr int LANES = 8;
+#endif
+constexpr int PER_BLOCK = 32 / LANES;  // vectors in a stored block of 32 weights
+typedef float vf __attribute__((vector_size(4 * LANES), aligned(4)));
+typedef uint32_t vfu __attribute__((vector_size(4 * LANES), aligned(4)));
 
 constexpr int ROWS = 4;  // weight rows streamed side by side
 constexpr int MAX_FUSED_ROWS = 6;  // fp32 input rows over narrower weights widened in registers; more take a group widened into L1
@@ -66,7 +80,6 @@ constexpr int MAX_Q4_PAIR_ROWS = 12;  // more input rows take the group's weight
 constexpr int MAX_Q4_ROWS = 16;  // bf16 input rows over Q4_1 weights
 constexpr int MAX_BF16_ROWS = 16;  // bf16 input rows taken (four at a time over each block)
 
-inline v8 load8(const float *p) { return *(const v8 *)p; }
 // Ask for the cache line at column c of the ROWS weight rows after w0's block (each row `in` elements
 // long). Past the last block this names addresses beyond the weights, which a prefetch never faults on.
 template <typename T>
@@ -76,24 +89,42 @@ inline void prefetch_next_block(const T *w0, int64_t in, int64_t c) {
 }
 
 inline float hsum(v8 x) { return ((x[0] + x[4]) + (x[1] + x[5])) + ((x[2] + x[6]) + (x[3] + x[7])); }
+inline vf loadf(const float *p) { return *(const vf *)p; }
+#if defined(__AVX512F__)
+inline float hsum(vf x) {  // the two halves added lane by lane, then as eight
+    return hsum(__builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7) + __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15));
+}
+inline vf load_tail(const float *p) { return (vf)_mm512_maskz_loadu_ps(0x00FF, p); }  // 8 floats, the upper lanes zero
+#endif
 
 // y[j, r .. r+3] = w_{r .. r+3} . x_j for input rows j0 .. j0+J-1, J of them at once (twelve sums in
 // flight for three rows: enough to keep both FMA units busy), each summed over the columns in order. w0
 // points at weight row r; where `prefetch`, each pass asks for its share of the next block's lines.
 template <int J>
 void four_outputs_of(const float *w0, bool prefetch, const float *x, int j0, int pass, int passes, int64_t in, int64_t out, int64_t r, float *y) {
-    v8 a[J][ROWS];
+    vf a[J][ROWS];
     for (int j = 0; j < J; ++j)
-        for (int i = 0; i < ROWS; ++i) a[j][i] = v8{};
-    for (int64_t c = 0; c < in; c += 8) {
+        for (int i = 0; i < ROWS; ++i) a[j][i] = vf{};
+    int64_t c = 0;
+    for (; c + LANES <= in; c += LANES) {
         if (prefetch && c % 16 == 0 && (c / 16) % passes == pass) prefetch_next_block(w0, in, c);  // this pass's share of the next block's lines
-        v8 p[J];
-        for (int j = 0; j < J; ++j) p[j] = load8(x + (j0 + j) * in + c);
+        vf p[J];
+        for (int j = 0; j < J; ++j) p[j] = loadf(x + (j0 + j) * in + c);
         for (int i = 0; i < ROWS; ++i) {
-            const v8 k = load8(w0 + i * in + c);
+            const vf k = loadf(w0 + i * in + c);
             for (int j = 0; j < J; ++j) a[j][i] += k * p[j];
         }
     }
+#if defined(__AVX512F__)
+    if (c < in) {  // eight columns left: into the lower lanes
+        vf p[J];
+        for (int j = 0; j < J; ++j) p[j] = load_tail(x + (j0 + j) * in + c);
+        for (int i = 0; i < ROWS; ++i) {
+            const vf k = load_tail(w0 + i * in + c);
+            for (int j = 0; j < J; ++j) a[j][i] += k * p[j];
+        }
+    }
+#endif
     for (int j = 0; j < J; ++j)
         for (int i = 0; i < ROWS; ++i) y[(j0 + j) * out + r + i] = hsum(a[j][i]);
 }
@@ -110,8 +141,12 @@ void four_outputs(const float *w0, bool prefetch, const float *x, int n, int64_t
 // y[j, r] = w_r . x_j for one output row (the last, short block; wr points at it), summed in the same order.
 void one_output(const float *wr, const float *x, int n, int64_t in, int64_t out, int64_t r, float *y) {
     for (int j = 0; j < n; ++j) {
-        v8 a{};
-        for (int64_t c = 0; c < in; c += 8) a += load8(wr + c) * load8(x + j * in + c);
+        vf a{};
+        int64_t c = 0;
+        for (; c + LANES <= in; c += LANES) a += loadf(wr + c) * loadf(x + j * in + c);
+#if defined(__AVX512F__)
+        if (c < in) a += load_tail(wr + c) * load_tail(x + j * in + c);  // eight columns left, as four_outputs_of
+#endif
         y[j * out + r] = hsum(a);
     }
 }
@@ -144,20 +179,32 @@ inline void add_bias(const float *bias, float *y, int n, int64_t out, int64_t fi
 struct Q4_1 {
     static constexpr int64_t BLOCK_BYTES = 24;
     static constexpr bool ROW_AFTER_ROW = false;  // grouped (above)
-    static inline void widen(const uint8_t *block, v8 q[4]) {
+    // The block's 32 weights into q[0 .. PER_BLOCK-1], each of its sixteen values d * q + m first passed through
+    // `value` (the identity, or a rounding to bf16: AsBF16).
+    template <class Value>
+    static inline void widen_as(const uint8_t *block, vf q[PER_BLOCK], Value value) {
         const uint8_t *codes = block;
         const float d = ((const float *)(block + 16))[0], m = ((const float *)(block + 16))[1];
-#if defined(__AVX2__)
+#if defined(__AVX512F__)
+        // the sixteen values as a table, each weight picked from it by its code (vpermps reads an index's low four
+        // bits: a zero-extended code byte q_i + 16 q_{i+16} picks q_i's value, and shifted right by four q_{i+16}'s)
+        const __m512 ramp = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+        const __m512 table = (__m512)value((vf)_mm512_fmadd_ps(ramp, _mm512_set1_ps(d), _mm512_set1_ps(m)));
+        const __m512i index = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)codes));
+        q[0] = (vf)_mm512_permutexvar_ps(index, table), q[1] = (vf)_mm512_permutexvar_ps(_mm512_srli_epi32(index, 4), table);
+#elif defined(__AVX2__)
         const __m128i bytes = _mm_loadu_si128((const __m128i *)codes);
         const __m256i lo = _mm256_cvtepu8_epi32(bytes), hi = _mm256_cvtepu8_epi32(_mm_unpackhi_epi64(bytes, bytes));  // bytes 0-7, 8-15
         const __m256i low_nibble = _mm256_set1_epi32(15);
-        q[0] = (v8)_mm256_cvtepi32_ps(_mm256_and_si256(lo, low_nibble)), q[1] = (v8)_mm256_cvtepi32_ps(_mm256_and_si256(hi, low_nibble));
-        q[2] = (v8)_mm256_cvtepi32_ps(_mm256_srli_epi32(lo, 4)), q[3] = (v8)_mm256_cvtepi32_ps(_mm256_srli_epi32(hi, 4));
+        q[0] = (vf)_mm256_cvtepi32_ps(_mm256_and_si256(lo, low_nibble)), q[1] = (vf)_mm256_cvtepi32_ps(_mm256_and_si256(hi, low_nibble));
+        q[2] = (vf)_mm256_cvtepi32_ps(_mm256_srli_epi32(lo, 4)), q[3] = (vf)_mm256_cvtepi32_ps(_mm256_srli_epi32(hi, 4));
+        for (int k = 0; k < PER_BLOCK; ++k) q[k] = value(q[k] * d + m);
 #else
         for (int i = 0; i < 16; ++i) q[i / 8][i % 8] = (float)(codes[i] & 15), q[2 + i / 8][i % 8] = (float)(codes[i] >> 4);
+        for (int k = 0; k < PER_BLOCK; ++k) q[k] = value(q[k] * d + m);
 #endif
-        for (int k = 0; k < 4; ++k) q[k] = q[k] * d + m;
     }
+    static inline void widen(const uint8_t *block, vf q[PER_BLOCK]) { widen_as(block, q, [](vf v) { return v; }); }
 };
 
 // GGUF's Q8_0 as this file reads it: a block is 32 signed code bytes, then its scale d as float32 (an exact
@@ -165,15 +212,17 @@ struct Q4_1 {
 struct Q8_0 {
     static constexpr int64_t BLOCK_BYTES = 36;
     static constexpr bool ROW_AFTER_ROW = false;
-    static inline void widen(const uint8_t *block, v8 q[4]) {
+    static inline void widen(const uint8_t *block, vf q[PER_BLOCK]) {
         const int8_t *codes = (const int8_t *)block;
         const float d = *(const float *)(block + 32);
-#if defined(__AVX2__)
-        for (int k = 0; k < 4; ++k) q[k] = (v8)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(codes + 8 * k))));
+#if defined(__AVX512F__)
+        for (int k = 0; k < PER_BLOCK; ++k) q[k] = (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(codes + 16 * k))));
+#elif defined(__AVX2__)
+        for (int k = 0; k < PER_BLOCK; ++k) q[k] = (vf)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(codes + 8 * k))));
 #else
         for (int i = 0; i < 32; ++i) q[i / 8][i % 8] = (float)codes[i];
 #endif
-        for (int k = 0; k < 4; ++k) q[k] = q[k] * d;
+        for (int k = 0; k < PER_BLOCK; ++k) q[k] = q[k] * d;
     }
 };
 
@@ -181,11 +230,14 @@ struct Q8_0 {
 struct BF16 {
     static constexpr int64_t BLOCK_BYTES = 64;
     static constexpr bool ROW_AFTER_ROW = false;
-    static inline void widen(const uint8_t *block, v8 q[4]) {
+    static inline void widen(const uint8_t *block, vf q[PER_BLOCK]) {
         const uint16_t *h = (const uint16_t *)block;
-#if defined(__AVX2__)
-        for (int k = 0; k < 4; ++k)
-            q[k] = (v8)_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(h + 8 * k))), 16);
+#if defined(__AVX512F__)
+        for (int k = 0; k < PER_BLOCK; ++k)
+            q[k] = (vf)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(h + 16 * k))), 16);
+#elif defined(__AVX2__)
+        for (int k = 0; k < PER_BLOCK; ++k)
+            q[k] = (vf)_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(h + 8 * k))), 16);
 #else
         for (int i = 0; i < 32; ++i) {
             const uint32_t bits = (uint32_t)h[i] << 16;
@@ -235,16 +287,16 @@ inline void ask_next(const uint8_t *next, int64_t rows, int64_t b) {
 // Asks for the next group's rows (`next`) as it goes.
 template <class Format, int J>
 void widened_four_outputs(const uint8_t *rows, const uint8_t *next, const float *x, int64_t in, int64_t out, int64_t r, float *y) {
-    v8 a[J][ROWS];
+    vf a[J][ROWS];
     for (int j = 0; j < J; ++j)
-        for (int i = 0; i < ROWS; ++i) a[j][i] = v8{};
+        for (int i = 0; i < ROWS; ++i) a[j][i] = vf{};
     for (int64_t b = 0; b < in / 32; ++b) {
         ask_next<Format>(next, ROWS, b);
         for (int i = 0; i < ROWS; ++i) {
-            v8 w[4];
+            vf w[PER_BLOCK];
             Format::widen(block_of<Format>(rows, ROWS, i, b, in), w);
-            for (int k = 0; k < 4; ++k)
-                for (int j = 0; j < J; ++j) a[j][i] += w[k] * load8(x + j * in + 32 * b + 8 * k);
+            for (int k = 0; k < PER_BLOCK; ++k)
+                for (int j = 0; j < J; ++j) a[j][i] += w[k] * loadf(x + j * in + 32 * b + LANES * k);
         }
     }
     for (int j = 0; j < J; ++j)
@@ -267,9 +319,9 @@ void widen_rows(const uint8_t *rows, const uint8_t *next, int64_t in, int64_t co
     for (int64_t b = 0; b < in / 32; ++b) {
         ask_next<Format>(next, count, b);
         for (int64_t i = 0; i < count; ++i) {
-            v8 q[4];
+            vf q[PER_BLOCK];
             Format::widen(block_of<Format>(rows, count, i, b, in), q);
-            for (int k = 0; k < 4; ++k) *(v8 *)(w + i * in + 32 * b + 8 * k) = q[k];
+            for (int k = 0; k < PER_BLOCK; ++k) *(vf *)(w + i * in + 32 * b + LANES * k) = q[k];
         }
     }
 }
@@ -316,13 +368,11 @@ int widened_linear(const uint8_t *w, const float *x, const float *bias, float *y
 // a weight instead of 2. vdpbf16ps sums in another order, so bf16 outputs differ between the two kinds of
 // CPU by rounding; on one CPU they are the same bits alone or in a verify.
 
-typedef uint32_t v8u __attribute__((vector_size(32), aligned(4)));
-
 constexpr int MAX_WIDENED_BF16_ROWS = 16;  // bf16 rows taken this way (packed_linear.py: MAX_WIDENED_BF16_ROWS)
 
-inline v8 round_to_bf16(v8 x) {  // each lane to the nearest bf16 (ties to even), as a float32 with a zero lower half
-    const v8u bits = (v8u)x;
-    return (v8)((bits + 0x7FFFu + ((bits >> 16) & 1u)) & 0xFFFF0000u);
+inline vf round_to_bf16(vf x) {  // each lane to the nearest bf16 (ties to even), as a float32 with a zero lower half
+    const vfu bits = (vfu)x;
+    return (vf)((bits + 0x7FFFu + ((bits >> 16) & 1u)) & 0xFFFF0000u);
 }
 
 // A stored format's blocks as the bf16 numbers they stand for (its float32 weights rounded to nearest even, as the
@@ -331,10 +381,18 @@ template <class Format>
 struct AsBF16 {
     static constexpr int64_t BLOCK_BYTES = Format::BLOCK_BYTES;
     static constexpr bool ROW_AFTER_ROW = Format::ROW_AFTER_ROW;
-    static inline void widen(const uint8_t *block, v8 q[4]) {
+    static inline void widen(const uint8_t *block, vf q[PER_BLOCK]) {
         Format::widen(block, q);
-        for (int k = 0; k < 4; ++k) q[k] = round_to_bf16(q[k]);
+        for (int k = 0; k < PER_BLOCK; ++k) q[k] = round_to_bf16(q[k]);
     }
+};
+
+// Q4_1 rounds its sixteen values once, before they are picked (the same numbers as rounding each weight).
+template <>
+struct AsBF16<Q4_1> {
+    static constexpr int64_t BLOCK_BYTES = Q4_1::BLOCK_BYTES;
+    static constexpr bool ROW_AFTER_ROW = Q4_1::ROW_AFTER_ROW;
+    static inline void widen(const uint8_t *block, vf q[PER_BLOCK]) { Q4_1::widen_as(block, q, round_to_bf16); }
 };
 
 // y [n, out] bf16 = x [n, in] bf16 W^T + bias (bf16 or null), W stored as Format (widening to bf16 numbers):
