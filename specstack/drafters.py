@@ -169,9 +169,9 @@ class LookupFirstDrafter(ModelDrafter):
 
 
 # A priced prompt lookup's running acceptance per match length and draft position (PromptLookupDrafter):
-ACCEPTANCE_PRIOR = 0.5  # where an estimate starts, and where one priced out drifts back to
+ACCEPTANCE_PRIOR = 0.5  # where an estimate starts
 ACCEPTANCE_WEIGHT = 0.1  # how far each observed round moves an estimate toward its outcome
-RETRY = 0.02  # how far each round priced out moves its first position back toward the prior
+RETRY = 0.02  # how far each round priced out moves its first position toward 1, so that it is tried again
 
 
 @attrs.define(eq=False, kw_only=True)
@@ -190,8 +190,9 @@ class PromptLookupDrafter(Drafter):
     drafts only as many of the matched tokens as pay: the length :func:`specstack.speedup.best_length` picks from
     those costs and from the acceptance it measured, for matches of the same length, at each position of a draft
     (a running estimate, ACCEPTANCE_WEIGHT of the way to each round's outcome; a position not yet examined taken
-    as the deepest one examined; a match length priced out drifts back toward ACCEPTANCE_PRIOR, RETRY of the way
-    each time, so that it is tried again). What is drafted depends on earlier rounds only, never on the level's
+    as the deepest one examined). A match length priced out gets no evidence, so its first position drifts toward 1,
+    RETRY of the way each round, until it is drafted again; drifting toward the prior instead, a match length stayed
+    priced out for good wherever the prior itself did not pay (a 2-token forward measured at 1.5 steps makes it so). What is drafted depends on earlier rounds only, never on the level's
     draws in this one, so verification stays exact.
     """
 
@@ -267,8 +268,8 @@ class PromptLookupDrafter(Drafter):
         """How many of ``found`` tokens from a match of ``matched`` tokens to draft at the priced costs."""
         rates = self._acceptance.setdefault(matched, [ACCEPTANCE_PRIOR])  # position i: a draft's token i; grows as examined
         kept = best_length([rates[min(i, len(rates) - 1)] for i in range(found)], self._verify_seconds)
-        if kept == 0:  # priced out: drift back, to be tried again
-            rates[0] += RETRY * (ACCEPTANCE_PRIOR - rates[0])
+        if kept == 0:  # priced out: drift up, to be tried again
+            rates[0] += RETRY * (1.0 - rates[0])
         return kept
 
     def _catch_up(self, prefix: TokenView) -> None:

@@ -320,6 +320,25 @@ def test_a_priced_prompt_lookup_drafts_what_pays_for_each_match_length() -> None
     assert len(lookup.propose(short_match, 3).tokens) == 0
 
 
+def test_a_priced_prompt_lookup_tries_a_priced_out_match_length_again() -> None:
+    """At costs where the prior acceptance of 0.5 does not pay (a 2-token forward costing 1.6 steps), a match length
+    whose drafts were rejected is priced out; it gets no evidence then, so it drifts up and is drafted again within
+    50 rounds. Fails where a priced-out estimate drifts back toward the prior, which never pays here (the stack
+    then drafts nothing for the rest of the generation: seen in a greedy generation of the Bible at 7,500 tokens,
+    1.15 tokens a target forward against 1.9-2.2 in runs that escaped it)."""
+    from specstack.drafters import PromptLookupDrafter
+
+    match = [1, 2, 3, 4, 5, 6, 7, 1, 2, 3]
+    lookup = PromptLookupDrafter(vocab=16)
+    lookup.price([1.0, 1.6, 2.0, 2.4])
+    lookup._acceptance[3] = [0.8]  # an estimate that pays, then rejections
+    for _ in range(5):
+        lookup.observe(len(lookup.propose(match, 3).tokens), 0)
+    assert len(lookup.propose(match, 3).tokens) == 0
+    drafted = [len(lookup.propose(match, 3).tokens) for _ in range(50)]
+    assert max(drafted) >= 1
+
+
 def test_gamma_auto_prices_a_prompt_lookup_and_stays_lossless(monkeypatch) -> None:
     """gamma=auto tells prompt lookup the target's forward costs: the level's γ becomes max_gamma (a cap), the
     description says who chooses the lengths, and the output is still the target's greedy decoding."""
