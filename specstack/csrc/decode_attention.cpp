@@ -188,84 +188,64 @@ inline v8 fold(vw x) { return x; }
 // The columns of a head's dimension that the wide vectors take; the rest (d % W of them) go eight at a time.
 inline int wide_columns(int d) { return d - d % W; }
 
+// f[r][i] = the folded sums of q_r . k_i for R query rows and the N keys from kj: wide vectors along the head, the
+// fold, then its last columns eight at a time. Each key is read (and widened) once for the R rows.
+template <int R, int N, typename T>
+inline void block_sums(const float *const q[R], int d, const T *kj, v8 f[R][N]) {
+    const int wide = wide_columns(d);
+    vw a[R][N];
+    for (int r = 0; r < R; ++r)
+        for (int i = 0; i < N; ++i) a[r][i] = vw{};
+    for (int c = 0; c < wide; c += W)
+        for (int i = 0; i < N; ++i) {
+            const vw key = roww(kj + i * d + c);
+            for (int r = 0; r < R; ++r) a[r][i] += loadw(q[r] + c) * key;
+        }
+    for (int r = 0; r < R; ++r)
+        for (int i = 0; i < N; ++i) f[r][i] = fold(a[r][i]);
+    for (int c = wide; c < d; c += 8)
+        for (int i = 0; i < N; ++i) {
+            const v8 key = row8(kj + i * d + c);
+            for (int r = 0; r < R; ++r) f[r][i] += load8(q[r] + c) * key;
+        }
+}
+
 // s[r * BLOCK + j] = q_r . k_j for keys j < len (q already scaled) of one row, eight keys at a time.
 template <typename T>
 void row_scores(const float *qr, int d, const T *k, int len, float *sr, Ahead ahead = {}) {
-    const int wide = wide_columns(d);
+    const float *q[1] = {qr};
     int j = 0;
     for (; j + 8 <= len; j += 8) {
-        const T *kj = k + (int64_t)j * d;
         ahead.ask(j, 8);
-        vw a[8];
-        for (int i = 0; i < 8; ++i) a[i] = vw{};
-        for (int c = 0; c < wide; c += W) {
-            const vw x = loadw(qr + c);
-            for (int i = 0; i < 8; ++i) a[i] += x * roww(kj + i * d + c);
-        }
-        v8 f[8];
-        for (int i = 0; i < 8; ++i) f[i] = fold(a[i]);
-        for (int c = wide; c < d; c += 8) {
-            const v8 x = load8(qr + c);
-            for (int i = 0; i < 8; ++i) f[i] += x * row8(kj + i * d + c);
-        }
-        store8(sr + j, sums8(f[0], f[1], f[2], f[3], f[4], f[5], f[6], f[7]));
+        v8 f[1][8];
+        block_sums<1, 8>(q, d, k + (int64_t)j * d, f);
+        store8(sr + j, sums8(f[0][0], f[0][1], f[0][2], f[0][3], f[0][4], f[0][5], f[0][6], f[0][7]));
     }
     ahead.ask(j, len - j);
     if (j + 4 <= len) {  // four keys left: summed as the pair and triple paths sum them, so every path gives the same bits
-        const T *kj = k + (int64_t)j * d;
-        vw a[4];
-        for (int i = 0; i < 4; ++i) a[i] = vw{};
-        for (int c = 0; c < wide; c += W) {
-            const vw x = loadw(qr + c);
-            for (int i = 0; i < 4; ++i) a[i] += x * roww(kj + i * d + c);
-        }
-        v8 f[4];
-        for (int i = 0; i < 4; ++i) f[i] = fold(a[i]);
-        for (int c = wide; c < d; c += 8) {
-            const v8 x = load8(qr + c);
-            for (int i = 0; i < 4; ++i) f[i] += x * row8(kj + i * d + c);
-        }
-        const v8 sums = sums8(f[0], f[1], f[2], f[3], f[0], f[1], f[2], f[3]);
+        v8 f[1][4];
+        block_sums<1, 4>(q, d, k + (int64_t)j * d, f);
+        const v8 sums = sums8(f[0][0], f[0][1], f[0][2], f[0][3], f[0][0], f[0][1], f[0][2], f[0][3]);
         for (int i = 0; i < 4; ++i) sr[j + i] = sums[i];
         j += 4;
     }
     for (; j < len; ++j) {
-        const T *kj = k + (int64_t)j * d;
-        vw a{};
-        for (int c = 0; c < wide; c += W) a += loadw(qr + c) * roww(kj + c);
-        v8 f = fold(a);
-        for (int c = wide; c < d; c += 8) f += load8(qr + c) * row8(kj + c);
-        sr[j] = hsum(f);
+        v8 f[1][1];
+        block_sums<1, 1>(q, d, k + (int64_t)j * d, f);
+        sr[j] = hsum(f[0][0]);
     }
 }
 
 // The same for two rows at once, four keys at a time: each key read once for both.
 template <typename T>
 void pair_scores(const float *q0, const float *q1, int d, const T *k, int len, float *s0, float *s1, Ahead ahead = {}) {
-    const int wide = wide_columns(d);
+    const float *q[2] = {q0, q1};
     int j = 0;
     for (; j + 4 <= len; j += 4) {
-        const T *kj = k + (int64_t)j * d;
         ahead.ask(j, 4);
-        vw a[4], b[4];
-        for (int i = 0; i < 4; ++i) a[i] = vw{}, b[i] = vw{};
-        for (int c = 0; c < wide; c += W) {
-            const vw x = loadw(q0 + c), y = loadw(q1 + c);
-            for (int i = 0; i < 4; ++i) {
-                const vw key = roww(kj + i * d + c);
-                a[i] += x * key, b[i] += y * key;
-            }
-        }
-        v8 f[4], g[4];
-        for (int i = 0; i < 4; ++i) f[i] = fold(a[i]), g[i] = fold(b[i]);
-        for (int c = wide; c < d; c += 8) {
-            const v8 x = load8(q0 + c), y = load8(q1 + c);
-            for (int i = 0; i < 4; ++i) {
-                const v8 key = row8(kj + i * d + c);
-                f[i] += x * key, g[i] += y * key;
-            }
-        }
-        const v8 sums = sums8(f[0], f[1], f[2], f[3], g[0], g[1], g[2], g[3]);
+        v8 f[2][4];
+        block_sums<2, 4>(q, d, k + (int64_t)j * d, f);
+        const v8 sums = sums8(f[0][0], f[0][1], f[0][2], f[0][3], f[1][0], f[1][1], f[1][2], f[1][3]);
         for (int i = 0; i < 4; ++i) s0[j + i] = sums[i], s1[j + i] = sums[4 + i];
     }
     ahead.ask(j, len - j);
@@ -276,30 +256,14 @@ void pair_scores(const float *q0, const float *q1, int d, const T *k, int len, f
 // time: twelve sums in registers, each key read once for the three.
 template <typename T>
 void triple_scores(const float *q0, const float *q1, const float *q2, int d, const T *k, int len, float *s0, float *s1, float *s2, Ahead ahead = {}) {
-    const int wide = wide_columns(d);
+    const float *q[3] = {q0, q1, q2};
     int j = 0;
     for (; j + 4 <= len; j += 4) {
-        const T *kj = k + (int64_t)j * d;
         ahead.ask(j, 4);
-        vw a[4], b[4], e[4];
-        for (int i = 0; i < 4; ++i) a[i] = vw{}, b[i] = vw{}, e[i] = vw{};
-        for (int c = 0; c < wide; c += W) {
-            const vw x = loadw(q0 + c), y = loadw(q1 + c), z = loadw(q2 + c);
-            for (int i = 0; i < 4; ++i) {
-                const vw key = roww(kj + i * d + c);
-                a[i] += x * key, b[i] += y * key, e[i] += z * key;
-            }
-        }
-        v8 f[4], g[4], h[4];
-        for (int i = 0; i < 4; ++i) f[i] = fold(a[i]), g[i] = fold(b[i]), h[i] = fold(e[i]);
-        for (int c = wide; c < d; c += 8) {
-            const v8 x = load8(q0 + c), y = load8(q1 + c), z = load8(q2 + c);
-            for (int i = 0; i < 4; ++i) {
-                const v8 key = row8(kj + i * d + c);
-                f[i] += x * key, g[i] += y * key, h[i] += z * key;
-            }
-        }
-        const v8 fg = sums8(f[0], f[1], f[2], f[3], g[0], g[1], g[2], g[3]), hh = sums8(h[0], h[1], h[2], h[3], h[0], h[1], h[2], h[3]);
+        v8 f[3][4];
+        block_sums<3, 4>(q, d, k + (int64_t)j * d, f);
+        const v8 fg = sums8(f[0][0], f[0][1], f[0][2], f[0][3], f[1][0], f[1][1], f[1][2], f[1][3]);
+        const v8 hh = sums8(f[2][0], f[2][1], f[2][2], f[2][3], f[2][0], f[2][1], f[2][2], f[2][3]);
         for (int i = 0; i < 4; ++i) s0[j + i] = fg[i], s1[j + i] = fg[4 + i], s2[j + i] = hh[i];
     }
     ahead.ask(j, len - j);
@@ -314,30 +278,14 @@ void triple_scores(const float *q0, const float *q1, const float *q2, int d, con
 // summed as the other paths sum them (row_scores), so every path gives the same bits. q [6, d], s [6, BLOCK].
 template <typename T>
 void six_scores(const float *q, int d, const T *k, int len, float *s, Ahead ahead = {}) {
-    const int wide = wide_columns(d);
+    const float *rows[6] = {q, q + d, q + 2 * d, q + 3 * d, q + 4 * d, q + 5 * d};
     const int grouped = len - len % 4;  // keys summed by sums8's tree; the rest by hsum, as row_scores does
     for (int j = 0; j < grouped; j += 2) {
-        const T *kj = k + (int64_t)j * d;
         if (j % 4 == 0) ahead.ask(j, 4);
-        vw a[6], b[6];
-        for (int r = 0; r < 6; ++r) a[r] = vw{}, b[r] = vw{};
-        for (int c = 0; c < wide; c += W) {
-            const vw k0 = roww(kj + c), k1 = roww(kj + d + c);
-            for (int r = 0; r < 6; ++r) {
-                const vw x = loadw(q + r * d + c);
-                a[r] += x * k0, b[r] += x * k1;
-            }
-        }
-        v8 f[6], g[6];
-        for (int r = 0; r < 6; ++r) f[r] = fold(a[r]), g[r] = fold(b[r]);
-        for (int c = wide; c < d; c += 8) {
-            const v8 k0 = row8(kj + c), k1 = row8(kj + d + c);
-            for (int r = 0; r < 6; ++r) {
-                const v8 x = load8(q + r * d + c);
-                f[r] += x * k0, g[r] += x * k1;
-            }
-        }
-        const v8 first = sums8(f[0], g[0], f[1], g[1], f[2], g[2], f[3], g[3]), rest = sums8(f[4], g[4], f[5], g[5], f[4], g[4], f[5], g[5]);
+        v8 f[6][2];
+        block_sums<6, 2>(rows, d, k + (int64_t)j * d, f);
+        const v8 first = sums8(f[0][0], f[0][1], f[1][0], f[1][1], f[2][0], f[2][1], f[3][0], f[3][1]);
+        const v8 rest = sums8(f[4][0], f[4][1], f[5][0], f[5][1], f[4][0], f[4][1], f[5][0], f[5][1]);
         for (int r = 0; r < 4; ++r) s[r * BLOCK + j] = first[2 * r], s[r * BLOCK + j + 1] = first[2 * r + 1];
         for (int r = 0; r < 2; ++r) s[(4 + r) * BLOCK + j] = rest[2 * r], s[(4 + r) * BLOCK + j + 1] = rest[2 * r + 1];
     }
