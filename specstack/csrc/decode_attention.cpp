@@ -52,6 +52,7 @@
 #include <omp.h>
 
 #include "bf16.h"
+#include "scratch.h"
 #if defined(__AVX2__)
 #include <immintrin.h>  // one conversion instruction to widen eight bf16 numbers (load8_bf16)
 #endif
@@ -1214,8 +1215,8 @@ int specstack_decode_attention(const float *q, const void *k, const void *v, int
     const size_t item_floats = registers ? 16 * (size_t)rows : scratch_floats(d);
 #endif
     const size_t own = (size_t)hkv * t * d;  // the new tokens' own keys (and values), as float32
-    // one allocation per call: scaled queries, each item's partials and scratch, the own keys and values
-    float *scaled = (float *)malloc(sizeof(float) * ((size_t)hkv * rows * d + (size_t)items * (rows * (d + 2) + item_floats) + 2 * own));
+    // one buffer a call, the calling thread's (scratch.h): scaled queries, each item's partials and scratch, the own keys and values
+    float *scaled = thread_scratch<0>((size_t)hkv * rows * d + (size_t)items * (rows * (d + 2) + item_floats) + 2 * own);
     if (!scaled) return -1;
     float *m = scaled + (size_t)hkv * rows * d, *l = m + (size_t)items * rows, *acc = l + (size_t)items * rows;
     float *scratch = acc + (size_t)items * rows * d, *k_own = scratch + (size_t)items * item_floats, *v_own = k_own + own;
@@ -1261,7 +1262,6 @@ int specstack_decode_attention(const float *q, const void *k, const void *v, int
         merge_row(scaled + (int64_t)hr * d, r, t, d, splits, k_own + h * t * d, v_own + h * t * d, sees,
                   m + first * rows, l + first * rows, acc + first * rows * d, rows, out + (int64_t)hr * d);
     }
-    free(scaled);
     return 0;
 }
 

@@ -45,6 +45,7 @@
 #include <omp.h>
 
 #include "bf16.h"
+#include "scratch.h"
 #if defined(__AVX2__)
 #include <immintrin.h>
 #endif
@@ -334,8 +335,7 @@ int widened_linear(const uint8_t *w, const float *x, const float *bias, float *y
     const int64_t groups = (out + ROWS - 1) / ROWS, row_bytes = row_bytes_of<Format>(in);
 #pragma omp parallel num_threads(threads)
     {
-        std::unique_ptr<float[]> scratch;  // made when first needed
-        float *widened = nullptr;          // in it, from a cache line's start, as torch's tensors
+        float *widened = nullptr;  // this thread's scratch (scratch.h), taken when first needed
 #pragma omp for schedule(static)
         for (int64_t g = 0; g < groups; ++g) {
             const int64_t first = g * ROWS, last = first + ROWS < out ? first + ROWS : out;
@@ -343,7 +343,7 @@ int widened_linear(const uint8_t *w, const float *x, const float *bias, float *y
             if (last - first == ROWS && n <= MAX_FUSED_ROWS) {
                 widened_rows<Format>(rows, next, x, n, in, out, first, y);
             } else {
-                if (!widened) scratch.reset(new float[ROWS * in + 16]), widened = (float *)(((uintptr_t)scratch.get() + 63) & ~(uintptr_t)63);
+                if (!widened) widened = thread_scratch<1>(ROWS * in);
                 widen_rows<Format>(rows, next, in, last - first, widened);
                 if (last - first == ROWS)
                     four_outputs(widened, false, x, n, in, out, first, y);
@@ -400,8 +400,9 @@ struct AsBF16<Q4_1> {
 template <class Format>
 int widened_bf16_linear(const uint8_t *w, const uint16_t *x, const uint16_t *bias, uint16_t *y, int n, int64_t out, int64_t in, int threads) {
     if (in < 32 || in % 32 != 0 || out < 1 || n < 1 || n > MAX_WIDENED_BF16_ROWS || threads < 1) return -1;
-    std::unique_ptr<float[]> room(new float[(size_t)n * in + (size_t)out + (size_t)n * out]);
-    float *xf = room.get(), *bf = xf + (size_t)n * in, *yf = bf + out;  // [n, in], [out], [n, out]
+    float *xf = thread_scratch<0>((size_t)n * in + (size_t)out + (size_t)n * out);  // the calling thread's (scratch.h)
+    if (!xf) return -1;
+    float *bf = xf + (size_t)n * in, *yf = bf + out;  // [n, in], [out], [n, out]
     for (int64_t i = 0; i < (int64_t)n * in; ++i) xf[i] = bf16_to_float(x[i]);
     if (bias)
         for (int64_t r = 0; r < out; ++r) bf[r] = bf16_to_float(bias[r]);
