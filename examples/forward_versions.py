@@ -6,7 +6,7 @@ both files and the headers they include) and this checkout's; the logits of a fo
 same bits under both (the versions may differ only in speed), then forwards of each width over ``--cache`` random
 cached slots are timed in alternating turns (both orders) and the medians compared.
 
-    mkdir -p /tmp/before && for f in decode_attention.cpp linear_rows.cpp bf16.h amx_tiles.h; do
+    mkdir -p /tmp/before && for f in decode_attention.cpp linear_rows.cpp bf16.h amx_tiles.h scratch.h; do
         git show HEAD~1:specstack/csrc/$f > /tmp/before/$f; done
     python examples/forward_versions.py --source /tmp/before --cache 7500 --tokens 1 2 4 8 16
     python examples/forward_versions.py --source /tmp/before --cache 32000 --tokens 1 8 --context 32768
