@@ -192,8 +192,8 @@ class PromptLookupDrafter(Drafter):
     (a running estimate, ACCEPTANCE_WEIGHT of the way to each round's outcome; a position not yet examined taken
     as the deepest one examined). A match length priced out gets no evidence, so its first position drifts toward 1,
     RETRY of the way each round, until it is drafted again; drifting toward the prior instead, a match length stayed
-    priced out for good wherever the prior itself did not pay (a 2-token forward measured at 1.5 steps makes it so). What is drafted depends on earlier rounds only, never on the level's
-    draws in this one, so verification stays exact.
+    priced out for good wherever the prior itself did not pay (a 2-token forward costing 1.5 steps or more). What is
+    drafted depends on earlier rounds only, never on the level's draws in this one, so verification stays exact.
     """
 
     name: ClassVar[str] = "prompt-lookup"

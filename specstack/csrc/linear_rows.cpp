@@ -173,15 +173,22 @@ inline void add_bias(const float *bias, float *y, int n, int64_t out, int64_t fi
 // one-token forward over 512 cached slots took 1.55x less time than from rows stored one after another, the bf16
 // draft's 1.82x (docs/benchmarks.md, "Weight rows stored four at a time").
 
+// Each format widens a block with widen_as(block, q, value), every weight passed through `value` (the identity for the
+// fp32 product; a rounding to bf16 for AsBF16, below); widen is widen_as with the identity.
+template <class Format>
+struct Plain {
+    static inline void widen(const uint8_t *block, vf q[PER_BLOCK]) { Format::widen_as(block, q, [](vf v) { return v; }); }
+};
+
 // GGUF's Q4_1 as this file reads it: a block is 16 code bytes (byte i holds q_i in its low nibble and q_{i+16}
 // in its high), then its scale and offset (d, m) as float32, exact copies of GGUF's float16 numbers.
 // w = d * q + m: the product is exact (an 11-bit scale times a 4-bit code), so one rounding, as the GGUF
 // reader's (d * q) + m.
-struct Q4_1 {
+struct Q4_1 : Plain<Q4_1> {
     static constexpr int64_t BLOCK_BYTES = 24;
     static constexpr bool ROW_AFTER_ROW = false;  // grouped (above)
-    // The block's 32 weights into q[0 .. PER_BLOCK-1], each of its sixteen values d * q + m first passed through
-    // `value` (the identity, or a rounding to bf16: AsBF16).
+    // The block's 32 weights into q[0 .. PER_BLOCK-1]; with AVX-512 `value` takes the block's sixteen values once,
+    // before each weight is picked from them (the same numbers as passing each weight).
     template <class Value>
     static inline void widen_as(const uint8_t *block, vf q[PER_BLOCK], Value value) {
         const uint8_t *codes = block;
@@ -205,15 +212,15 @@ struct Q4_1 {
         for (int k = 0; k < PER_BLOCK; ++k) q[k] = value(q[k] * d + m);
 #endif
     }
-    static inline void widen(const uint8_t *block, vf q[PER_BLOCK]) { widen_as(block, q, [](vf v) { return v; }); }
 };
 
 // GGUF's Q8_0 as this file reads it: a block is 32 signed code bytes, then its scale d as float32 (an exact
 // copy of GGUF's float16). w = d * q, exact (an 11-bit scale times an 8-bit code).
-struct Q8_0 {
+struct Q8_0 : Plain<Q8_0> {
     static constexpr int64_t BLOCK_BYTES = 36;
     static constexpr bool ROW_AFTER_ROW = false;
-    static inline void widen(const uint8_t *block, vf q[PER_BLOCK]) {
+    template <class Value>
+    static inline void widen_as(const uint8_t *block, vf q[PER_BLOCK], Value value) {
         const int8_t *codes = (const int8_t *)block;
         const float d = *(const float *)(block + 32);
 #if defined(__AVX512F__)
@@ -223,15 +230,16 @@ struct Q8_0 {
 #else
         for (int i = 0; i < 32; ++i) q[i / 8][i % 8] = (float)codes[i];
 #endif
-        for (int k = 0; k < PER_BLOCK; ++k) q[k] = q[k] * d;
+        for (int k = 0; k < PER_BLOCK; ++k) q[k] = value(q[k] * d);
     }
 };
 
 // bf16 numbers (the upper halves of float32s): widening is exact.
-struct BF16 {
+struct BF16 : Plain<BF16> {
     static constexpr int64_t BLOCK_BYTES = 64;
     static constexpr bool ROW_AFTER_ROW = false;
-    static inline void widen(const uint8_t *block, vf q[PER_BLOCK]) {
+    template <class Value>
+    static inline void widen_as(const uint8_t *block, vf q[PER_BLOCK], Value) {  // bf16 numbers: a rounding to bf16 keeps them
         const uint16_t *h = (const uint16_t *)block;
 #if defined(__AVX512F__)
         for (int k = 0; k < PER_BLOCK; ++k)
@@ -381,18 +389,7 @@ template <class Format>
 struct AsBF16 {
     static constexpr int64_t BLOCK_BYTES = Format::BLOCK_BYTES;
     static constexpr bool ROW_AFTER_ROW = Format::ROW_AFTER_ROW;
-    static inline void widen(const uint8_t *block, vf q[PER_BLOCK]) {
-        Format::widen(block, q);
-        for (int k = 0; k < PER_BLOCK; ++k) q[k] = round_to_bf16(q[k]);
-    }
-};
-
-// Q4_1 rounds its sixteen values once, before they are picked (the same numbers as rounding each weight).
-template <>
-struct AsBF16<Q4_1> {
-    static constexpr int64_t BLOCK_BYTES = Q4_1::BLOCK_BYTES;
-    static constexpr bool ROW_AFTER_ROW = Q4_1::ROW_AFTER_ROW;
-    static inline void widen(const uint8_t *block, vf q[PER_BLOCK]) { Q4_1::widen_as(block, q, round_to_bf16); }
+    static inline void widen(const uint8_t *block, vf q[PER_BLOCK]) { Format::widen_as(block, q, round_to_bf16); }
 };
 
 // y [n, out] bf16 = x [n, in] bf16 W^T + bias (bf16 or null), W stored as Format (widening to bf16 numbers):
