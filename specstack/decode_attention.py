@@ -100,7 +100,11 @@ class DecodeKernel:
 
     def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float | None, sees: torch.Tensor | None) -> torch.Tensor:
         """query [1, Hq, T, D], key/value [1, Hkv, n, D] (the last T the new tokens'), ``sees`` [T, T] among
-        the new tokens (None: causal, a chain) -> [1, T, Hq, D]."""
+        the new tokens (None: causal, a chain) -> [1, T, Hq, D] in the query's dtype."""
+        return self.attend_float32(query, key, value, scaling, sees).to(query.dtype)
+
+    def attend_float32(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float | None, sees: torch.Tensor | None) -> torch.Tensor:
+        """:meth:`attend`'s output as the kernel computes it, float32 [1, T, Hq, D], before any rounding to the query's dtype."""
         _, hq, t, d = query.shape
         hkv, n = key.shape[1], key.shape[2]
         q = query.reshape(hkv, hq // hkv * t, d).float().contiguous()  # [Hkv, G*T, D]; row g*T + t: head g of the group, token t
@@ -113,7 +117,7 @@ class DecodeKernel:
             self.tiles(key.dtype, d, t, n), self.dot_products)
         if status != 0:
             raise ValueError(f"decode kernel refused query {tuple(query.shape)} over keys {tuple(key.shape)}")
-        return out.reshape(1, hq, t, d).transpose(1, 2).to(query.dtype)  # [1, T, Hq, D]
+        return out.reshape(1, hq, t, d).transpose(1, 2)  # [1, T, Hq, D]
 
 
 def load_decode_kernel(cache: Path | None = None, *, source: Path | None = None) -> DecodeKernel | None:

@@ -172,6 +172,20 @@ def test_the_first_token_of_a_verify_of_up_to_five_tokens_gets_the_one_token_ste
     assert torch.equal(verify[:, :1], step)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("t", "n", "d"), [(2, 7_000, 64), (3, 7_000, 64), (5, 2_500, 64), (2, 515, 64), (3, 1_001, 72), (4, 300, 40), (5, 1_003, 128)])
+def test_on_the_few_row_path_the_first_token_of_a_verify_gets_the_one_token_steps_bits(dtype, t, n, d) -> None:
+    """Widened (or float32), up to five tokens of groups of three take the few-row path, whose groupings of rows (sixes,
+    threes, pairs, a row; two key-rows to a vector where the head is a multiple of sixteen wide) sum each key-row by one
+    tree and accumulate each value column key by key: the first token of a verify over n cached keys is the same bits
+    as a one-token step over them. A grouping that sums a row's scores or values in another order fails it."""
+    query, keys, values, _ = bf16_inputs(t, n + t, d, 3, 3, False)  # n cached keys and the verify's own t
+    query, keys, values = query.to(dtype), keys.to(dtype), values.to(dtype)
+    verify = WIDENING.attend_float32(query, keys, values, None, None)  # [1, t, Hq, D], before rounding to bf16
+    step = WIDENING.attend_float32(query[:, :, :1], keys[:, :, :n + 1], values[:, :, :n + 1], None, None)  # [1, 1, Hq, D]
+    assert torch.equal(verify[:, :1], step)
+
+
 @pytest.mark.real_model
 @needs_dot_products
 def test_the_bf16_targets_verify_of_up_to_five_tokens_gives_its_first_token_the_one_token_steps_logits() -> None:

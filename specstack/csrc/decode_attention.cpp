@@ -75,6 +75,7 @@ constexpr int W = 16;  // floats in the widest vector: the GEMM path's unit
 constexpr int W = 8;
 #endif
 typedef float vw __attribute__((vector_size(4 * W), aligned(4)));
+typedef int32_t vwi __attribute__((vector_size(4 * W), aligned(4)));
 
 constexpr int BLOCK = 64;       // keys scored at once: 16 KB of fp32 keys with D = 64
 constexpr int MAX_ROWS = 64;    // query rows per KV head (G * T)
@@ -189,33 +190,89 @@ inline v8 fold(vw x) { return x; }
 // The columns of a head's dimension that the wide vectors take; the rest (d % W of them) go eight at a time.
 inline int wide_columns(int d) { return d - d % W; }
 
-// f[r][i] = the folded sums of q_r . k_i for R query rows and the N keys from kj: wide vectors along the head, the
-// fold, then its last columns eight at a time. Each key is read (and widened) once for the R rows.
+// a[r][i] = the products q_r . k_i summed in the widest vectors along the head's first wide_columns(d) columns, for
+// R query rows and the N keys from kj. Each key is read (and widened) once for the R rows.
 template <int R, int N, typename T>
-inline void block_sums(const float *const q[R], int d, const T *kj, v8 f[R][N]) {
-    const int wide = wide_columns(d);
-    vw a[R][N];
+inline void block_products(const float *const q[R], int d, const T *kj, vw a[R][N]) {
     for (int r = 0; r < R; ++r)
         for (int i = 0; i < N; ++i) a[r][i] = vw{};
-    for (int c = 0; c < wide; c += W)
+    for (int c = 0; c < wide_columns(d); c += W)
         for (int i = 0; i < N; ++i) {
             const vw key = roww(kj + i * d + c);
             for (int r = 0; r < R; ++r) a[r][i] += loadw(q[r] + c) * key;
         }
+}
+
+// f[r][i] = the folded sums of q_r . k_i for R query rows and the N keys from kj: wide vectors along the head, the
+// fold, then its last columns eight at a time.
+template <int R, int N, typename T>
+inline void block_sums(const float *const q[R], int d, const T *kj, v8 f[R][N]) {
+    vw a[R][N];
+    block_products<R, N>(q, d, kj, a);
     for (int r = 0; r < R; ++r)
         for (int i = 0; i < N; ++i) f[r][i] = fold(a[r][i]);
-    for (int c = wide; c < d; c += 8)
+    for (int c = wide_columns(d); c < d; c += 8)
         for (int i = 0; i < N; ++i) {
             const v8 key = row8(kj + i * d + c);
             for (int r = 0; r < R; ++r) f[r][i] += load8(q[r] + c) * key;
         }
 }
 
+#if defined(__AVX512F__)
+// Where the wide vectors take the whole head (d a multiple of 16), two key-rows fold into one vector, side by side,
+// and sums8's tree runs in both halves of eight vectors at once: sixteen sums for the shuffles and additions of
+// eight, the same bits (the tree per key-row is unchanged), stored four or two to a row instead of lane by lane.
+constexpr bool PACKED_SUMS = true;
+typedef float v4 __attribute__((vector_size(16), aligned(4)));
+typedef float v2 __attribute__((vector_size(8), aligned(4)));
+
+// Lanes 0-7: fold(x); lanes 8-15: fold(y).
+inline vw fold2(vw x, vw y) {
+    return __builtin_shufflevector(x, y, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+           __builtin_shufflevector(x, y, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+}
+
+// sums8 in both halves: lane 8h + i is the sum of half h of x[i], by sums8's tree.
+inline vw sums8x2(const vw x[8]) {
+    auto pairs = [](vw a, vw b) {
+        return __builtin_shufflevector(a, b, 0, 16, 1, 17, 4, 20, 5, 21, 8, 24, 9, 25, 12, 28, 13, 29) +
+               __builtin_shufflevector(a, b, 2, 18, 3, 19, 6, 22, 7, 23, 10, 26, 11, 27, 14, 30, 15, 31);
+    };
+    auto quads = [](vw a, vw b) {
+        return __builtin_shufflevector(a, b, 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29) +
+               __builtin_shufflevector(a, b, 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
+    };
+    const vw u0 = quads(pairs(x[0], x[1]), pairs(x[2], x[3])), u1 = quads(pairs(x[4], x[5]), pairs(x[6], x[7]));
+    return __builtin_shufflevector(u0, u1, 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27) +
+           __builtin_shufflevector(u0, u1, 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
+}
+
+template <int L>
+inline void store4(float *p, vw x) { *(v4 *)p = __builtin_shufflevector(x, x, L, L + 1, L + 2, L + 3); }
+template <int L>
+inline void store2(float *p, vw x) { *(v2 *)p = __builtin_shufflevector(x, x, L, L + 1); }
+#else
+constexpr bool PACKED_SUMS = false;
+#endif
+
+inline bool packed_sums(int d) { return PACKED_SUMS && wide_columns(d) == d; }
+
 // s[r * BLOCK + j] = q_r . k_j for keys j < len (q already scaled) of one row, eight keys at a time.
 template <typename T>
 void row_scores(const float *qr, int d, const T *k, int len, float *sr, Ahead ahead = {}) {
     const float *q[1] = {qr};
     int j = 0;
+#if defined(__AVX512F__)
+    for (; packed_sums(d) && j + 8 <= len; j += 8) {
+        ahead.ask(j, 8);
+        vw a[1][8];
+        block_products<1, 8>(q, d, k + (int64_t)j * d, a);
+        const vw x[8] = {fold2(a[0][0], a[0][4]), fold2(a[0][1], a[0][5]), fold2(a[0][2], a[0][6]), fold2(a[0][3], a[0][7]),
+                         fold2(a[0][0], a[0][4]), fold2(a[0][1], a[0][5]), fold2(a[0][2], a[0][6]), fold2(a[0][3], a[0][7])};
+        const vw sums = sums8x2(x);  // lanes 0-3: keys 0-3; lanes 8-11: keys 4-7
+        store4<0>(sr + j, sums), store4<8>(sr + j + 4, sums);
+    }
+#endif
     for (; j + 8 <= len; j += 8) {
         ahead.ask(j, 8);
         v8 f[1][8];
@@ -242,6 +299,17 @@ template <typename T>
 void pair_scores(const float *q0, const float *q1, int d, const T *k, int len, float *s0, float *s1, Ahead ahead = {}) {
     const float *q[2] = {q0, q1};
     int j = 0;
+#if defined(__AVX512F__)
+    for (; packed_sums(d) && j + 4 <= len; j += 4) {
+        ahead.ask(j, 4);
+        vw a[2][4];
+        block_products<2, 4>(q, d, k + (int64_t)j * d, a);
+        const vw x[8] = {fold2(a[0][0], a[1][0]), fold2(a[0][1], a[1][1]), fold2(a[0][2], a[1][2]), fold2(a[0][3], a[1][3]),
+                         fold2(a[0][0], a[1][0]), fold2(a[0][1], a[1][1]), fold2(a[0][2], a[1][2]), fold2(a[0][3], a[1][3])};
+        const vw sums = sums8x2(x);  // lanes 0-3: row 0; lanes 8-11: row 1
+        store4<0>(s0 + j, sums), store4<8>(s1 + j, sums);
+    }
+#endif
     for (; j + 4 <= len; j += 4) {
         ahead.ask(j, 4);
         v8 f[2][4];
@@ -259,6 +327,17 @@ template <typename T>
 void triple_scores(const float *q0, const float *q1, const float *q2, int d, const T *k, int len, float *s0, float *s1, float *s2, Ahead ahead = {}) {
     const float *q[3] = {q0, q1, q2};
     int j = 0;
+#if defined(__AVX512F__)
+    for (; packed_sums(d) && j + 4 <= len; j += 4) {
+        ahead.ask(j, 4);
+        vw a[3][4];
+        block_products<3, 4>(q, d, k + (int64_t)j * d, a);
+        const vw x[8] = {fold2(a[0][0], a[2][0]), fold2(a[0][1], a[2][1]), fold2(a[0][2], a[2][2]), fold2(a[0][3], a[2][3]),
+                         fold2(a[1][0], a[1][0]), fold2(a[1][1], a[1][1]), fold2(a[1][2], a[1][2]), fold2(a[1][3], a[1][3])};
+        const vw sums = sums8x2(x);  // lanes 0-3: row 0; lanes 4-7: row 1; lanes 8-11: row 2
+        store4<0>(s0 + j, sums), store4<4>(s1 + j, sums), store4<8>(s2 + j, sums);
+    }
+#endif
     for (; j + 4 <= len; j += 4) {
         ahead.ask(j, 4);
         v8 f[3][4];
@@ -281,7 +360,20 @@ template <typename T>
 void six_scores(const float *q, int d, const T *k, int len, float *s, Ahead ahead = {}) {
     const float *rows[6] = {q, q + d, q + 2 * d, q + 3 * d, q + 4 * d, q + 5 * d};
     const int grouped = len - len % 4;  // keys summed by sums8's tree; the rest by hsum, as row_scores does
-    for (int j = 0; j < grouped; j += 2) {
+    int j = 0;
+#if defined(__AVX512F__)
+    for (; packed_sums(d) && j < grouped; j += 2) {
+        if (j % 4 == 0) ahead.ask(j, 4);
+        vw a[6][2];
+        block_products<6, 2>(rows, d, k + (int64_t)j * d, a);
+        const vw x[8] = {fold2(a[0][0], a[4][0]), fold2(a[0][1], a[4][1]), fold2(a[1][0], a[5][0]), fold2(a[1][1], a[5][1]),
+                         fold2(a[2][0], a[2][0]), fold2(a[2][1], a[2][1]), fold2(a[3][0], a[3][0]), fold2(a[3][1], a[3][1])};
+        const vw sums = sums8x2(x);  // lanes 2r, 2r + 1: row r < 4; lanes 8-11: rows 4 and 5
+        store2<0>(s + j, sums), store2<2>(s + BLOCK + j, sums), store2<4>(s + 2 * BLOCK + j, sums), store2<6>(s + 3 * BLOCK + j, sums);
+        store2<8>(s + 4 * BLOCK + j, sums), store2<10>(s + 5 * BLOCK + j, sums);
+    }
+#endif
+    for (; j < grouped; j += 2) {
         if (j % 4 == 0) ahead.ask(j, 4);
         v8 f[6][2];
         block_sums<6, 2>(rows, d, k + (int64_t)j * d, f);
@@ -525,11 +617,11 @@ void score_block(const float *q, int rows, int d, const void *k, bool bf16, int 
     }
 }
 
-// acc_r = acc_r * keep_r + sum_j p[r * BLOCK + j] v_j over the block's len values; vw is scratch of
+// acc_r = acc_r * keep_r + sum_j p[r * BLOCK + j] v_j over the block's len values; values is scratch of
 // BLOCK * d floats for the GEMM path's widened values.
-void accumulate_block(const float *p, const float *keep, int rows, int d, const void *v, bool bf16, int len, float *vw, float *acc) {
+void accumulate_block(const float *p, const float *keep, int rows, int d, const void *v, bool bf16, int len, float *values, float *acc) {
     if (as_gemm(rows, d)) {
-        small_gemm(p, BLOCK, widened(v, bf16, d, len, vw), d, len, acc, d, rows, d, keep);  // acc * keep + [rows, len] x [len, D]
+        small_gemm(p, BLOCK, widened(v, bf16, d, len, values), d, len, acc, d, rows, d, keep);  // acc * keep + [rows, len] x [len, D]
     } else if (bf16) {
         accumulate_values(p, keep, rows, d, (const uint16_t *)v, len, acc);
     } else {
@@ -546,7 +638,7 @@ void attend_range(const float *q, int rows, int d, const void *k, const void *v,
                   float *scratch, float *m, float *l, float *acc) {
     const size_t elem = bf16 ? 2 : 4;
     const bool whole_blocks = as_gemm(rows, d) ? PREFETCH_NEXT_BLOCK : PREFETCH_FEW_ROWS;  // else the values' rows ahead (Ahead)
-    float *s = scratch, *kt = s + MAX_ROWS * BLOCK, *vw = kt + BLOCK * d;
+    float *s = scratch, *kt = s + MAX_ROWS * BLOCK, *values = kt + BLOCK * d;
     float rescale[MAX_ROWS];
     for (int r = 0; r < rows; ++r) m[r] = -INFINITY, l[r] = 0.0f;
     for (int i = 0; i < rows * d; ++i) acc[i] = 0.0f;
@@ -561,22 +653,22 @@ void attend_range(const float *q, int rows, int d, const void *k, const void *v,
         for (int r = 0; r < rows; ++r) {
             float *sr = s + r * BLOCK;
             for (int j = len; j < BLOCK; ++j) sr[j] = -INFINITY;  // padding of the last block
-            v8 most = splat(m[r]);
-            for (int j = 0; j < BLOCK; j += 8) most = load8(sr + j) > most ? load8(sr + j) : most;
+            vw most = splatw(m[r]);
+            for (int j = 0; j < BLOCK; j += W) most = loadw(sr + j) > most ? loadw(sr + j) : most;
             float top = most[0];
-            for (int i = 1; i < 8; ++i) top = most[i] > top ? most[i] : top;
+            for (int i = 1; i < W; ++i) top = most[i] > top ? most[i] : top;
             rescale[r] = expf(m[r] - top);  // 0 on the first block (m = -inf)
             v8 sum{};
-            for (int j = 0; j < BLOCK; j += 8) {
-                const v8 x = load8(sr + j);
-                const v8 p = x == splat(-INFINITY) ? splat(0.0f) : exp8(x - splat(top));  // padding weighs nothing
-                store8(sr + j, p);
-                sum += p;
+            for (int j = 0; j < BLOCK; j += W) {  // the weights W at a time, summed eight at a time in order whatever W
+                const vw x = loadw(sr + j);
+                const vw p = x == splatw(-INFINITY) ? splatw(0.0f) : expv<vw, vwi>(x - splatw(top));  // padding weighs nothing
+                storew(sr + j, p);
+                for (int h = 0; h < W; h += 8) sum += load8(sr + j + h);
             }
             l[r] = l[r] * rescale[r] + hsum(sum);
             m[r] = top;
         }
-        accumulate_block(s, rescale, rows, d, (const char *)v + b * d * elem, bf16, len, vw, acc);
+        accumulate_block(s, rescale, rows, d, (const char *)v + b * d * elem, bf16, len, values, acc);
     }
 }
 
