@@ -247,6 +247,13 @@ inline vw sums8x2(const vw x[8]) {
            __builtin_shufflevector(u0, u1, 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
 }
 
+// Four key-rows x[i] beside four others y[i]: lanes 0-3 the sums of x, lanes 8-11 those of y.
+inline vw sums_of_fours(const vw x[4], const vw y[4]) {
+    const vw f[8] = {fold2(x[0], y[0]), fold2(x[1], y[1]), fold2(x[2], y[2]), fold2(x[3], y[3]),
+                     fold2(x[0], y[0]), fold2(x[1], y[1]), fold2(x[2], y[2]), fold2(x[3], y[3])};
+    return sums8x2(f);
+}
+
 template <int L>
 inline void store4(float *p, vw x) { *(v4 *)p = __builtin_shufflevector(x, x, L, L + 1, L + 2, L + 3); }
 template <int L>
@@ -267,9 +274,7 @@ void row_scores(const float *qr, int d, const T *k, int len, float *sr, Ahead ah
         ahead.ask(j, 8);
         vw a[1][8];
         block_products<1, 8>(q, d, k + (int64_t)j * d, a);
-        const vw x[8] = {fold2(a[0][0], a[0][4]), fold2(a[0][1], a[0][5]), fold2(a[0][2], a[0][6]), fold2(a[0][3], a[0][7]),
-                         fold2(a[0][0], a[0][4]), fold2(a[0][1], a[0][5]), fold2(a[0][2], a[0][6]), fold2(a[0][3], a[0][7])};
-        const vw sums = sums8x2(x);  // lanes 0-3: keys 0-3; lanes 8-11: keys 4-7
+        const vw sums = sums_of_fours(a[0], a[0] + 4);  // lanes 0-3: keys 0-3; lanes 8-11: keys 4-7
         store4<0>(sr + j, sums), store4<8>(sr + j + 4, sums);
     }
 #endif
@@ -304,9 +309,7 @@ void pair_scores(const float *q0, const float *q1, int d, const T *k, int len, f
         ahead.ask(j, 4);
         vw a[2][4];
         block_products<2, 4>(q, d, k + (int64_t)j * d, a);
-        const vw x[8] = {fold2(a[0][0], a[1][0]), fold2(a[0][1], a[1][1]), fold2(a[0][2], a[1][2]), fold2(a[0][3], a[1][3]),
-                         fold2(a[0][0], a[1][0]), fold2(a[0][1], a[1][1]), fold2(a[0][2], a[1][2]), fold2(a[0][3], a[1][3])};
-        const vw sums = sums8x2(x);  // lanes 0-3: row 0; lanes 8-11: row 1
+        const vw sums = sums_of_fours(a[0], a[1]);  // lanes 0-3: row 0; lanes 8-11: row 1
         store4<0>(s0 + j, sums), store4<8>(s1 + j, sums);
     }
 #endif
