@@ -48,6 +48,7 @@
 #include <string.h>
 
 #include <type_traits>
+#include <utility>
 
 #include <omp.h>
 
@@ -219,13 +220,6 @@ inline void block_sums(const float *const q[R], int d, const T *kj, v8 f[R][N]) 
 }
 
 #if defined(__AVX512F__)
-// Where the wide vectors take the whole head (d a multiple of 16), two key-rows fold into one vector, side by side,
-// and sums8's tree runs in both halves of eight vectors at once: sixteen sums for the shuffles and additions of
-// eight, the same bits (the tree per key-row is unchanged), stored four or two to a row instead of lane by lane.
-constexpr bool PACKED_SUMS = true;
-typedef float v4 __attribute__((vector_size(16), aligned(4)));
-typedef float v2 __attribute__((vector_size(8), aligned(4)));
-
 // Lanes 0-7: fold(x); lanes 8-15: fold(y).
 inline vw fold2(vw x, vw y) {
     return __builtin_shufflevector(x, y, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
@@ -246,50 +240,70 @@ inline vw sums8x2(const vw x[8]) {
     return __builtin_shufflevector(u0, u1, 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27) +
            __builtin_shufflevector(u0, u1, 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
 }
-
-// Four key-rows x[i] beside four others y[i]: lanes 0-3 the sums of x, lanes 8-11 those of y.
-inline vw sums_of_fours(const vw x[4], const vw y[4]) {
-    const vw f[8] = {fold2(x[0], y[0]), fold2(x[1], y[1]), fold2(x[2], y[2]), fold2(x[3], y[3]),
-                     fold2(x[0], y[0]), fold2(x[1], y[1]), fold2(x[2], y[2]), fold2(x[3], y[3])};
-    return sums8x2(f);
-}
-
-template <int L>
-inline void store4(float *p, vw x) { *(v4 *)p = __builtin_shufflevector(x, x, L, L + 1, L + 2, L + 3); }
-template <int L>
-inline void store2(float *p, vw x) { *(v2 *)p = __builtin_shufflevector(x, x, L, L + 1); }
-#else
-constexpr bool PACKED_SUMS = false;
 #endif
 
-inline bool packed_sums(int d) { return PACKED_SUMS && wide_columns(d) == d; }
+// Lanes Lane .. Lane + Count - 1 of x to p, in one store (Count 2, 4 or 8).
+template <int Count, int Lane, typename V>
+inline void put(float *p, V x) {
+    typedef float part __attribute__((vector_size(4 * Count), aligned(4)));
+    if constexpr (Count == 2) *(part *)p = __builtin_shufflevector(x, x, Lane, Lane + 1);
+    else if constexpr (Count == 4) *(part *)p = __builtin_shufflevector(x, x, Lane, Lane + 1, Lane + 2, Lane + 3);
+    else *(part *)p = __builtin_shufflevector(x, x, Lane, Lane + 1, Lane + 2, Lane + 3, Lane + 4, Lane + 5, Lane + 6, Lane + 7);
+}
 
-// s[r * BLOCK + j] = q_r . k_j for keys j < len (q already scaled) of one row, eight keys at a time.
+// s[r][i] = q_r . k_i for R query rows and the N keys from kj (R * N key-rows, four to twelve, a multiple of four),
+// every key-row folded and summed by the same tree (fold, then sums8's), however the rows and keys are grouped, so a
+// row's scores are the same bits on every path. Key-row m = r * N + i. With AVX-512 and heads a multiple of sixteen
+// wide, two key-rows fold into one vector side by side and sums8's tree runs in both halves of eight such vectors at
+// once (sums8x2): sixteen sums for the shuffles and adds of eight, key-rows in fours to lanes 0-3, 8-11 and 4-7.
+// Else the folded key-rows go through sums8 eight at a time (a last four repeated), in lanes m % 8.
+template <int R, int N, typename T, int... Piece>
+__attribute__((always_inline)) inline void group_scores(const float *const q[R], int d, const T *kj, float *const s[R], std::integer_sequence<int, Piece...>) {
+    constexpr int M = R * N, P = N < 4 ? N : 4;  // key-rows; the lanes one store takes (a row's, or four of them)
+    static_assert(M % 4 == 0 && M <= 12, "key-rows in fours, at most three fours");
+#if defined(__AVX512F__)
+    if (wide_columns(d) == d) {
+        vw a[R][N];
+        block_products<R, N>(q, d, kj, a);
+        auto kr = [&](int m) { return a[m / N][m % N]; };
+        vw x[8];
+        for (int i = 0; i < 4; ++i) x[i] = fold2(kr(i), kr(M > 4 ? 4 + i : i)), x[4 + i] = M > 8 ? fold2(kr(8 + i), kr(8 + i)) : x[i];
+        const vw sums = sums8x2(x);
+        constexpr int lane[3] = {0, 8, 4};  // of each four's first key-row
+        (put<P, lane[Piece * P / 4] + Piece * P % 4>(s[Piece * P / N] + Piece * P % N, sums), ...);
+        return;
+    }
+#endif
+    v8 f[R][N];
+    block_sums<R, N>(q, d, kj, f);
+    v8 sums[2];
+    for (int m0 = 0; m0 < M; m0 += 8) {
+        auto at = [&](int m) { const int k = m < M ? m : m - 4; return f[k / N][k % N]; };
+        sums[m0 / 8] = sums8(at(m0), at(m0 + 1), at(m0 + 2), at(m0 + 3), at(m0 + 4), at(m0 + 5), at(m0 + 6), at(m0 + 7));
+    }
+    (put<P, Piece * P % 8>(s[Piece * P / N] + Piece * P % N, sums[Piece * P / 8]), ...);
+}
+
+template <int R, int N, typename T>
+__attribute__((always_inline)) inline void group_scores(const float *const q[R], int d, const T *kj, float *const s[R]) {
+    group_scores<R, N>(q, d, kj, s, std::make_integer_sequence<int, R * N / (N < 4 ? N : 4)>{});
+}
+
+// s[r * BLOCK + j] = q_r . k_j for keys j < len (q already scaled) of one row, eight keys at a time, then four, then
+// one at a time (summed by hsum: the same last keys of a block take it on every path).
 template <typename T>
 void row_scores(const float *qr, int d, const T *k, int len, float *sr, Ahead ahead = {}) {
     const float *q[1] = {qr};
     int j = 0;
-#if defined(__AVX512F__)
-    for (; packed_sums(d) && j + 8 <= len; j += 8) {
-        ahead.ask(j, 8);
-        vw a[1][8];
-        block_products<1, 8>(q, d, k + (int64_t)j * d, a);
-        const vw sums = sums_of_fours(a[0], a[0] + 4);  // lanes 0-3: keys 0-3; lanes 8-11: keys 4-7
-        store4<0>(sr + j, sums), store4<8>(sr + j + 4, sums);
-    }
-#endif
     for (; j + 8 <= len; j += 8) {
         ahead.ask(j, 8);
-        v8 f[1][8];
-        block_sums<1, 8>(q, d, k + (int64_t)j * d, f);
-        store8(sr + j, sums8(f[0][0], f[0][1], f[0][2], f[0][3], f[0][4], f[0][5], f[0][6], f[0][7]));
+        float *const s[1] = {sr + j};
+        group_scores<1, 8>(q, d, k + (int64_t)j * d, s);
     }
     ahead.ask(j, len - j);
-    if (j + 4 <= len) {  // four keys left: summed as the pair and triple paths sum them, so every path gives the same bits
-        v8 f[1][4];
-        block_sums<1, 4>(q, d, k + (int64_t)j * d, f);
-        const v8 sums = sums8(f[0][0], f[0][1], f[0][2], f[0][3], f[0][0], f[0][1], f[0][2], f[0][3]);
-        for (int i = 0; i < 4; ++i) sr[j + i] = sums[i];
+    if (j + 4 <= len) {
+        float *const s[1] = {sr + j};
+        group_scores<1, 4>(q, d, k + (int64_t)j * d, s);
         j += 4;
     }
     for (; j < len; ++j) {
@@ -304,21 +318,10 @@ template <typename T>
 void pair_scores(const float *q0, const float *q1, int d, const T *k, int len, float *s0, float *s1, Ahead ahead = {}) {
     const float *q[2] = {q0, q1};
     int j = 0;
-#if defined(__AVX512F__)
-    for (; packed_sums(d) && j + 4 <= len; j += 4) {
-        ahead.ask(j, 4);
-        vw a[2][4];
-        block_products<2, 4>(q, d, k + (int64_t)j * d, a);
-        const vw sums = sums_of_fours(a[0], a[1]);  // lanes 0-3: row 0; lanes 8-11: row 1
-        store4<0>(s0 + j, sums), store4<8>(s1 + j, sums);
-    }
-#endif
     for (; j + 4 <= len; j += 4) {
         ahead.ask(j, 4);
-        v8 f[2][4];
-        block_sums<2, 4>(q, d, k + (int64_t)j * d, f);
-        const v8 sums = sums8(f[0][0], f[0][1], f[0][2], f[0][3], f[1][0], f[1][1], f[1][2], f[1][3]);
-        for (int i = 0; i < 4; ++i) s0[j + i] = sums[i], s1[j + i] = sums[4 + i];
+        float *const s[2] = {s0 + j, s1 + j};
+        group_scores<2, 4>(q, d, k + (int64_t)j * d, s);
     }
     ahead.ask(j, len - j);
     if (j < len) row_scores(q0, d, k + (int64_t)j * d, len - j, s0 + j), row_scores(q1, d, k + (int64_t)j * d, len - j, s1 + j);
@@ -330,24 +333,10 @@ template <typename T>
 void triple_scores(const float *q0, const float *q1, const float *q2, int d, const T *k, int len, float *s0, float *s1, float *s2, Ahead ahead = {}) {
     const float *q[3] = {q0, q1, q2};
     int j = 0;
-#if defined(__AVX512F__)
-    for (; packed_sums(d) && j + 4 <= len; j += 4) {
-        ahead.ask(j, 4);
-        vw a[3][4];
-        block_products<3, 4>(q, d, k + (int64_t)j * d, a);
-        const vw x[8] = {fold2(a[0][0], a[2][0]), fold2(a[0][1], a[2][1]), fold2(a[0][2], a[2][2]), fold2(a[0][3], a[2][3]),
-                         fold2(a[1][0], a[1][0]), fold2(a[1][1], a[1][1]), fold2(a[1][2], a[1][2]), fold2(a[1][3], a[1][3])};
-        const vw sums = sums8x2(x);  // lanes 0-3: row 0; lanes 4-7: row 1; lanes 8-11: row 2
-        store4<0>(s0 + j, sums), store4<4>(s1 + j, sums), store4<8>(s2 + j, sums);
-    }
-#endif
     for (; j + 4 <= len; j += 4) {
         ahead.ask(j, 4);
-        v8 f[3][4];
-        block_sums<3, 4>(q, d, k + (int64_t)j * d, f);
-        const v8 fg = sums8(f[0][0], f[0][1], f[0][2], f[0][3], f[1][0], f[1][1], f[1][2], f[1][3]);
-        const v8 hh = sums8(f[2][0], f[2][1], f[2][2], f[2][3], f[2][0], f[2][1], f[2][2], f[2][3]);
-        for (int i = 0; i < 4; ++i) s0[j + i] = fg[i], s1[j + i] = fg[4 + i], s2[j + i] = hh[i];
+        float *const s[3] = {s0 + j, s1 + j, s2 + j};
+        group_scores<3, 4>(q, d, k + (int64_t)j * d, s);
     }
     ahead.ask(j, len - j);
     if (j < len) {
@@ -363,27 +352,10 @@ template <typename T>
 void six_scores(const float *q, int d, const T *k, int len, float *s, Ahead ahead = {}) {
     const float *rows[6] = {q, q + d, q + 2 * d, q + 3 * d, q + 4 * d, q + 5 * d};
     const int grouped = len - len % 4;  // keys summed by sums8's tree; the rest by hsum, as row_scores does
-    int j = 0;
-#if defined(__AVX512F__)
-    for (; packed_sums(d) && j < grouped; j += 2) {
+    for (int j = 0; j < grouped; j += 2) {
         if (j % 4 == 0) ahead.ask(j, 4);
-        vw a[6][2];
-        block_products<6, 2>(rows, d, k + (int64_t)j * d, a);
-        const vw x[8] = {fold2(a[0][0], a[4][0]), fold2(a[0][1], a[4][1]), fold2(a[1][0], a[5][0]), fold2(a[1][1], a[5][1]),
-                         fold2(a[2][0], a[2][0]), fold2(a[2][1], a[2][1]), fold2(a[3][0], a[3][0]), fold2(a[3][1], a[3][1])};
-        const vw sums = sums8x2(x);  // lanes 2r, 2r + 1: row r < 4; lanes 8-11: rows 4 and 5
-        store2<0>(s + j, sums), store2<2>(s + BLOCK + j, sums), store2<4>(s + 2 * BLOCK + j, sums), store2<6>(s + 3 * BLOCK + j, sums);
-        store2<8>(s + 4 * BLOCK + j, sums), store2<10>(s + 5 * BLOCK + j, sums);
-    }
-#endif
-    for (; j < grouped; j += 2) {
-        if (j % 4 == 0) ahead.ask(j, 4);
-        v8 f[6][2];
-        block_sums<6, 2>(rows, d, k + (int64_t)j * d, f);
-        const v8 first = sums8(f[0][0], f[0][1], f[1][0], f[1][1], f[2][0], f[2][1], f[3][0], f[3][1]);
-        const v8 rest = sums8(f[4][0], f[4][1], f[5][0], f[5][1], f[4][0], f[4][1], f[5][0], f[5][1]);
-        for (int r = 0; r < 4; ++r) s[r * BLOCK + j] = first[2 * r], s[r * BLOCK + j + 1] = first[2 * r + 1];
-        for (int r = 0; r < 2; ++r) s[(4 + r) * BLOCK + j] = rest[2 * r], s[(4 + r) * BLOCK + j + 1] = rest[2 * r + 1];
+        float *const out[6] = {s + j, s + BLOCK + j, s + 2 * BLOCK + j, s + 3 * BLOCK + j, s + 4 * BLOCK + j, s + 5 * BLOCK + j};
+        group_scores<6, 2>(rows, d, k + (int64_t)j * d, out);
     }
     ahead.ask(grouped, len - grouped);
     if (grouped < len)
