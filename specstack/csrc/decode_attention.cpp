@@ -105,6 +105,18 @@ constexpr bool PREFETCH_FEW_ROWS = PREFETCH_NEXT_BLOCK;
 #else
 constexpr bool PREFETCH_FEW_ROWS = false;
 #endif
+// Whether the few-row path asks for the next block's keys while it computes this block's softmax (half of them, a
+// share a row) and weighted values (the other half, a line or two a value row), so that the key stream goes on
+// while no keys are read. Measured on the 2-core Intel host without bf16 dot products (AVX-512F), two threads from
+// memory over 7,500 keys: bf16 1.24x less time at one token, 1.15x at two, 1.11-1.12x at three and four; float32
+// 1.07x / 1.16x / 1.13x at one / two / three (docs/benchmarks.md, "The next block's keys asked for ..."). Asked for
+// all at once before the values, the same keys gave 1.09x at one token; asked for while this block's keys are scored
+// (a lead of one to four blocks), they made it slower. Not measured on the other hosts, so only there.
+#if defined(__AVX512F__) && !defined(SPECSTACK_DP)
+constexpr bool ASK_NEXT_KEYS = true;
+#else
+constexpr bool ASK_NEXT_KEYS = false;
+#endif
 constexpr float LOWEST = -87.33f;  // exp(LOWEST) is the smallest normal float; below it exp8 would lose its exponent
 
 inline v8 load8(const float *p) { return *(const v8 *)p; }
@@ -158,13 +170,14 @@ inline v8 sums8(v8 x0, v8 x1, v8 x2, v8 x3, v8 x4, v8 x5, v8 x6, v8 x7) {
 inline v8 row8(const float *p) { return load8(p); }
 inline v8 row8(const uint16_t *p) { return load8_bf16(p); }
 
-// The rows of values a block will weigh, asked for from memory while its keys are scored, so that the key
-// and value streams run side by side instead of in turns of a block each. On the AMD Zen 3 host (AVX2),
+// Rows asked for from memory ahead of their use: the rows of values a block will weigh, while its keys are scored,
+// so that the key and value streams run side by side instead of in turns of a block each (and, ASK_NEXT_KEYS, the
+// next block's keys while this block's softmax and values are computed: NextKeys). On the AMD Zen 3 host (AVX2),
 // two threads streaming the 30 layers' keys and values of 7,500 slots read 1.1-1.3x faster so (a scratch
 // benchmark), and the one- and two-token cases took 1.07-1.35x less time (examples/attention_bounds.py
 // --source). Where whole blocks are asked for ahead (PREFETCH_NEXT_BLOCK, PREFETCH_FEW_ROWS), it is not used.
 struct Ahead {
-    const char *rows = nullptr;  // the block's first value row; null: nothing to ask for
+    const char *rows = nullptr;  // the first row; null: nothing to ask for
     int64_t row_bytes = 0;
     inline void ask(int j, int n) const {
         if (!rows) return;
@@ -366,13 +379,14 @@ void six_scores(const float *q, int d, const T *k, int len, float *s, Ahead ahea
 // the keys in order, whatever the width, so the width changes only the speed.
 // acc = acc * keep + sum_j p[j] v_j for one row, 64 columns at a time in registers.
 template <typename T>
-void row_values(const float *p, float keep, int d, const T *v, int len, float *acc) {
+void row_values(const float *p, float keep, int d, const T *v, int len, float *acc, Ahead ahead = {}) {
     constexpr int N = 64 / W;  // vectors in 64 columns
     int c0 = 0;
     for (; c0 + 64 <= d; c0 += 64) {
         vw a[N];
         for (int i = 0; i < N; ++i) a[i] = loadw(acc + c0 + W * i) * splatw(keep);
         for (int j = 0; j < len; ++j) {
+            if (c0 == 0) ahead.ask(j, 1);
             const vw w = splatw(p[j]);
             const T *vj = v + (int64_t)j * d + c0;
             for (int i = 0; i < N; ++i) a[i] += w * roww(vj + W * i);
@@ -381,22 +395,26 @@ void row_values(const float *p, float keep, int d, const T *v, int len, float *a
     }
     for (; c0 < d; c0 += 8) {  // a head dimension that is not a multiple of 64
         v8 a = load8(acc + c0) * splat(keep);
-        for (int j = 0; j < len; ++j) a += splat(p[j]) * row8(v + (int64_t)j * d + c0);
+        for (int j = 0; j < len; ++j) {
+            if (c0 == 0) ahead.ask(j, 1);
+            a += splat(p[j]) * row8(v + (int64_t)j * d + c0);
+        }
         store8(acc + c0, a);
     }
 }
 
 // The same for two rows at once, four vectors of columns at a time: each value read once for both.
 template <typename T>
-void pair_values(const float *p0, const float *p1, float keep0, float keep1, int d, const T *v, int len, float *acc0, float *acc1) {
+void pair_values(const float *p0, const float *p1, float keep0, float keep1, int d, const T *v, int len, float *acc0, float *acc1, Ahead ahead = {}) {
     if (d % (4 * W) != 0) {
-        row_values(p0, keep0, d, v, len, acc0), row_values(p1, keep1, d, v, len, acc1);
+        row_values(p0, keep0, d, v, len, acc0, ahead), row_values(p1, keep1, d, v, len, acc1);
         return;
     }
     for (int c0 = 0; c0 < d; c0 += 4 * W) {
         vw a[4], b[4];
         for (int i = 0; i < 4; ++i) a[i] = loadw(acc0 + c0 + W * i) * splatw(keep0), b[i] = loadw(acc1 + c0 + W * i) * splatw(keep1);
         for (int j = 0; j < len; ++j) {
+            if (c0 == 0) ahead.ask(j, 1);
             const vw w0 = splatw(p0[j]), w1 = splatw(p1[j]);
             const T *vj = v + (int64_t)j * d + c0;
             for (int i = 0; i < 4; ++i) {
@@ -411,9 +429,9 @@ void pair_values(const float *p0, const float *p1, float keep0, float keep1, int
 // The same for three rows at once, four vectors of columns at a time: twelve sums in registers, each value
 // read once for the three.
 template <typename T>
-void triple_values(const float *const p[3], const float keep[3], int d, const T *v, int len, float *const acc[3]) {
+void triple_values(const float *const p[3], const float keep[3], int d, const T *v, int len, float *const acc[3], Ahead ahead = {}) {
     if (d % (4 * W) != 0) {
-        for (int r = 0; r < 3; ++r) row_values(p[r], keep[r], d, v, len, acc[r]);
+        for (int r = 0; r < 3; ++r, ahead = {}) row_values(p[r], keep[r], d, v, len, acc[r], ahead);
         return;
     }
     for (int c0 = 0; c0 < d; c0 += 4 * W) {
@@ -423,6 +441,7 @@ void triple_values(const float *const p[3], const float keep[3], int d, const T 
             e[i] = loadw(acc[2] + c0 + W * i) * splatw(keep[2]);
         }
         for (int j = 0; j < len; ++j) {
+            if (c0 == 0) ahead.ask(j, 1);
             const vw w0 = splatw(p[0][j]), w1 = splatw(p[1][j]), w2 = splatw(p[2][j]);
             const T *vj = v + (int64_t)j * d + c0;
             for (int i = 0; i < 4; ++i) {
@@ -437,15 +456,16 @@ void triple_values(const float *const p[3], const float keep[3], int d, const T 
 // The same for six rows at once, two vectors of columns at a time: twelve sums in registers, each value widened
 // once for the six. p [6, BLOCK], keep [6], acc [6, d].
 template <typename T>
-void six_values(const float *p, const float *keep, int d, const T *v, int len, float *acc) {
+void six_values(const float *p, const float *keep, int d, const T *v, int len, float *acc, Ahead ahead = {}) {
     if (d % (2 * W) != 0) {
-        for (int r = 0; r < 6; ++r) row_values(p + r * BLOCK, keep[r], d, v, len, acc + r * d);
+        for (int r = 0; r < 6; ++r, ahead = {}) row_values(p + r * BLOCK, keep[r], d, v, len, acc + r * d, ahead);
         return;
     }
     for (int c0 = 0; c0 < d; c0 += 2 * W) {
         vw a[6], b[6];
         for (int r = 0; r < 6; ++r) a[r] = loadw(acc + r * d + c0) * splatw(keep[r]), b[r] = loadw(acc + r * d + c0 + W) * splatw(keep[r]);
         for (int j = 0; j < len; ++j) {
+            if (c0 == 0) ahead.ask(j, 1);
             const T *vj = v + (int64_t)j * d + c0;
             const vw x = roww(vj), y = roww(vj + W);
             for (int r = 0; r < 6; ++r) {
@@ -562,18 +582,19 @@ void block_scores(const float *q, int rows, int d, const T *k, int len, float *s
     if (r < rows) row_scores(q + r * d, d, k, len, s + r * BLOCK, ahead);
 }
 
-// acc_r = acc_r * keep_r + sum_j p[r * BLOCK + j] v_j for all rows, split as block_scores splits them.
+// acc_r = acc_r * keep_r + sum_j p[r * BLOCK + j] v_j for all rows, split as block_scores splits them; the first
+// group of rows asks for `ahead`'s rows, one a value.
 template <typename T>
-void accumulate_values(const float *p, const float *keep, int rows, int d, const T *v, int len, float *acc) {
+void accumulate_values(const float *p, const float *keep, int rows, int d, const T *v, int len, float *acc, Ahead ahead) {
     int r = 0;
-    for (; r + 6 <= rows; r += 6) six_values(p + r * BLOCK, keep + r, d, v, len, acc + r * d);
-    for (const int end = r + 3 * triples<T>(rows - r); r < end; r += 3) {
+    for (; r + 6 <= rows; r += 6, ahead = {}) six_values(p + r * BLOCK, keep + r, d, v, len, acc + r * d, ahead);
+    for (const int end = r + 3 * triples<T>(rows - r); r < end; r += 3, ahead = {}) {
         const float *ps[3] = {p + r * BLOCK, p + (r + 1) * BLOCK, p + (r + 2) * BLOCK};
         float *accs[3] = {acc + r * d, acc + (r + 1) * d, acc + (r + 2) * d};
-        triple_values(ps, keep + r, d, v, len, accs);
+        triple_values(ps, keep + r, d, v, len, accs, ahead);
     }
-    for (; r + 2 <= rows; r += 2) pair_values(p + r * BLOCK, p + (r + 1) * BLOCK, keep[r], keep[r + 1], d, v, len, acc + r * d, acc + (r + 1) * d);
-    if (r < rows) row_values(p + r * BLOCK, keep[r], d, v, len, acc + r * d);
+    for (; r + 2 <= rows; r += 2, ahead = {}) pair_values(p + r * BLOCK, p + (r + 1) * BLOCK, keep[r], keep[r + 1], d, v, len, acc + r * d, acc + (r + 1) * d, ahead);
+    if (r < rows) row_values(p + r * BLOCK, keep[r], d, v, len, acc + r * d, ahead);
 }
 
 // Whether a block's rows take the GEMM path rather than the few-row path.
@@ -593,15 +614,27 @@ void score_block(const float *q, int rows, int d, const void *k, bool bf16, int 
 }
 
 // acc_r = acc_r * keep_r + sum_j p[r * BLOCK + j] v_j over the block's len values; values is scratch of
-// BLOCK * d floats for the GEMM path's widened values.
-void accumulate_block(const float *p, const float *keep, int rows, int d, const void *v, bool bf16, int len, float *values, float *acc) {
+// BLOCK * d floats for the GEMM path's widened values. The few-row path asks for `ahead`'s rows, one a value.
+void accumulate_block(const float *p, const float *keep, int rows, int d, const void *v, bool bf16, int len, float *values, float *acc, Ahead ahead) {
     if (as_gemm(rows, d)) {
         small_gemm(p, BLOCK, widened(v, bf16, d, len, values), d, len, acc, d, rows, d, keep);  // acc * keep + [rows, len] x [len, D]
     } else if (bf16) {
-        accumulate_values(p, keep, rows, d, (const uint16_t *)v, len, acc);
+        accumulate_values(p, keep, rows, d, (const uint16_t *)v, len, acc, ahead);
     } else {
-        accumulate_values(p, keep, rows, d, (const float *)v, len, acc);
+        accumulate_values(p, keep, rows, d, (const float *)v, len, acc, ahead);
     }
+}
+
+// The next block's keys (`keys`, `bytes` of them; null: none) asked for while this block's softmax and values are
+// computed: the first half a share for each of the rows' softmax, the other half over the values, a share a value row
+// (ASK_NEXT_KEYS).
+struct NextKeys {
+    Ahead softmax, values;  // rows of `softmax`: the rows' shares (whole lines); of `values`: the values'
+};
+inline NextKeys next_keys(const char *keys, int64_t bytes, int rows) {
+    if (!keys) return {};
+    const int64_t half = bytes / 2, share = (half / 64 + rows - 1) / rows * 64;
+    return {Ahead{keys, share}, Ahead{keys + half, (bytes - half) / BLOCK}};
 }
 
 // Floats of scratch one work item needs: its scores, and a block of keys and one of values as float32.
@@ -624,8 +657,11 @@ void attend_range(const float *q, int rows, int d, const void *k, const void *v,
             for (size_t i = 0; i < (size_t)BLOCK * d * elem; i += 64) __builtin_prefetch(next_k + i, 0, 3), __builtin_prefetch(next_v + i, 0, 3);
         }
         const Ahead ahead{whole_blocks ? nullptr : (const char *)v + b * d * elem, (int64_t)d * (int64_t)elem};
+        const bool asks_next = ASK_NEXT_KEYS && !whole_blocks && b + BLOCK < end;
+        const NextKeys next = next_keys(asks_next ? (const char *)k + (b + BLOCK) * d * elem : nullptr, (int64_t)BLOCK * d * elem, rows);
         score_block(q, rows, d, (const char *)k + b * d * elem, bf16, len, kt, s, ahead);
         for (int r = 0; r < rows; ++r) {
+            next.softmax.ask(r, 1);
             float *sr = s + r * BLOCK;
             for (int j = len; j < BLOCK; ++j) sr[j] = -INFINITY;  // padding of the last block
             vw most = splatw(m[r]);
@@ -643,7 +679,7 @@ void attend_range(const float *q, int rows, int d, const void *k, const void *v,
             l[r] = l[r] * rescale[r] + hsum(sum);
             m[r] = top;
         }
-        accumulate_block(s, rescale, rows, d, (const char *)v + b * d * elem, bf16, len, values, acc);
+        accumulate_block(s, rescale, rows, d, (const char *)v + b * d * elem, bf16, len, values, acc, next.values);
     }
 }
 

@@ -379,8 +379,17 @@ int widened_linear(const uint8_t *w, const float *x, const float *bias, float *y
 constexpr int MAX_WIDENED_BF16_ROWS = 16;  // bf16 rows taken this way (packed_linear.py: MAX_WIDENED_BF16_ROWS)
 
 inline vf round_to_bf16(vf x) {  // each lane to the nearest bf16 (ties to even), as a float32 with a zero lower half
+#if defined(__AVX512F__)
+    // bits + 0x8000 where the bf16's last bit is odd, else bits + 0x7FFF: a test into a mask and a masked add in place of
+    // a shift, an and and an add (the shift ran on the port the multiply-adds take)
+    const __m512i bits = (__m512i)x;
+    const __mmask16 odd = _mm512_test_epi32_mask(bits, _mm512_set1_epi32(0x10000));
+    const __m512i up = _mm512_mask_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7FFF)), odd, bits, _mm512_set1_epi32(0x8000));
+    return (vf)_mm512_and_si512(up, _mm512_set1_epi32((int)0xFFFF0000u));
+#else
     const vfu bits = (vfu)x;
     return (vf)((bits + 0x7FFFu + ((bits >> 16) & 1u)) & 0xFFFF0000u);
+#endif
 }
 
 // A stored format's blocks as the bf16 numbers they stand for (its float32 weights rounded to nearest even, as the
