@@ -108,8 +108,8 @@ constexpr bool PREFETCH_FEW_ROWS = false;
 // Whether the few-row path asks for the next block's keys while it computes this block's softmax (half of them, a
 // share a row) and weighted values (the other half, a line or two a value row), so that the key stream goes on
 // while no keys are read. Measured on the 2-core Intel host without bf16 dot products (AVX-512F), two threads from
-// memory over 7,500 keys: bf16 1.24x less time at one token, 1.15x at two, 1.11-1.12x at three and four; float32
-// 1.07x / 1.16x / 1.13x at one / two / three (docs/benchmarks.md, "The next block's keys asked for ..."). Asked for
+// memory over 7,500 keys: bf16 1.21x less time at one token, 1.17x at two, 1.14x at three, 1.10-1.11x at four and
+// five; float32 1.08x / 1.18x / 1.14x at one / two / three (docs/benchmarks.md, "The next block's keys asked for ..."). Asked for
 // all at once before the values, the same keys gave 1.09x at one token; asked for while this block's keys are scored
 // (a lead of one to four blocks), they made it slower. Not measured on the other hosts, so only there.
 #if defined(__AVX512F__) && !defined(SPECSTACK_DP)
