@@ -18,7 +18,7 @@ weights without widening them (docs/benchmarks.md, "bf16 linears through vdpbf16
 
 This module is the one place that choice is made. :func:`pack_linears` turns a model's ``nn.Linear``
 layers into :class:`PackedLinear` (the same module, parameters and state dict, another forward); each
-takes up to :data:`MAX_STREAMED_ROWS` rows (six in fp32, sixteen in bf16; sixteen in fp32 on AVX2) through the streaming kernel where it was built, packs its weight on its first wider CPU forward without
+takes up to :data:`MAX_STREAMED_ROWS` rows (sixteen in fp32 and bf16) through the streaming kernel where it was built, packs its weight on its first wider CPU forward without
 autograd (fp32, and bf16 where oneDNN has bf16 kernels: there ``F.linear`` reordered the weight on every
 call and cost 25-33 ms for 1-16 rows through the target's matrices, the packed kernel 17; where it has none,
 bf16 widened to an fp32 copy of the weight, each output rounded once), and keeps
@@ -42,21 +42,23 @@ from .weight_formats import BF16, Q4_1, WeightFormat, bf16_rows
 
 ROWS_SOURCE = SOURCES / "linear_rows.cpp"
 # The most input rows the streaming kernel takes, per dtype; wider forwards take oneDNN's packed kernel
-# (bf16 too, where oneDNN has bf16 kernels). Whole forwards on the 2-core Intel host, the kernel (with
-# its prefetch) against oneDNN's packed kernel: fp32 target 1.05-1.11x at 5 and 6 tokens, bf16 target
-# 1.04-1.06x at 5 and 6, 0.98-1.02x at 8 (docs/benchmarks.md, "Prefetching the weights"). The draft,
-# whose weights stay in cache, gains nothing from 5 rows on in either dtype.
+# (bf16 too, where oneDNN has bf16 kernels). The streaming kernel sums every output in one order at any of these row
+# counts, so a token's outputs are the same bits alone or among up to this many rows.
+# fp32: sixteen. On the 2-core AMD Zen 3 host (AVX2) the target's 211 matrices took 30 / 38 / 48 ms for 8 / 12 / 16
+# rows through the kernel against oneDNN's packed kernel's 37 / 45 / 52 (docs/benchmarks.md, "Up to sixteen fp32 rows
+# on AVX2"). With AVX-512 it had stopped at six, where oneDNN was close over fp32 weights read as they lie (the 2-core
+# Intel host: the kernel 1.05-1.11x at 5 and 6 tokens, "Prefetching the weights"); over the GGUF's blocks, which the
+# kernel reads at 0.75-1.125 bytes a weight and from seven rows widens into L1 four weight rows at a time, fp32 target
+# forwards of 8 / 12 / 16 tokens then took 2.35 / 1.95 / 1.70x less time than with oneDNN over 512 cached slots and
+# 1.48 / 1.39 / 1.28x over 7,500 (the Intel host without bf16 dot products; docs/benchmarks.md, "Seven rows or more
+# four at a time"). Over plain fp32 weights its 211 matrices took 0.84-0.89x oneDNN's time at 7-9 rows and 1.08-1.15x
+# at 12-16.
 # bf16 (with AVX-512's bf16 dot products and no AMX tiles): up to 16, the Q4_1 blocks widened once for up to six
 # input rows over four weight rows or twelve over two (csrc/linear_rows.cpp, MAX_Q4_ROWS): on the AMD Zen 4 host the
 # bf16 target's forwards of 7-16 tokens took 1.02-1.32x less time than with oneDNN's packed kernel when the kernel
 # still took passes of six (docs/benchmarks.md, "bf16 verifies in dot products"), and 1.04-1.07x less again at 7 and
 # 8 tokens with the pairs.
-MAX_STREAMED_ROWS = {torch.float32: 6, torch.bfloat16: 16}
-# Where the kernel is built for narrower vectors than AVX-512 (AVX2), fp32 products of up to this many rows
-# take it: on the 2-core AMD Zen 3 host the target's 211 matrices took 30 / 38 / 48 ms for 8 / 12 / 16 rows
-# through it against oneDNN's packed kernel's 37 / 45 / 52, and the same at 24 (docs/benchmarks.md, "Up to
-# sixteen fp32 rows on AVX2").
-MAX_STREAMED_ROWS_AVX2 = 16
+MAX_STREAMED_ROWS = {torch.float32: 16, torch.bfloat16: 16}
 # Where the CPU has no bf16 dot products (AVX2), bf16 products of up to this many rows are widened to fp32 in
 # the kernel (csrc/linear_rows.cpp, MAX_WIDENED_BF16_ROWS): there oneDNN has no bf16 kernels and F.linear
 # emulates bf16, at 2.3-2.4x the kernel's time for one row through the target's 120 layer products
@@ -94,17 +96,15 @@ class RowsKernel:
     path: Path
     bf16_dots: bool = False  # bf16 products take vdpbf16ps (the CPU has AVX-512's bf16 dot products); else widened to fp32
     tiles: bool = False  # bf16 products of up to MAX_TILE_ROWS rows on AMX tiles (the CPU has them and Linux lends them)
-    avx512: bool = True  # built for AVX-512; False (AVX2): fp32 products of up to MAX_STREAMED_ROWS_AVX2 rows take it
+    avx512: bool = True  # built for AVX-512 (sixteen-float sums); False: AVX2 or narrower
 
     def __reduce__(self):
         """Pickled and copied (with a model) as a request to load it again where it lands."""
         return load_rows_kernel, ()
 
     def max_rows(self, dtype: torch.dtype) -> int:
-        """The most input rows of ``dtype`` the kernel takes: MAX_STREAMED_ROWS, MAX_STREAMED_ROWS_AVX2 in fp32
-        without AVX-512, MAX_TILE_ROWS in bf16 on tiles, MAX_WIDENED_BF16_ROWS in bf16 without bf16 dot products."""
-        if dtype == torch.float32 and not self.avx512:
-            return MAX_STREAMED_ROWS_AVX2
+        """The most input rows of ``dtype`` the kernel takes: MAX_STREAMED_ROWS, MAX_TILE_ROWS in bf16 on tiles,
+        MAX_WIDENED_BF16_ROWS in bf16 without bf16 dot products."""
         if dtype == torch.bfloat16 and not self.bf16_dots:
             return MAX_WIDENED_BF16_ROWS
         return MAX_TILE_ROWS if dtype == torch.bfloat16 and self.tiles else MAX_STREAMED_ROWS.get(dtype, 0)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from specstack.native import find_compiler
-from specstack.packed_linear import MAX_STREAMED_ROWS, MAX_STREAMED_ROWS_AVX2, MAX_WIDENED_BF16_ROWS, TILES_FROM, PackedLinear, RowsKernel, load_rows_kernel, onednn_available, onednn_bf16_available, pack_linears
+from specstack.packed_linear import MAX_STREAMED_ROWS, MAX_WIDENED_BF16_ROWS, TILES_FROM, PackedLinear, RowsKernel, load_rows_kernel, onednn_available, onednn_bf16_available, pack_linears
 
 ROWS_KERNEL = load_rows_kernel()
 # the most rows the streaming kernel takes: fp32 6, or 16 where it is built without AVX-512
@@ -82,16 +82,17 @@ def test_a_rows_outputs_are_the_same_bits_alone_or_among_others() -> None:
 
 
 @needs_compiler
-def test_fp32_takes_up_to_sixteen_rows_where_the_kernel_is_built_without_avx512() -> None:
-    """The one place the row limit is chosen: six fp32 rows where the kernel has AVX-512 (oneDNN is
-    close from five on there), sixteen where it has narrower vectors; bf16 is not affected."""
+def test_fp32_takes_up_to_sixteen_rows_with_or_without_avx512() -> None:
+    """The one place the row limit is chosen (MAX_STREAMED_ROWS): sixteen fp32 rows whatever the kernel's vector
+    width, then oneDNN; bf16 is not affected."""
     assert ROWS_KERNEL is not None
     wide, narrow = attrs.evolve(ROWS_KERNEL, avx512=True), attrs.evolve(ROWS_KERNEL, avx512=False)
-    assert (wide.max_rows(torch.float32), narrow.max_rows(torch.float32)) == (MAX_STREAMED_ROWS[torch.float32], MAX_STREAMED_ROWS_AVX2)
+    assert wide.max_rows(torch.float32) == narrow.max_rows(torch.float32) == MAX_STREAMED_ROWS[torch.float32] == 16
     assert wide.max_rows(torch.bfloat16) == narrow.max_rows(torch.bfloat16)
     weight = torch.randn(40, 64)  # [out, in]
-    assert narrow.applies(torch.randn(16, 64), weight, None) and not narrow.applies(torch.randn(17, 64), weight, None)
-    assert wide.applies(torch.randn(6, 64), weight, None) and not wide.applies(torch.randn(7, 64), weight, None)
+    for kernel in (wide, narrow):
+        assert kernel.applies(torch.randn(16, 64), weight, None) and not kernel.applies(torch.randn(17, 64), weight, None)
+
 
 needs_bf16_rows = pytest.mark.skipif(ROWS_KERNEL is None, reason="no C++ compiler here: bf16 rows keep F.linear")
 needs_tiles = pytest.mark.skipif(ROWS_KERNEL is None or not ROWS_KERNEL.tiles, reason="no AMX tiles here: wider bf16 products take oneDNN")

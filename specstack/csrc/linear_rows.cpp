@@ -76,6 +76,11 @@ typedef uint32_t vfu __attribute__((vector_size(4 * LANES), aligned(4)));
 
 constexpr int ROWS = 4;  // weight rows streamed side by side
 constexpr int MAX_FUSED_ROWS = 6;  // fp32 input rows over narrower weights widened in registers; more take a group widened into L1
+// Whether a group widened into L1 goes to its input rows four at a time (sixteen sums in flight, 21 of the 32 AVX-512
+// registers) rather than three: on the 2-core Intel host without bf16 dot products, bf16 target forwards of 7-16
+// tokens over 512 slots 1.07-1.16x faster in two runs (docs/benchmarks.md, "Seven rows or more four at a time"). The
+// same sums in the same order. Rows streamed from memory keep threes: fours there took 0.77-1.15x their time.
+constexpr bool WIDENED_FOURS = LANES == 16;
 constexpr int MAX_Q4_FUSED_ROWS = 6;  // bf16 input rows over Q4_1 weights with each block of a group's four rows widened once for them all
 constexpr int MAX_Q4_PAIR_ROWS = 12;  // more input rows take the group's weight rows two at a time, passes of at most this many input rows
 constexpr int MAX_Q4_ROWS = 16;  // bf16 input rows over Q4_1 weights
@@ -130,10 +135,13 @@ void four_outputs_of(const float *w0, bool prefetch, const float *x, int j0, int
         for (int i = 0; i < ROWS; ++i) y[(j0 + j) * out + r + i] = hsum(a[j][i]);
 }
 
-// y[j, r .. r+3] for the n input rows: threes, then a pair or a single row left over.
-void four_outputs(const float *w0, bool prefetch, const float *x, int n, int64_t in, int64_t out, int64_t r, float *y) {
-    const int passes = (n + 2) / 3;
+// y[j, r .. r+3] for the n input rows: threes, then a pair or a single row left over; where `fours`, passes of four
+// rows first, as many as leave no single row or pair but in threes (4 + 3 for seven rows, 4 + 3 + 2 for nine).
+void four_outputs(const float *w0, bool prefetch, const float *x, int n, int64_t in, int64_t out, int64_t r, float *y, bool fours = false) {
+    const int four_passes = fours ? (n % 4 == 0 || n % 4 == 3 ? n / 4 : n / 4 - 1) : 0;
+    const int passes = four_passes + (n - 4 * four_passes + 2) / 3;
     int j = 0, pass = 0;
+    for (; pass < four_passes; j += 4, ++pass) four_outputs_of<4>(w0, prefetch, x, j, pass, passes, in, out, r, y);
     for (; j + 3 <= n; j += 3, ++pass) four_outputs_of<3>(w0, prefetch, x, j, pass, passes, in, out, r, y);
     if (n - j == 2) four_outputs_of<2>(w0, prefetch, x, j, pass, passes, in, out, r, y);
     if (n - j == 1) four_outputs_of<1>(w0, prefetch, x, j, pass, passes, in, out, r, y);
@@ -354,7 +362,7 @@ int widened_linear(const uint8_t *w, const float *x, const float *bias, float *y
                 if (!widened) widened = thread_scratch<1>(ROWS * in);
                 widen_rows<Format>(rows, next, in, last - first, widened);
                 if (last - first == ROWS)
-                    four_outputs(widened, false, x, n, in, out, first, y);
+                    four_outputs(widened, false, x, n, in, out, first, y, WIDENED_FOURS);
                 else
                     for (int64_t r = first; r < last; ++r) one_output(widened + (r - first) * in, x, n, in, out, r, y);
             }
