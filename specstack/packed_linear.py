@@ -96,7 +96,7 @@ class RowsKernel:
     path: Path
     bf16_dots: bool = False  # bf16 products take vdpbf16ps (the CPU has AVX-512's bf16 dot products); else widened to fp32
     tiles: bool = False  # bf16 products of up to MAX_TILE_ROWS rows on AMX tiles (the CPU has them and Linux lends them)
-    avx512: bool = True  # built for AVX-512 (sixteen-float sums); False: AVX2 or narrower
+    avx512: bool = True  # what the build is: AVX-512 (sixteen-float sums), or False for AVX2 or narrower; no limit depends on it
 
     def __reduce__(self):
         """Pickled and copied (with a model) as a request to load it again where it lands."""

@@ -8,7 +8,6 @@ from __future__ import annotations
 import copy
 import io
 
-import attrs
 import pytest
 import torch
 
@@ -82,16 +81,12 @@ def test_a_rows_outputs_are_the_same_bits_alone_or_among_others() -> None:
 
 
 @needs_compiler
-def test_fp32_takes_up_to_sixteen_rows_with_or_without_avx512() -> None:
-    """The one place the row limit is chosen (MAX_STREAMED_ROWS): sixteen fp32 rows whatever the kernel's vector
-    width, then oneDNN; bf16 is not affected."""
+def test_fp32_takes_up_to_sixteen_rows() -> None:
+    """The one place the row limit is chosen (MAX_STREAMED_ROWS): sixteen fp32 rows on any build, then oneDNN."""
     assert ROWS_KERNEL is not None
-    wide, narrow = attrs.evolve(ROWS_KERNEL, avx512=True), attrs.evolve(ROWS_KERNEL, avx512=False)
-    assert wide.max_rows(torch.float32) == narrow.max_rows(torch.float32) == MAX_STREAMED_ROWS[torch.float32] == 16
-    assert wide.max_rows(torch.bfloat16) == narrow.max_rows(torch.bfloat16)
+    assert ROWS_KERNEL.max_rows(torch.float32) == MAX_STREAMED_ROWS[torch.float32] == 16
     weight = torch.randn(40, 64)  # [out, in]
-    for kernel in (wide, narrow):
-        assert kernel.applies(torch.randn(16, 64), weight, None) and not kernel.applies(torch.randn(17, 64), weight, None)
+    assert ROWS_KERNEL.applies(torch.randn(16, 64), weight, None) and not ROWS_KERNEL.applies(torch.randn(17, 64), weight, None)
 
 
 needs_bf16_rows = pytest.mark.skipif(ROWS_KERNEL is None, reason="no C++ compiler here: bf16 rows keep F.linear")

@@ -665,11 +665,11 @@ inline float max_lanes(vw x) {
 // block), and the scores become their weights e^{x - m_new}, summed eight at a time in order whatever W. Each step
 // runs for all rows before the next, so that the rows' chains of dependent operations (a maximum, expf) run side by
 // side instead of one row's after another's: attention over 7,500 bf16 keys 1.09-1.10x faster at 8 and 16 tokens
-// (docs/benchmarks.md, "The softmax a step at a time for all rows"). `ask` asks for its rows, one a row.
-void softmax_block(float *s, int rows, int len, float *m, float *l, float *rescale, Ahead ask) {
+// (docs/benchmarks.md, "The softmax a step at a time for all rows"). Row r asks for `ahead`'s row r.
+void softmax_block(float *s, int rows, int len, float *m, float *l, float *rescale, Ahead ahead) {
     float top[MAX_ROWS];
     for (int r = 0; r < rows; ++r) {
-        ask.ask(r, 1);
+        ahead.ask(r, 1);
         float *sr = s + r * BLOCK;
         for (int j = len; j < BLOCK; ++j) sr[j] = -INFINITY;  // padding of the last block
         vw most = splatw(m[r]);

@@ -136,9 +136,9 @@ void four_outputs_of(const float *w0, bool prefetch, const float *x, int j0, int
 }
 
 // y[j, r .. r+3] for the n input rows: threes, then a pair or a single row left over; where `fours`, passes of four
-// rows first, as many as leave no single row or pair but in threes (4 + 3 for seven rows, 4 + 3 + 2 for nine).
+// rows first, as many as leave the rest to threes and at most one pair (4 + 3 for seven rows, 4 + 3 + 2 for nine).
 void four_outputs(const float *w0, bool prefetch, const float *x, int n, int64_t in, int64_t out, int64_t r, float *y, bool fours = false) {
-    const int four_passes = fours ? (n % 4 == 0 || n % 4 == 3 ? n / 4 : n / 4 - 1) : 0;
+    const int four_passes = fours && n >= 4 ? (n % 4 == 1 || n % 4 == 2 ? n / 4 - 1 : n / 4) : 0;
     const int passes = four_passes + (n - 4 * four_passes + 2) / 3;
     int j = 0, pass = 0;
     for (; pass < four_passes; j += 4, ++pass) four_outputs_of<4>(w0, prefetch, x, j, pass, passes, in, out, r, y);
@@ -785,8 +785,8 @@ int specstack_linear_rows_bf16_f32(const uint8_t *w, const float *x, const float
     return widened_linear<BF16>(w, x, bias, y, n, out, in, threads);
 }
 
-// 1 where the kernel was compiled for AVX-512 (where oneDNN's packed fp32 kernel is close from five
-// rows on), 0 for narrower vectors (where this kernel beats it up to sixteen rows; packed_linear.py).
+// 1 where the kernel was compiled for AVX-512 (sixteen-float sums), 0 for narrower vectors: what a build is, reported
+// (RowsKernel.avx512); the row limits do not depend on it (packed_linear.py, MAX_STREAMED_ROWS).
 int specstack_linear_rows_avx512() {
 #if defined(__AVX512F__)
     return 1;
