@@ -4,8 +4,9 @@ For each number of new tokens T, the kernel's ``DecodeKernel.attend`` over a cac
 embedded target's (its layers, KV heads, head width and query heads per KV head, read from its config), summed
 over its layers, in three settings alternated in one process (best of seven):
 
-* from memory: every layer its own cache, as a forward reads them (on 2 MB pages where the kernel grants them, as
-  the KV store lays them out; ``--small-pages``: on 4 KB pages);
+* from memory: every layer its own cache, as a forward reads them, from a KV store (on 2 MB pages where the kernel
+  grants them; ``--small-pages``: on 4 KB pages), its keys by columns kept where the kernel reads them so ("memory, no
+  store": laid out at every call instead);
 * in cache: one layer's cache once per layer (5.8 MB at 7,500 keys, 25 MB at 32,000: within the last-level cache
   of the host this was measured on), so memory waits mostly vanish and what is left is the kernel's own
   arithmetic and data movement;
@@ -36,9 +37,9 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig
 
-from specstack import host_memory
 from specstack.decode_attention import load_decode_kernel
 from specstack.floor import ModelShape, measure_bandwidth
+from specstack.kvstore import KVStore
 from specstack.models import prepare_target
 
 
@@ -62,12 +63,15 @@ def best_seconds(calls: dict, repeats: int = 7) -> dict:
     return best
 
 
-def cache_buffer(layers: int, shape: tuple[int, int, int], dtype: torch.dtype, generator: torch.Generator, small_pages: bool) -> list[torch.Tensor]:
-    """Random keys (or values) of every layer, [1, Hkv, n, D] each, in one buffer laid out as the KV store's."""
-    buffer = torch.zeros((layers, *shape), dtype=dtype) if small_pages else host_memory.zeros((layers, *shape), dtype=dtype)  # [L, Hkv, n, D]
-    for layer in buffer:
-        layer.copy_(torch.randn(shape, generator=generator))
-    return [layer[None] for layer in buffer]
+def random_store(layers: int, shape: tuple[int, int, int], dtype: torch.dtype, generator: torch.Generator, small_pages: bool) -> KVStore:
+    """A KV store of every layer's random keys and values, shape [Hkv, n, D] a layer (on 4 KB pages where ``small_pages``)."""
+    store = KVStore(layers=layers, kv_heads=shape[0], head_dim=shape[2], capacity=shape[1], dtype=dtype)
+    if small_pages:
+        store.keys, store.values = torch.zeros_like(store.keys), torch.zeros_like(store.values)
+    for buffer in (store.keys, store.values):
+        for layer in buffer:
+            layer.copy_(torch.randn(shape, generator=generator))
+    return store
 
 
 def main() -> None:
@@ -92,17 +96,23 @@ def main() -> None:
     print(f"read bandwidth {bandwidth / 1e9:.1f} GB/s; kernel paths here: tiles={shipped.amx}, dot products={shipped.dot_products}")
     generator = torch.Generator().manual_seed(0)
     for n in args.keys:
-        keys, values = (cache_buffer(layers, (kv_heads, n + max(args.tokens), dim), dtype, generator, args.small_pages) for _ in range(2))  # [1, Hkv, n + T, D] each
+        store = random_store(layers, (kv_heads, n + max(args.tokens), dim), dtype, generator, args.small_pages)  # [L, Hkv, n + T, D] keys and values
+        keys, values = [layer[None] for layer in store.keys], [layer[None] for layer in store.values]  # [1, Hkv, n + T, D] each
         floor = shape.kv_elements(n) * dtype.itemsize / bandwidth  # the cache read once
         for t in args.tokens:
             query = torch.randn(1, kv_heads * group, t, dim, generator=generator).to(dtype)  # [1, Hq, T, D]
             k, v = [x[:, :, : n + t] for x in keys], [x[:, :, : n + t] for x in values]
 
-            def every_layer(kernel, same: bool):
-                return lambda: [kernel.attend(query, k[0 if same else i], v[0 if same else i], None, None) for i in range(layers)]
+            store.length = n  # the cached keys; the kernels keep the store's keys by columns current below it where they read them so
+
+            def every_layer(kernel, same: bool, columns: bool = True):
+                held = store if columns else None
+                return lambda: [kernel.attend(query, k[0 if same else i], v[0 if same else i], None, None, held, 0 if same else i) for i in range(layers)]
 
             calls = {"memory": (every_layer(shipped, False), args.threads), "cache": (every_layer(shipped, True), args.threads),
                      "cache, 1 thread": (every_layer(shipped, True), 1)}
+            if shipped.column_keys(dtype, dim, group * t):  # the keys laid out by columns at every call, as without a store
+                calls["memory, no store"] = (every_layer(shipped, False, columns=False), args.threads)
             want = shipped.attend(query, k[0], v[0], None, None)
             for name, kernel in others.items():
                 if not torch.equal(kernel.attend(query, k[0], v[0], None, None), want):

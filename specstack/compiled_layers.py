@@ -67,7 +67,8 @@ class _Step(ctypes.Structure):
     _fields_ = [("t", ctypes.c_int), ("threads", ctypes.c_int), ("cached", ctypes.c_int64)]
     _fields_ += [(name, ctypes.c_void_p) for name in ("hidden", "normed", "delta", "qkv", "query", "attended", "merged", "gate_up", "act", "cos", "sin",
                                                        "sees", "keys", "values", "written")]
-    _fields_ += [("capacity", ctypes.c_int64), ("queries", ctypes.c_void_p), ("query_row", ctypes.c_int), ("amx", ctypes.c_int), ("dp", ctypes.c_int)]
+    _fields_ += [("capacity", ctypes.c_int64), ("columns", ctypes.c_void_p), ("columns_layer_stride", ctypes.c_int64), ("columns_head_stride", ctypes.c_int64),
+                 ("columns_upto", ctypes.c_void_p), ("queries", ctypes.c_void_p), ("query_row", ctypes.c_int), ("amx", ctypes.c_int), ("dp", ctypes.c_int)]
 
 
 def _address(function) -> int:
@@ -144,11 +145,17 @@ class CompiledLayers:
         sees = None if batch.is_chain else batch.sees.to(device="cpu", dtype=torch.bool).contiguous().view(torch.uint8)  # [T, T]
         queries = None if batch.queries is None else batch.queries.log(len(decoder.layers), hq, d, dtype, hidden.device)  # [L, Hq, D]
         written = store.written if store.written.numel() else None
+        columns = None  # [L, Hkv, C / 16, words, 16]: the store's keys by columns, which the kernel reads and keeps current
+        if kernel.column_keys(dtype, d, hq // hkv * t):
+            store.key_columns(0)  # made on first use
+            columns = store.columns
         fields = _Step(t=t, threads=torch.get_num_threads(), cached=store.length, hidden=hidden.data_ptr(), normed=parts[1].data_ptr(),
                        delta=parts[0].data_ptr(), qkv=parts[2].data_ptr(), query=query.data_ptr(), attended=attended.data_ptr(),
                        merged=parts[3].data_ptr(), gate_up=gate_up.data_ptr(), act=None, cos=cos.data_ptr(), sin=sin.data_ptr(),
                        sees=None if sees is None else sees.data_ptr(), keys=store.keys.data_ptr(), values=store.values.data_ptr(),
                        written=None if written is None else written.data_ptr(), capacity=store.capacity,
+                       columns=None if columns is None else columns.data_ptr(), columns_layer_stride=0 if columns is None else columns.stride(0),
+                       columns_head_stride=0 if columns is None else columns.stride(1), columns_upto=store.columns_upto.data_ptr(),
                        queries=None if queries is None else queries.data_ptr(), query_row=batch.query_row,
                        amx=kernel.tiles(dtype, d, t, store.length + t), dp=kernel.dot_products)
         model, step, call = ctypes.byref(plan.model), ctypes.byref(fields), self.library.specstack_layer_step
@@ -234,7 +241,7 @@ def _make_plan(decoder, kernel, t: int, table) -> _Plan:
         slot.scale = scaling if scaling is not None else layer.head_dim**-0.5
         slot.act_table = plan.tables[i].data_ptr() if plan.tables is not None else None
     first, ops = decoder.layers[0], decoder.ops.library
-    plan.model = _Model(add_norm=_address(ops.add_rms_norm), rotate=_address(ops.rotate), attend=_address(kernel.library.specstack_decode_attention),
+    plan.model = _Model(add_norm=_address(ops.add_rms_norm), rotate=_address(ops.rotate), attend=_address(kernel.library.specstack_decode_attention_columns),
                         layers=layers, count=len(decoder.layers), heads=first.heads, kv_heads=first.kv_heads, head_dim=first.head_dim,
                         hidden=decoder.model.norm.weight.shape[0], inner=first.inner, final_norm=decoder.model.norm.weight.data_ptr(),
                         final_eps=float(decoder.model.norm.variance_epsilon), bf16=DTYPES[dtype])

@@ -4,7 +4,8 @@ SDPA's CPU kernels took 3-4x the time it takes to read the cache once (AMD Zen 3
 (Intel with AVX-512) when one to four tokens attend over 7,500 keys (docs/benchmarks.md). ``csrc/decode_attention.cpp`` does what
 flash-decoding does (Dao et al., 2023): each thread streams its own range of the cache through an
 online softmax, and the ranges are merged by their maxima. A verify's many query rows are scored as a
-small GEMM over keys transposed block by block, in the machine's widest vectors. A bfloat16 cache is
+small GEMM over keys transposed block by block, in the machine's widest vectors; with AVX-512, from keys laid out
+sixteen at a time by columns, which a KV store keeps (:meth:`KVStore.key_columns`), so each is laid out once. A bfloat16 cache is
 read as it is stored and widened to float32 block by block: queries, arithmetic and output are
 float32, rounded once to bfloat16 at the end. Where the CPU has AMX tiles (and Linux lends them), a
 bfloat16 cache takes them instead: bf16 tile products for the scores and for the weighted values, the
@@ -24,11 +25,15 @@ from __future__ import annotations
 
 import ctypes
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import attrs
 import torch
 
 from .native import SOURCES, load
+
+if TYPE_CHECKING:
+    from .kvstore import KVStore
 
 SOURCE = SOURCES / "decode_attention.cpp"
 # The most new tokens that take the kernel, per cache dtype: up to here it beat SDPA on the CPUs it was
@@ -98,12 +103,22 @@ class DecodeKernel:
         """AMX tiles here, a bfloat16 cache, heads a multiple of 32 wide."""
         return self.amx and dtype == torch.bfloat16 and d % 32 == 0
 
-    def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float | None, sees: torch.Tensor | None) -> torch.Tensor:
-        """query [1, Hq, T, D], key/value [1, Hkv, n, D] (the last T the new tokens'), ``sees`` [T, T] among
-        the new tokens (None: causal, a chain) -> [1, T, Hq, D] in the query's dtype."""
-        return self.attend_float32(query, key, value, scaling, sees).to(query.dtype)
+    def column_keys(self, dtype: torch.dtype, d: int, rows: int) -> bool:
+        """Whether ``rows`` query rows a KV head over a cache of ``dtype`` with heads of width ``d`` read its keys by
+        groups laid out by columns, so that a KV store's copy of them (:meth:`KVStore.key_columns`) saves laying them
+        out at every forward."""
+        entry = getattr(self.library, "specstack_column_keys", None)  # a kernel built from an older source has none
+        return entry is not None and entry(int(dtype == torch.bfloat16), d, rows) == 1
 
-    def attend_float32(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float | None, sees: torch.Tensor | None) -> torch.Tensor:
+    def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float | None, sees: torch.Tensor | None,
+               store: "KVStore | None" = None, layer: int = 0) -> torch.Tensor:
+        """query [1, Hq, T, D], key/value [1, Hkv, n, D] (the last T the new tokens'), ``sees`` [T, T] among
+        the new tokens (None: causal, a chain) -> [1, T, Hq, D] in the query's dtype. Where ``key`` is layer
+        ``layer`` of ``store``, the store's copy of its keys by columns is read and kept up to date."""
+        return self.attend_float32(query, key, value, scaling, sees, store, layer).to(query.dtype)
+
+    def attend_float32(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float | None, sees: torch.Tensor | None,
+                       store: "KVStore | None" = None, layer: int = 0) -> torch.Tensor:
         """:meth:`attend`'s output as the kernel computes it, float32 [1, T, Hq, D], before any rounding to the query's dtype."""
         _, hq, t, d = query.shape
         hkv, n = key.shape[1], key.shape[2]
@@ -111,23 +126,34 @@ class DecodeKernel:
         out = torch.empty_like(q)  # [Hkv, G*T, D], float32
         mask = None if sees is None else sees.to(device="cpu", dtype=torch.bool).contiguous().view(torch.uint8)  # [T, T], 0 or 1, no copy
         scale = scaling if scaling is not None else d**-0.5
-        status = self.library.specstack_decode_attention(
-            q.data_ptr(), key.data_ptr(), value.data_ptr(), key.stride(1), value.stride(1), hkv, q.shape[1], t, d, n,
-            None if mask is None else mask.data_ptr(), scale, out.data_ptr(), torch.get_num_threads(), key.dtype == torch.bfloat16,
-            self.tiles(key.dtype, d, t, n), self.dot_products)
+        args = (q.data_ptr(), key.data_ptr(), value.data_ptr(), key.stride(1), value.stride(1), hkv, q.shape[1], t, d, n,
+                None if mask is None else mask.data_ptr(), scale, out.data_ptr(), torch.get_num_threads(), key.dtype == torch.bfloat16,
+                self.tiles(key.dtype, d, t, n), self.dot_products)
+        if store is not None and key.data_ptr() == store.keys[layer].data_ptr() and self.column_keys(key.dtype, d, q.shape[1]):
+            columns, upto = store.key_columns(layer)  # [Hkv, C / 16, words, 16], [1]
+            status = self.library.specstack_decode_attention_columns(*args, columns.data_ptr(), columns.stride(0), upto.data_ptr())
+        else:
+            status = self.library.specstack_decode_attention(*args)
         if status != 0:
             raise ValueError(f"decode kernel refused query {tuple(query.shape)} over keys {tuple(key.shape)}")
         return out.reshape(1, hq, t, d).transpose(1, 2)  # [1, T, Hq, D]
+
+
+
+# specstack_decode_attention's arguments (csrc/decode_attention.cpp)
+ARGTYPES = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_int] * 4 + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p] + [ctypes.c_int] * 4
 
 
 def load_decode_kernel(cache: Path | None = None, *, source: Path | None = None) -> DecodeKernel | None:
     """The kernel, compiled into ``cache`` (default: the specstack cache) on first use; None where it
     cannot be built here. ``source`` (default: :data:`SOURCE`, read at the call) is another version of
     ``csrc/decode_attention.cpp`` a benchmark builds beside it (examples/attention_bounds.py)."""
-    argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_int] * 4 + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p] + [ctypes.c_int] * 4
-    loaded = load(SOURCE if source is None else source, "specstack_decode_attention", argtypes, cache)
+    loaded = load(SOURCE if source is None else source, "specstack_decode_attention", ARGTYPES, cache)
     if loaded is None:
         return None
     library, path = loaded
+    if hasattr(library, "specstack_decode_attention_columns"):  # a kernel built from an older source has only the entry above
+        columns = library.specstack_decode_attention_columns
+        columns.restype, columns.argtypes = ctypes.c_int, ARGTYPES + [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
     return DecodeKernel(library=library, path=path, max_rows=library.specstack_max_rows(), max_dim=library.specstack_max_dim(),
                         amx=library.specstack_amx_bf16() == 1, dot_products=library.specstack_dp_bf16() == 1)

@@ -69,7 +69,7 @@ def grouped_attention(module, query, key, value, attention_mask, scaling=None, d
     sees = None if batch.is_chain else batch.sees  # [T, T] among the new tokens; None: causal
     kernel: DecodeKernel | None = kwargs.get("specstack_attention_kernel")
     if kernel is not None and kernel.applies(query, key, value):  # a few tokens over a float32 or bfloat16 cache on the CPU
-        return kernel.attend(query, key, value, scaling, sees), None
+        return kernel.attend(query, key, value, scaling, sees, kwargs.get("specstack_store"), module.layer_idx), None
     if 1 < t < n and _CPU_FLASH is not None and not query.is_cuda:  # verifies, trees, prefill chunks
         return _split_attention(query, key, value, scaling, sees), None
     # one token (or no CPU flash kernel): folding the GQA group into the query length reads each key

@@ -58,14 +58,16 @@ class KVStore:
         self.horizon = 0  # positions below this were gathered from another store (per-head slots)
         self.gathered = 0  # how many leading slots hold gathered entries
         self.attention: torch.Tensor | None = None  # [L, H, C] attention mass received by each slot (H2O)
+        self.columns: torch.Tensor | None = None  # [L, H, C / 16, words, 16] the keys by groups of 16 slots (key_columns)
+        self.columns_upto = torch.zeros(layers, dtype=torch.long, device="cpu")  # [L] leading slots whose groups are current there
 
     def __len__(self) -> int:
         return self.length
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the preallocated buffers (keys, values, keys as written, attention mass)."""
-        buffers = (self.keys, self.values, self.written) + ((self.attention,) if self.attention is not None else ())
+        """Bytes of the preallocated buffers (keys, values, keys as written, attention mass, keys by columns)."""
+        buffers = (self.keys, self.values, self.written) + tuple(x for x in (self.attention, self.columns) if x is not None)
         return sum(buffer.numel() * buffer.element_size() for buffer in buffers)
 
     @property
@@ -75,9 +77,28 @@ class KVStore:
     def truncate(self, position: int) -> None:
         if position < self.horizon:  # inside a gathered prefix: the view is stale, start over
             self.length = self.gathered = self.horizon = 0
-            return
-        appended = self.slot_positions[self.gathered : self.length]  # [n - g]
-        self.length = self.gathered + int(torch.searchsorted(appended, position))
+        else:
+            appended = self.slot_positions[self.gathered : self.length]  # [n - g]
+            self.length = self.gathered + int(torch.searchsorted(appended, position))
+        self._keys_change_from(self.length)
+
+    def key_columns(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``layer``'s keys laid out by groups of 16 slots, [H, C / 16, words, 16] 32-bit words (word w of each
+        slot's key, a slot a lane: a float32 column, or a pair of bfloat16 ones), and its mark [1]: how many leading
+        slots the groups hold current. The attention kernel reads the groups below the mark and lays out (and keeps)
+        the others as it reads them (csrc/decode_attention.cpp, "Keys sixteen at a time"); the store lowers the mark
+        wherever it changes keys below it. Made on first use (as many bytes as the keys)."""
+        if self.columns is None:
+            layers, heads, capacity, dim = self.keys.shape
+            words = dim * self.keys.element_size() // 4
+            self.columns = host_memory.zeros((layers, heads, -(-capacity // 16), words, 16), dtype=torch.int32, device=self.keys.device)
+            self.columns_upto.zero_()
+        return self.columns[layer], self.columns_upto[layer : layer + 1]
+
+    def _keys_change_from(self, slot: int) -> None:
+        """The keys from ``slot`` on change (or are dropped): their groups in ``columns`` are no longer current."""
+        if self.columns is not None and int(self.columns_upto.max()) > slot:
+            self.columns_upto.clamp_(max=slot - slot % 16)
 
     def gather_from(self, source: "KVStore", slots: torch.Tensor, horizon: int) -> None:
         """Fill this store with ``source``'s entries at ``slots`` [L, H, K] (each row ascending, every
@@ -99,6 +120,7 @@ class KVStore:
         self.slot_positions[:k] = -1  # per-head positions differ; all lie below the horizon
         self.length = self.gathered = k
         self.horizon = horizon
+        self._keys_change_from(0)
 
     def entry_rows(self, slots: torch.Tensor) -> torch.Tensor:
         """Slots [L, H, K] of each layer and KV head -> [L * H * K] the rows they are in the buffers seen as
@@ -137,6 +159,7 @@ class KVStore:
         slots = slots.to(self.keys.device)  # [n] or [L, H, n]
         if slots.dim() == 1:
             stay = int((row == torch.arange(n, device="cpu")).cumprod(0).sum())  # leading slots that do not move (sinks)
+            self._keys_change_from(stay)
             moved = slots[stay:]  # [m]
             self.values[:, :, stay:n] = self.values[:, :, moved]
             if self.attention is not None:
@@ -149,6 +172,7 @@ class KVStore:
             delta = torch.arange(stay, n, device="cpu") - self.written_for[stay:n]  # [m]; new slot minus the one each was rotated for
             self.keys[:, :, stay:n] = self._rerotate(self.written[:, :, stay:n], delta)  # [L, H, m, D]; one rotation from the key as written
             return
+        self._keys_change_from(0)
         index = slots[..., None].expand(-1, -1, -1, self.keys.shape[-1])  # [L, H, n, D]
         self.keys[:, :, :n] = self.keys.gather(2, index)
         self.values[:, :, :n] = self.values.gather(2, index)
@@ -162,6 +186,7 @@ class KVStore:
             raise SpecstackError(f"cannot copy {length} slots from a store holding {source.length} (gathered {source.gathered}) into one of {self.capacity}")
         self.keys[:, :, :length] = source.keys[:, :, :length]
         self.values[:, :, :length] = source.values[:, :, :length]
+        self._keys_change_from(0)
         self.slot_positions[:length] = source.slot_positions[:length]
         self.length, self.gathered, self.horizon = length, 0, 0
         if self.attention is not None:
@@ -179,6 +204,7 @@ class KVStore:
             raise SpecstackError(f"tree path {path} is not in the store (tree written from slot {base}, length {self.length})")
         source = torch.tensor(path, dtype=torch.long, device=self.keys.device) + base  # [m]
         m = len(path)
+        self._keys_change_from(base)
         self.keys[:, :, base : base + m] = self.keys[:, :, source]
         self.values[:, :, base : base + m] = self.values[:, :, source]
         if self._rerotate is not None:  # each node was rotated for its depth's slot, where it now lands
@@ -218,6 +244,7 @@ class KVStore:
     def write_at(self, layer: int, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write key/value [H, T, D] of one layer at ``slots`` [T] (a device tensor, so that a CUDA graph
         can replay it at other slots); return the whole layer [H, C, D] (its mask hides the rest)."""
+        self._keys_change_from(0)  # any slots (a graph's replay): the kernel that reads the groups is the CPU's
         self.keys[layer].index_copy_(1, slots, key)
         self.values[layer].index_copy_(1, slots, value)
         if self._rerotate is not None:

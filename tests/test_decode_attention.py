@@ -335,3 +335,117 @@ def test_a_failed_build_leaves_no_kernel(monkeypatch, tmp_path) -> None:
     monkeypatch.setattr("specstack.decode_attention.SOURCE", broken)
     assert load_decode_kernel(tmp_path) is None
     assert not list((tmp_path / "kernels").glob("*.so"))
+
+
+def column_store(dtype, capacity=1024):
+    """A one-layer KV store of three KV heads of 64 with random keys and values in every slot, slot i at position i."""
+    from specstack.kvstore import KVStore
+
+    store = KVStore(layers=1, kv_heads=3, head_dim=64, capacity=capacity, dtype=dtype)
+    store.slot_positions[:] = torch.arange(capacity)
+    refill(store, 0, capacity, seed=0)
+    return store
+
+
+def refill(store, first, last, seed):
+    """New random keys and values in slots first .. last - 1 of the store's one layer."""
+    generator = torch.Generator().manual_seed(seed)
+    for buffer in (store.keys, store.values):
+        buffer[0, :, first:last] = torch.randn(3, last - first, 64, generator=generator).to(buffer.dtype)
+
+
+def attend_over_store(store, n, t, seed):
+    """t new tokens over the store's n slots (the last t their own; n - t cached), with the store's keys by columns,
+    and the same without them (the keys copied out of the store, so the kernel lays out every group as it reads it)."""
+    store.length = n - t
+    query = torch.randn(1, 9, t, 64, generator=torch.Generator().manual_seed(seed)).to(store.keys.dtype)  # [1, Hq, T, D]
+    key, value = store.keys[0, :, :n][None], store.values[0, :, :n][None]  # [1, Hkv, n, D], the store's own buffers
+    with_columns = KERNEL.attend_float32(query, key, value, None, None, store, 0)  # [1, T, Hq, D]
+    without = KERNEL.attend_float32(query, key.clone(), value.clone(), None, None)
+    return with_columns, without
+
+
+needs_column_keys = pytest.mark.skipif(KERNEL is None or not KERNEL.column_keys(torch.float32, 64, 6), reason="no column path here (AVX-512 only)")
+
+
+@needs_column_keys
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_store_keeps_its_keys_by_columns_and_they_give_the_same_bits(dtype) -> None:
+    """The kernel reads a store's groups of keys below its mark and lays out and keeps the others: as the store grows,
+    the mark follows the whole groups of cached keys, and the output is the same bits as laying out every group."""
+    if not KERNEL.column_keys(dtype, 64, 6):
+        pytest.skip(f"a {dtype} cache does not take the column path here")
+    store = column_store(dtype)
+    for n, t, mark in [(700, 2, 688), (703, 3, 688), (720, 1, 688), (721, 2, 704), (900, 5, 880)]:  # one token: the few-row path
+        with_columns, without = attend_over_store(store, n, t, seed=n)
+        assert torch.equal(with_columns, without), (n, t)
+        assert int(store.columns_upto[0]) == mark, (n, t)
+
+
+@needs_column_keys
+@pytest.mark.parametrize("change", ["truncate", "keep", "gather", "copy"])
+def test_a_store_that_changes_its_keys_below_the_mark_lowers_it(change) -> None:
+    """Rolling back and writing other keys, compacting (eviction) and gathering all change keys in slots whose groups the
+    store keeps: it lowers the mark, so the kernel lays them out again instead of reading stale groups (a store that
+    kept its mark would give other bits here)."""
+    from specstack.kvstore import KVStore
+
+    store = column_store(torch.bfloat16)
+    attend_over_store(store, 900, 2, seed=1)  # groups current up to 896
+    if change == "truncate":  # a rejected draft: back to 600, then other keys there
+        store.truncate(600)
+        assert int(store.columns_upto[0]) == 592
+        refill(store, 600, 900, seed=2)
+    elif change == "keep":  # eviction: sinks stay, later slots move to the front
+        store.keep(torch.cat([torch.arange(4), torch.arange(300, 898)]))
+        assert int(store.columns_upto[0]) == 0
+    elif change == "gather":  # a retrieval view refilled from another store
+        store.gather_from(column_store(torch.bfloat16), torch.arange(100, 990), horizon=990)
+        store.slot_positions[:] = torch.arange(store.capacity)
+    else:
+        source = column_store(torch.bfloat16)
+        refill(source, 0, 1024, seed=3)
+        source.length = 899
+        store.copy_prefix(source, 899)
+    assert int(store.columns_upto[0]) == 0 or change == "truncate"
+    with_columns, without = attend_over_store(store, 900, 2, seed=4)
+    assert torch.equal(with_columns, without)
+
+
+@needs_column_keys
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("t", "n"), [(2, 7_000), (3, 1_001), (6, 2_500), (8, 515), (11, 3_003), (16, 7_000)])
+def test_on_the_column_path_the_first_token_of_a_verify_gets_the_one_token_steps_bits(dtype, t, n) -> None:
+    """Verifies take the keys by columns and the few-row path's weighted values at any width, the one-token step the
+    few-row path: each key-row is summed by the same tree either way (the last keys of a block too, as a four padded
+    with zero keys), so the first token of a verify of up to sixteen tokens is the same bits as the step, from a store's
+    keys by columns or laid out as they are read."""
+    store = column_store(dtype, capacity=n + t)
+    query = torch.randn(1, 9, t, 64, generator=torch.Generator().manual_seed(t)).to(dtype)  # [1, Hq, T, D]
+    key, value = store.keys[0, :, : n + t][None], store.values[0, :, : n + t][None]  # [1, Hkv, n + T, D]
+    step = KERNEL.attend_float32(query[:, :, :1], key[:, :, : n + 1].clone(), value[:, :, : n + 1].clone(), None, None)  # [1, 1, Hq, D]
+    store.length = n
+    for held in (None, store, store):  # laid out as read; from the store, laying out and keeping; from the store's groups
+        verify = KERNEL.attend_float32(query, key, value, None, None, held, 0)  # [1, T, Hq, D]
+        assert torch.equal(verify[:, :1], step)
+
+
+@pytest.mark.real_model
+@needs_column_keys
+def test_on_the_column_path_the_bf16_targets_verify_gives_its_first_token_the_one_token_steps_logits() -> None:
+    """The whole forward on a CPU without bf16 dot products: over 600 cached tokens, the first row of logits of a bf16
+    verify of two to sixteen tokens (the keys by columns, the store keeping them) is the same bits as the one-token
+    step's, since the linear layers and the LM head give each row the same bits at any row count up to sixteen."""
+    from specstack.models import load_target
+
+    target = load_target(dtype=torch.bfloat16)[0]
+    generator = torch.Generator().manual_seed(12)
+    prompt, verify = torch.randint(1000, 20000, (600,), generator=generator).tolist(), torch.randint(1000, 20000, (16,), generator=generator).tolist()
+    store = target.new_cache(640)
+    target.forward(TokenBatch.chain(prompt, start=0, num_logits=1), store)
+    step = target.forward(TokenBatch.chain(verify[:1], start=600, num_logits=1), store)  # [1, V]
+    for t in (2, 3, 5, 8, 12, 16):
+        store.truncate(600)
+        logits = target.forward(TokenBatch.chain(verify[:t], start=600, num_logits=t), store)  # [t, V]
+        assert torch.equal(logits[:1].view(torch.int16), step.view(torch.int16)), t
+    assert int(store.columns_upto.min()) == 592  # every layer's groups of the 600 cached keys kept

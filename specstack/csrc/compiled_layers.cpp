@@ -52,7 +52,8 @@ typedef int (*linear_fn)(const void *w, const void *x, const void *bias, void *y
 typedef int (*norm_fn)(void *hidden, const void *delta, const void *weight, void *normed, int rows, int width, float eps, int bf16);
 typedef int (*rotate_fn)(void *x, const void *cos, const void *sin, int rows, int heads, int dim, int64_t stride, int bf16);
 typedef int (*attend_fn)(const float *q, const void *k, const void *v, int64_t k_head_stride, int64_t v_head_stride, int hkv, int rows,
-                         int t, int d, int64_t n, const uint8_t *sees, float scale, float *out, int threads, int kv_bf16, int amx, int dp);
+                         int t, int d, int64_t n, const uint8_t *sees, float scale, float *out, int threads, int kv_bf16, int amx, int dp,
+                         uint32_t *columns, int64_t columns_head_stride, int64_t *columns_upto);  // specstack_decode_attention_columns
 
 // The row of query head `head`, token i, in the attention kernel's layout [kv_heads, group * t, d]: head
 // h * group + g is row g * t + i of KV head h.
@@ -108,6 +109,9 @@ struct Step {
     const uint8_t *sees;    // [t, t] among the new tokens, or null for a chain
     void *keys, *values, *written;  // the store's [layers, kv_heads, capacity, head_dim] buffers; written null where it keeps none
     int64_t capacity;
+    uint32_t *columns;      // the store's keys by groups [layers, kv_heads, capacity / 16, words, 16] (KVStore.key_columns), or null
+    int64_t columns_layer_stride, columns_head_stride;  // in words
+    int64_t *columns_upto;  // [layers] how many leading slots of each layer the groups hold current
     void *queries;   // [layers, heads, head_dim] the query log of a gathering level below, or null
     int query_row;   // the row whose queries it logs
     int amx, dp;     // the attention kernel's paths for a bfloat16 cache, as the lean decoder chooses them
@@ -150,7 +154,8 @@ int specstack_layer_step(const Model *m, const Step *s, int layer) {
     if (s->queries) memcpy((char *)s->queries + (int64_t)layer * hq * row_bytes, qkv + (int64_t)s->query_row * width * row_bytes, row_bytes * hq);
 
     if ((status = m->attend(s->query, keys, values, head_stride, head_stride, hkv, group * t, t, d, s->cached + t, s->sees, l.scale,
-                            s->attended, s->threads, bf16, s->amx, s->dp)))
+                            s->attended, s->threads, bf16, s->amx, s->dp, s->columns ? s->columns + layer * s->columns_layer_stride : nullptr,
+                            s->columns_head_stride, s->columns ? s->columns_upto + layer : nullptr)))
         return status;
     for (int head = 0; head < hq; ++head)  // back to token by token, heads side by side
         for (int i = 0; i < t; ++i)

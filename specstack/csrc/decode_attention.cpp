@@ -25,6 +25,11 @@
 // (AMD Zen 3, AVX2, from memory, against widening each block into scratch and reading it back for pairs
 // of rows: bf16 attention 1.25x faster at one token and 1.68x at two over 7,500 keys, 1.31x and 1.43x
 // over 32,000; examples/attention_bounds.py --source.)
+// With AVX-512 and heads a multiple of 32 wide, six rows or more (a verify) take a third way, the column path
+// (below, "Keys sixteen at a time, column by column"): the keys of a group of sixteen laid out by 32-bit words, a key
+// a lane, so a vector of products belongs to sixteen keys and no sum runs across lanes; the KV store keeps its keys
+// laid out so (KVStore.key_columns), each group laid out once by the kernel that first reads it. Every path sums a
+// key-row by the same tree, so a row's scores are the same bits on all of them.
 //
 // On a CPU with AMX (Intel's tile registers and their bf16 products), a bfloat16 cache takes the tiles
 // instead, for any number of rows: sixteen keys by sixteen query rows are scored per tile product
@@ -47,6 +52,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <algorithm>
 #include <type_traits>
 #include <utility>
 
@@ -63,6 +69,12 @@
 #define SPECSTACK_AMX 1  // and with AMX tiles
 #include "amx_tiles.h"
 #endif
+#endif
+
+#ifdef SPECSTACK_DP
+constexpr bool SPECSTACK_DP_BUILT = true;
+#else
+constexpr bool SPECSTACK_DP_BUILT = false;
 #endif
 
 namespace {
@@ -312,8 +324,8 @@ __attribute__((always_inline)) inline void group_scores(const float *const q[R],
     group_scores<R, N>(q, d, kj, s, std::make_integer_sequence<int, R * N / (N < 4 ? N : 4)>{});
 }
 
-// s[r * BLOCK + j] = q_r . k_j for keys j < len (q already scaled) of one row, eight keys at a time, then four, then
-// one at a time (summed by hsum: the same last keys of a block take it on every path).
+// s[r * BLOCK + j] = q_r . k_j for keys j < len (q already scaled) of one row, eight keys at a time, then four, then the
+// last one to three as a four padded with zero keys, so that every key-row is summed by the same tree on every path.
 template <typename T>
 void row_scores(const float *qr, int d, const T *k, int len, float *sr, Ahead ahead = {}) {
     const float *q[1] = {qr};
@@ -329,10 +341,13 @@ void row_scores(const float *qr, int d, const T *k, int len, float *sr, Ahead ah
         group_scores<1, 4>(q, d, k + (int64_t)j * d, s);
         j += 4;
     }
-    for (; j < len; ++j) {
-        v8 f[1][1];
-        block_sums<1, 1>(q, d, k + (int64_t)j * d, f);
-        sr[j] = hsum(f[0][0]);
+    if (j < len) {  // the last one to three keys as a four padded with zero keys: every key-row summed by one tree
+        T padded[4 * MAX_DIM] = {};
+        memcpy(padded, k + (int64_t)j * d, sizeof(T) * (len - j) * d);
+        float sums[4];
+        float *const s[1] = {sums};
+        group_scores<1, 4>(q, d, padded, s);
+        for (int i = 0; i < len - j; ++i) sr[j + i] = sums[i];
     }
 }
 
@@ -607,8 +622,163 @@ void accumulate_values(const float *p, const float *keep, int rows, int d, const
     if (r < rows) row_values(p + r * BLOCK, keep[r], d, v, len, acc + r * d, ahead);
 }
 
-// Whether a block's rows take the GEMM path rather than the few-row path.
-inline bool as_gemm(int rows, int d) { return rows >= GEMM_ROWS && d % (2 * W) == 0; }
+constexpr int GROUP = 16;  // keys of a group: one vector of floats
+
+// The store's copy of one head's keys laid out by groups of GROUP keys (the column path, below; null: none), and how
+// many leading keys it holds current (a multiple of GROUP).
+struct Columns {
+    uint32_t *groups = nullptr;  // group g at groups + g * words * GROUP
+    int64_t upto = 0;
+};
+
+#if defined(__AVX512F__)
+// ---- Keys sixteen at a time, column by column (AVX-512) ----------------------------------------------
+//
+// Where vectors hold sixteen floats and heads are a multiple of 32 wide, every block's scores are taken from its keys
+// laid out sixteen at a time by columns: a group of sixteen keys is `words` vectors, vector w holding 32-bit word w of
+// each key (a float32 column, or two bfloat16 columns: 2w in its low half, 2w + 1 in its high half), one key a lane.
+// Then a vector of products is sixteen keys' and the dot products need no sums across lanes, which on the few-row path
+// (every key-row's products summed across sixteen lanes by shuffles, two key-rows folded to a vector) took about as
+// many instructions as the multiply-adds. Each key-row is summed exactly as the few-row path sums it (lanewise_scores),
+// so every path gives the same bits.
+//
+// The groups come from the KV store's copy of its keys in this layout (KVStore.columns), which the kernel fills as it
+// reads: a group of keys below the store's mark (`upto`) is read from there; any other is laid out here from the keys
+// as stored (sixteen by sixteen transposes in registers) and, when all sixteen are cached, copied into the store's
+// copy, so that each group of a cache is laid out once. Without a store, every group is laid out as it is read.
+
+// 32-bit words of a key: its float32 columns, or pairs of its bfloat16 columns.
+inline int key_words(int d, bool bf16) { return bf16 ? d / 2 : d; }
+
+// From this many query rows a KV head on the column path: fewer rows (a one-token step of a model with groups of three)
+// keep the few-row path, whose key stream from memory the column path did not match there (attention over 7,500
+// bf16 keys from memory 1.03-1.04x slower at one token, 1.27x faster at four; docs/benchmarks.md, "Keys by columns").
+constexpr int COLUMN_ROWS = 6;
+
+// Whether heads of width d (whole vectors of words, a group's words a multiple of sixteen) and `rows` query rows take
+// the column path.
+inline bool column_path(int d, int rows) { return d % 32 == 0 && rows >= COLUMN_ROWS; }
+
+// 16 x 16 floats transposed in registers: r[i] becomes column i.
+__attribute__((always_inline)) inline void transpose16(__m512 r[16]) {
+    __m512 t[16];
+    for (int i = 0; i < 16; i += 2) t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]), t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+    for (int i = 0; i < 16; i += 4) {  // r[i + c] lane L: column 4L + c of rows i .. i+3
+        const __m512d a = _mm512_castps_pd(t[i]), b = _mm512_castps_pd(t[i + 1]), c = _mm512_castps_pd(t[i + 2]), e = _mm512_castps_pd(t[i + 3]);
+        r[i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c)), r[i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, c));
+        r[i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, e)), r[i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, e));
+    }
+    for (int i = 0; i < 4; ++i) {  // gather lane L of rows i, i+4, i+8, i+12 into column 4L + i
+        t[i] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0x88), t[i + 4] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0xDD);
+        t[i + 8] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0x88), t[i + 12] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0xDD);
+    }
+    for (int i = 0; i < 4; ++i) {
+        r[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88), r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xDD);
+        r[i + 4] = _mm512_shuffle_f32x4(t[i + 4], t[i + 12], 0x88), r[i + 12] = _mm512_shuffle_f32x4(t[i + 4], t[i + 12], 0xDD);
+    }
+}
+
+
+// out[w * GROUP + i] = word w of key i, for the `count` keys (at most GROUP) of k (rows of d numbers of T), and zeros for
+// keys count .. GROUP - 1: sixteen words of sixteen keys at a time, transposed in registers.
+template <typename T>
+void lay_out_group(const T *k, int d, int count, uint32_t *out) {
+    const int words = key_words(d, sizeof(T) == 2);
+    for (int w0 = 0; w0 < words; w0 += 16) {
+        __m512 r[16];
+        for (int i = 0; i < 16; ++i) r[i] = i < count ? _mm512_loadu_ps((const float *)(k + (int64_t)i * d) + w0) : _mm512_setzero_ps();
+        transpose16(r);  // r[i]: word w0 + i of the sixteen keys
+        for (int i = 0; i < 16; ++i) _mm512_storeu_ps((float *)out + (w0 + i) * GROUP, r[i]);
+    }
+}
+
+// Column c of a group's keys as sixteen floats: a float32 word as it is; a bfloat16 pair's low half (c even) or high
+// half (c odd) moved into the upper half of the lane, zeros below (exact).
+template <typename T, int C>
+inline vw group_column(const uint32_t *group, int base) {
+    if constexpr (sizeof(T) == 4) return loadw((const float *)group + (base + C) * GROUP);
+    const __m512i x = _mm512_loadu_si512(group + (base + C) / 2 * GROUP);
+    if constexpr (C % 2 == 0) return (vw)_mm512_slli_epi32(x, 16);
+    return (vw)_mm512_and_si512(x, _mm512_set1_epi32((int)0xFFFF0000u));
+}
+
+// f[r] = lanes L and L + 8 of row r's products with the group's sixteen keys, summed as block_products sums a lane
+// (columns L, L + 16, ... in order) and added as fold adds them. D: the head's width where it is known when compiled.
+template <int R, int D, typename T, int L>
+__attribute__((always_inline)) inline void folded_lanes(const float *q, int d, const uint32_t *group, vw f[R]) {
+    if constexpr (D > 0) d = D;
+    vw a[R], b[R];
+    for (int r = 0; r < R; ++r) a[r] = vw{}, b[r] = vw{};
+#pragma GCC unroll 16
+    for (int c = 0; c < d; c += W) {
+        const vw x = group_column<T, L>(group, c), y = group_column<T, L + 8>(group, c);
+        for (int r = 0; r < R; ++r) a[r] += splatw(q[r * d + c + L]) * x, b[r] += splatw(q[r * d + c + L + 8]) * y;
+    }
+    for (int r = 0; r < R; ++r) f[r] = a[r] + b[r];
+}
+
+// s[r * BLOCK + i] = q_r . k_i for R query rows and the group's sixteen keys, each summed as group_scores sums a
+// key-row: lane l of the products, lanes l and l + 8 added, then sums8x2's tree ((F0 + F2) + (F1 + F3)) + ((F4 + F6) +
+// (F5 + F7)). Sixteen key-rows take fifteen adds here, not the shuffles and adds of summing across lanes.
+template <int R, int D, typename T>
+__attribute__((always_inline)) inline void lanewise_scores(const float *q, int d, const uint32_t *group, float *s) {
+    vw f[R], g[R], t0[R], t1[R];
+    folded_lanes<R, D, T, 0>(q, d, group, f), folded_lanes<R, D, T, 2>(q, d, group, g);
+    for (int r = 0; r < R; ++r) t0[r] = f[r] + g[r];
+    folded_lanes<R, D, T, 1>(q, d, group, f), folded_lanes<R, D, T, 3>(q, d, group, g);
+    for (int r = 0; r < R; ++r) t0[r] += f[r] + g[r];
+    folded_lanes<R, D, T, 4>(q, d, group, f), folded_lanes<R, D, T, 6>(q, d, group, g);
+    for (int r = 0; r < R; ++r) t1[r] = f[r] + g[r];
+    folded_lanes<R, D, T, 5>(q, d, group, f), folded_lanes<R, D, T, 7>(q, d, group, g);
+    for (int r = 0; r < R; ++r) t1[r] += f[r] + g[r], storew(s + r * BLOCK, t0[r] + t1[r]);
+}
+
+// s[r * BLOCK + i] for all rows and the group's keys: six rows at a time, then the rest.
+template <int D, typename T>
+void group_rows(const float *q, int rows, int d, const uint32_t *group, float *s) {
+    int r = 0;
+    for (; r + 6 <= rows; r += 6) lanewise_scores<6, D, T>(q + r * d, d, group, s + r * BLOCK);
+    switch (rows - r) {
+        case 5: lanewise_scores<5, D, T>(q + r * d, d, group, s + r * BLOCK); break;
+        case 4: lanewise_scores<4, D, T>(q + r * d, d, group, s + r * BLOCK); break;
+        case 3: lanewise_scores<3, D, T>(q + r * d, d, group, s + r * BLOCK); break;
+        case 2: lanewise_scores<2, D, T>(q + r * d, d, group, s + r * BLOCK); break;
+        case 1: lanewise_scores<1, D, T>(q + r * d, d, group, s + r * BLOCK); break;
+    }
+}
+
+// Scores of all rows for the block of len keys from key `at` (a multiple of GROUP) of k: each group read from the
+// store's copy where it holds it, else laid out into `room` (and copied into the store's copy when all sixteen are
+// cached keys). Row j of the values asked for as key j is scored (`ahead`).
+template <typename T>
+void column_scores(const float *q, int rows, int d, const T *k, int64_t at, int len, Columns columns, uint32_t *room, float *s, Ahead ahead) {
+    const int words = key_words(d, sizeof(T) == 2);
+    for (int j = 0; j < len; j += GROUP) {
+        const int count = len - j < GROUP ? len - j : GROUP;
+        const int64_t g = (at + j) / GROUP;
+        ahead.ask(j, count);
+        const uint32_t *group = room;
+        if (columns.groups && at + j + GROUP <= columns.upto) {
+            group = columns.groups + g * words * GROUP;
+        } else {
+            lay_out_group(k + (at + j) * d, d, count, room);
+            if (columns.groups && count == GROUP) memcpy(columns.groups + g * words * GROUP, room, sizeof(uint32_t) * words * GROUP);
+        }
+        if (d == 64) group_rows<64, T>(q, rows, d, group, s + j);
+        else group_rows<0, T>(q, rows, d, group, s + j);
+    }
+}
+#endif
+
+// Whether a block's rows take the GEMM path rather than the few-row path. On the column path the scores are taken by
+// columns and the weighted values by the few-row path at any number of rows: attention over 7,500 bf16 keys from memory
+// 1.19x / 1.12x / 1.06x faster at 6 / 8 / 12 tokens than with the GEMM's values (docs/benchmarks.md, "Keys by columns").
+inline bool as_gemm(int rows, int d) {
+#if defined(__AVX512F__)
+    if (column_path(d, rows)) return false;
+#endif
+    return rows >= GEMM_ROWS && d % (2 * W) == 0;
+}
 
 // s[r * BLOCK + j] = q_r . k_j for the block's len keys (rows of d, float32 or bfloat16); kt is
 // scratch of d * BLOCK floats for the GEMM path's transposed keys.
@@ -694,10 +864,35 @@ void softmax_block(float *s, int rows, int len, float *m, float *l, float *resca
 // Floats of scratch one work item needs: its scores, and a block of keys and one of values as float32.
 inline size_t scratch_floats(int d) { return (size_t)MAX_ROWS * BLOCK + 2 * (size_t)BLOCK * d; }
 
+// Where the keys of block b (BLOCK keys from key b, a multiple of GROUP) are read from: the store's copy by groups where
+// it holds the whole block (column path), else the keys as stored.
+inline const char *block_keys(const void *k, bool bf16, int d, int rows, Columns columns, int64_t b) {
+#if defined(__AVX512F__)
+    if (column_path(d, rows) && columns.groups && b + BLOCK <= columns.upto) return (const char *)(columns.groups + b / GROUP * key_words(d, bf16) * GROUP);
+#else
+    (void)columns;
+#endif
+    return (const char *)k + b * d * (bf16 ? 2 : 4);
+}
+
+// The block's scores: by groups of keys laid out by columns where the head is wide enough (column path), else by
+// score_block. k points at the head's first key; the block is len keys from key b.
+inline void block_scores_at(const float *q, int rows, int d, const void *k, bool bf16, int64_t b, int len, Columns columns, float *kt, float *s, Ahead ahead) {
+#if defined(__AVX512F__)
+    if (column_path(d, rows)) {
+        if (bf16) column_scores(q, rows, d, (const uint16_t *)k, b, len, columns, (uint32_t *)kt, s, ahead);
+        else column_scores(q, rows, d, (const float *)k, b, len, columns, (uint32_t *)kt, s, ahead);
+        return;
+    }
+#endif
+    score_block(q, rows, d, (const char *)k + b * d * (bf16 ? 2 : 4), bf16, len, kt, s, ahead);
+}
+
 // One work item: keys [begin, end) of one KV head into running maxima m, sums l and weighted values acc.
-// k and v point at the head's first key and value; bf16 says how they are stored.
+// k and v point at the head's first key and value; bf16 says how they are stored; columns: the store's copy of the
+// head's keys by groups (the column path), if it keeps one.
 void attend_range(const float *q, int rows, int d, const void *k, const void *v, bool bf16, int64_t begin, int64_t end,
-                  float *scratch, float *m, float *l, float *acc) {
+                  float *scratch, float *m, float *l, float *acc, Columns columns = {}) {
     const size_t elem = bf16 ? 2 : 4;
     const bool whole_blocks = as_gemm(rows, d) ? PREFETCH_NEXT_BLOCK : PREFETCH_FEW_ROWS;  // else the values' rows ahead (Ahead)
     float *s = scratch, *kt = s + MAX_ROWS * BLOCK, *values = kt + BLOCK * d;
@@ -707,13 +902,13 @@ void attend_range(const float *q, int rows, int d, const void *k, const void *v,
     for (int64_t b = begin; b < end; b += BLOCK) {
         const int len = (int)(end - b < BLOCK ? end - b : BLOCK);
         if (whole_blocks && b + BLOCK < end) {  // the next block on its way from memory while this one is computed
-            const char *next_k = (const char *)k + (b + BLOCK) * d * elem, *next_v = (const char *)v + (b + BLOCK) * d * elem;
+            const char *next_k = block_keys(k, bf16, d, rows, columns, b + BLOCK), *next_v = (const char *)v + (b + BLOCK) * d * elem;
             for (size_t i = 0; i < (size_t)BLOCK * d * elem; i += 64) __builtin_prefetch(next_k + i, 0, 3), __builtin_prefetch(next_v + i, 0, 3);
         }
         const Ahead ahead{whole_blocks ? nullptr : (const char *)v + b * d * elem, (int64_t)d * (int64_t)elem};
         const bool asks_next = ASK_NEXT_KEYS && !whole_blocks && b + BLOCK < end;
-        const NextKeys next = next_keys(asks_next ? (const char *)k + (b + BLOCK) * d * elem : nullptr, (int64_t)BLOCK * d * elem, rows);
-        score_block(q, rows, d, (const char *)k + b * d * elem, bf16, len, kt, s, ahead);
+        const NextKeys next = next_keys(asks_next ? block_keys(k, bf16, d, rows, columns, b + BLOCK) : nullptr, (int64_t)BLOCK * d * elem, rows);
+        block_scores_at(q, rows, d, k, bf16, b, len, columns, kt, s, ahead);
         softmax_block(s, rows, len, m, l, rescale, next.softmax);
         accumulate_block(s, rescale, rows, d, (const char *)v + b * d * elem, bf16, len, values, acc, next.values);
     }
@@ -768,25 +963,6 @@ constexpr int FEW_ROWS = 6;     // groups of up to this many rows take the softm
 
 inline v16 load16(const float *p) { return *(const v16 *)p; }
 inline void store16(float *p, v16 x) { *(v16 *)p = x; }
-
-// 16 x 16 floats transposed in registers: r[i] becomes column i.
-__attribute__((always_inline)) inline void transpose16(__m512 r[16]) {
-    __m512 t[16];
-    for (int i = 0; i < 16; i += 2) t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]), t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
-    for (int i = 0; i < 16; i += 4) {  // r[i + c] lane L: column 4L + c of rows i .. i+3
-        const __m512d a = _mm512_castps_pd(t[i]), b = _mm512_castps_pd(t[i + 1]), c = _mm512_castps_pd(t[i + 2]), e = _mm512_castps_pd(t[i + 3]);
-        r[i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c)), r[i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, c));
-        r[i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, e)), r[i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, e));
-    }
-    for (int i = 0; i < 4; ++i) {  // gather lane L of rows i, i+4, i+8, i+12 into column 4L + i
-        t[i] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0x88), t[i + 4] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0xDD);
-        t[i + 8] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0x88), t[i + 12] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0xDD);
-    }
-    for (int i = 0; i < 4; ++i) {
-        r[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88), r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xDD);
-        r[i + 4] = _mm512_shuffle_f32x4(t[i + 4], t[i + 12], 0x88), r[i + 12] = _mm512_shuffle_f32x4(t[i + 4], t[i + 12], 0xDD);
-    }
-}
 
 // ---- Six rows or fewer: AVX-512's bf16 dot products, no tiles --------------------------------------
 //
@@ -1295,6 +1471,19 @@ void attend_range_amx(const float *q, int rows, int d, float scale, const uint16
 extern "C" {
 
 int specstack_max_rows() { return MAX_ROWS; }
+
+// 1 where `rows` query rows a KV head over a cache (bfloat16 where kv_bf16 is nonzero) with heads of width d, on a CPU
+// without the bf16 dot-product paths, take the column path and so read a store's keys by groups where they are passed:
+// specstack_decode_attention_columns' `columns` [hkv, ceil(capacity / 16), key_words, 16] 32-bit words (key_words: d,
+// or d / 2 for bfloat16).
+int specstack_column_keys(int kv_bf16, int d, int rows) {
+#if defined(__AVX512F__)
+    return column_path(d, rows) && !(kv_bf16 && SPECSTACK_DP_BUILT) ? 1 : 0;
+#else
+    (void)kv_bf16, (void)d, (void)rows;
+    return 0;
+#endif
+}
 int specstack_max_dim() { return MAX_DIM; }
 
 // 1 where a bfloat16 cache can take bf16 dot products (in registers up to fifteen query rows, three beside AMX tiles,
@@ -1324,9 +1513,10 @@ int specstack_amx_bf16() {
 // (q then holds bf16 numbers); else bf16 dot products for any rows where dp is nonzero, specstack_dp_bf16()
 // says 1 and d is 64 or 128 (q holds bf16 numbers); else it is widened. Returns 0, or -1 for shapes it does not take (the
 // caller falls back).
-int specstack_decode_attention(const float *q, const void *k, const void *v, int64_t k_head_stride, int64_t v_head_stride,
-                               int hkv, int rows, int t, int d, int64_t n, const uint8_t *sees, float scale,
-                               float *out, int threads, int kv_bf16, int amx, int dp) {
+int specstack_decode_attention_columns(const float *q, const void *k, const void *v, int64_t k_head_stride, int64_t v_head_stride,
+                                       int hkv, int rows, int t, int d, int64_t n, const uint8_t *sees, float scale,
+                                       float *out, int threads, int kv_bf16, int amx, int dp, uint32_t *columns,
+                                       int64_t columns_head_stride, int64_t *columns_upto) {
     if (rows < 1 || rows > MAX_ROWS || t < 1 || rows % t != 0 || d % 8 != 0 || d > MAX_DIM || n < t || hkv < 1 || threads < 1) return -1;
     const bool bf16 = kv_bf16 != 0;
     const size_t elem = bf16 ? 2 : 4;
@@ -1335,6 +1525,7 @@ int specstack_decode_attention(const float *q, const void *k, const void *v, int
     int splits = threads / gcd(hkv, threads);
     while (splits > 1 && past / splits < BLOCK) --splits;
     const int items = hkv * splits;
+    auto range_start = [&](int s) { const int64_t at = past * s / splits; return s == splits ? past : at - at % GROUP; };  // groups stay whole
 #ifdef SPECSTACK_AMX
     const bool tiles = bf16 && amx != 0 && d % PAIRS == 0 && amx_permitted();
 #else
@@ -1353,6 +1544,14 @@ int specstack_decode_attention(const float *q, const void *k, const void *v, int
 #else
     const size_t item_floats = registers ? 16 * (size_t)rows : scratch_floats(d);
 #endif
+    // the column path keeps the store's copy of the keys by groups (where one is passed): its current groups are read, the others laid out
+#if defined(__AVX512F__)
+    const bool laid_out = column_path(d, rows) && !registers && !tiles && !dot_rows;
+#else
+    const bool laid_out = false;
+#endif
+    if (!laid_out) columns = nullptr;
+    const int64_t upto = columns ? std::min(*columns_upto, past - past % GROUP) : 0;
     const size_t own = (size_t)hkv * t * d;  // the new tokens' own keys (and values), as float32
     // one buffer a call, the calling thread's (scratch.h): scaled queries, each item's partials and scratch, the own keys and values
     float *scaled = thread_scratch<0>((size_t)hkv * rows * d + (size_t)items * (rows * (d + 2) + item_floats) + 2 * own);
@@ -1368,7 +1567,7 @@ int specstack_decode_attention(const float *q, const void *k, const void *v, int
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int item = 0; item < items; ++item) {
         const int h = item / splits, s = item % splits;
-        const int64_t begin = past * s / splits, end = past * (s + 1) / splits;
+        const int64_t begin = range_start(s), end = range_start(s + 1);
         float *item_m = m + (int64_t)item * rows, *item_l = l + (int64_t)item * rows, *item_acc = acc + (int64_t)item * rows * d;
 #ifdef SPECSTACK_DP
         if (registers) {
@@ -1391,9 +1590,12 @@ int specstack_decode_attention(const float *q, const void *k, const void *v, int
             continue;
         }
 #endif
+        const Columns head_columns = columns ? Columns{columns + h * columns_head_stride, upto} : Columns{};
         attend_range(scaled + (int64_t)h * rows * d, rows, d, (const char *)k + h * k_head_stride * elem,
-                     (const char *)v + h * v_head_stride * elem, bf16, begin, end, scratch + (size_t)item * item_floats, item_m, item_l, item_acc);
+                     (const char *)v + h * v_head_stride * elem, bf16, begin, end, scratch + (size_t)item * item_floats, item_m, item_l, item_acc,
+                     head_columns);
     }
+    if (columns && laid_out) *columns_upto = past - past % GROUP;  // every whole group of the cached keys was read, or laid out and kept
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int hr = 0; hr < hkv * rows; ++hr) {
         const int h = hr / rows, r = hr % rows;
@@ -1402,6 +1604,14 @@ int specstack_decode_attention(const float *q, const void *k, const void *v, int
                   m + first * rows, l + first * rows, acc + first * rows * d, rows, out + (int64_t)hr * d);
     }
     return 0;
+}
+
+// The same without a store's copy of the keys by groups: the column path lays out every group as it reads it.
+int specstack_decode_attention(const float *q, const void *k, const void *v, int64_t k_head_stride, int64_t v_head_stride,
+                               int hkv, int rows, int t, int d, int64_t n, const uint8_t *sees, float scale,
+                               float *out, int threads, int kv_bf16, int amx, int dp) {
+    return specstack_decode_attention_columns(q, k, v, k_head_stride, v_head_stride, hkv, rows, t, d, n, sees, scale, out, threads, kv_bf16,
+                                              amx, dp, nullptr, 0, nullptr);
 }
 
 }  // extern "C"
