@@ -1471,6 +1471,7 @@ void attend_range_amx(const float *q, int rows, int d, float scale, const uint16
 extern "C" {
 
 int specstack_max_rows() { return MAX_ROWS; }
+int specstack_max_dim() { return MAX_DIM; }
 
 // 1 where `rows` query rows a KV head over a cache (bfloat16 where kv_bf16 is nonzero) with heads of width d, on a CPU
 // without the bf16 dot-product paths, take the column path and so read a store's keys by groups where they are passed:
@@ -1484,7 +1485,6 @@ int specstack_column_keys(int kv_bf16, int d, int rows) {
     return 0;
 #endif
 }
-int specstack_max_dim() { return MAX_DIM; }
 
 // 1 where a bfloat16 cache can take bf16 dot products (in registers up to fifteen query rows, three beside AMX tiles,
 // else block by block).
@@ -1595,7 +1595,7 @@ int specstack_decode_attention_columns(const float *q, const void *k, const void
                      (const char *)v + h * v_head_stride * elem, bf16, begin, end, scratch + (size_t)item * item_floats, item_m, item_l, item_acc,
                      head_columns);
     }
-    if (columns && laid_out) *columns_upto = past - past % GROUP;  // every whole group of the cached keys was read, or laid out and kept
+    if (columns) *columns_upto = past - past % GROUP;  // every whole group of the cached keys was read, or laid out and kept
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int hr = 0; hr < hkv * rows; ++hr) {
         const int h = hr / rows, r = hr % rows;
