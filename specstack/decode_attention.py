@@ -139,7 +139,6 @@ class DecodeKernel:
         return out.reshape(1, hq, t, d).transpose(1, 2)  # [1, T, Hq, D]
 
 
-
 # specstack_decode_attention's arguments (csrc/decode_attention.cpp)
 ARGTYPES = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_int] * 4 + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p] + [ctypes.c_int] * 4
 
