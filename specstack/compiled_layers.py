@@ -145,17 +145,15 @@ class CompiledLayers:
         sees = None if batch.is_chain else batch.sees.to(device="cpu", dtype=torch.bool).contiguous().view(torch.uint8)  # [T, T]
         queries = None if batch.queries is None else batch.queries.log(len(decoder.layers), hq, d, dtype, hidden.device)  # [L, Hq, D]
         written = store.written if store.written.numel() else None
-        columns = None  # [L, Hkv, C / 16, words, 16]: the store's keys by columns, which the kernel reads and keeps current
-        if kernel.column_keys(dtype, d, hq // hkv * t):
-            store.key_columns(0)  # made on first use
-            columns = store.columns
+        # the store's keys by columns [L, Hkv, C / 16, words, 16] and their marks [L], which the kernel reads and keeps current
+        columns, marks = store.key_columns() if kernel.column_keys(dtype, d, hq // hkv * t) else (None, None)
         fields = _Step(t=t, threads=torch.get_num_threads(), cached=store.length, hidden=hidden.data_ptr(), normed=parts[1].data_ptr(),
                        delta=parts[0].data_ptr(), qkv=parts[2].data_ptr(), query=query.data_ptr(), attended=attended.data_ptr(),
                        merged=parts[3].data_ptr(), gate_up=gate_up.data_ptr(), act=None, cos=cos.data_ptr(), sin=sin.data_ptr(),
                        sees=None if sees is None else sees.data_ptr(), keys=store.keys.data_ptr(), values=store.values.data_ptr(),
                        written=None if written is None else written.data_ptr(), capacity=store.capacity,
                        columns=None if columns is None else columns.data_ptr(), columns_layer_stride=0 if columns is None else columns.stride(0),
-                       columns_head_stride=0 if columns is None else columns.stride(1), columns_upto=store.columns_upto.data_ptr(),
+                       columns_head_stride=0 if columns is None else columns.stride(1), columns_upto=None if marks is None else marks.data_ptr(),
                        queries=None if queries is None else queries.data_ptr(), query_row=batch.query_row,
                        amx=kernel.tiles(dtype, d, t, store.length + t), dp=kernel.dot_products)
         model, step, call = ctypes.byref(plan.model), ctypes.byref(fields), self.library.specstack_layer_step

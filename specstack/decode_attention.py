@@ -130,8 +130,8 @@ class DecodeKernel:
                 None if mask is None else mask.data_ptr(), scale, out.data_ptr(), torch.get_num_threads(), key.dtype == torch.bfloat16,
                 self.tiles(key.dtype, d, t, n), self.dot_products)
         if store is not None and key.data_ptr() == store.keys[layer].data_ptr() and self.column_keys(key.dtype, d, q.shape[1]):
-            columns, upto = store.key_columns(layer)  # [Hkv, C / 16, words, 16], [1]
-            status = self.library.specstack_decode_attention_columns(*args, columns.data_ptr(), columns.stride(0), upto.data_ptr())
+            columns, marks = store.key_columns()  # [L, Hkv, C / 16, words, 16], [L]
+            status = self.library.specstack_decode_attention_columns(*args, columns[layer].data_ptr(), columns.stride(1), marks[layer:].data_ptr())
         else:
             status = self.library.specstack_decode_attention(*args)
         if status != 0:

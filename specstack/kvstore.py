@@ -82,22 +82,22 @@ class KVStore:
             self.length = self.gathered + int(torch.searchsorted(appended, position))
         self._keys_change_from(self.length)
 
-    def key_columns(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer ``layer``'s keys laid out by groups of 16 slots, [H, C / 16, words, 16] 32-bit words (word w of each
-        slot's key, a slot a lane: a float32 column, or a pair of bfloat16 ones), and its mark [1]: how many leading
-        slots the groups hold current. The attention kernel reads the groups below the mark and lays out (and keeps)
-        the others as it reads them (csrc/decode_attention.cpp, "Keys sixteen at a time"); the store lowers the mark
-        wherever it changes keys below it. Made on first use (as many bytes as the keys)."""
+    def key_columns(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The keys laid out by groups of 16 slots, [L, H, C / 16, words, 16] 32-bit words (word w of each slot's key, a
+        slot a lane: a float32 column, or a pair of bfloat16 ones), and each layer's mark [L]: how many leading slots
+        its groups hold current. The attention kernel reads the groups below the mark and lays out (and keeps) the
+        others as it reads them (csrc/decode_attention.cpp, "Keys sixteen at a time"); the store lowers the marks
+        wherever it changes keys below them. Made on first use (as many bytes as the keys)."""
         if self.columns is None:
             layers, heads, capacity, dim = self.keys.shape
             words = dim * self.keys.element_size() // 4
             self.columns = host_memory.zeros((layers, heads, -(-capacity // 16), words, 16), dtype=torch.int32, device=self.keys.device)
             self.columns_upto.zero_()
-        return self.columns[layer], self.columns_upto[layer : layer + 1]
+        return self.columns, self.columns_upto
 
     def _keys_change_from(self, slot: int) -> None:
         """The keys from ``slot`` on change (or are dropped): their groups in ``columns`` are no longer current."""
-        if self.columns is not None and int(self.columns_upto.max()) > slot:
+        if self.columns is not None:
             self.columns_upto.clamp_(max=slot - slot % 16)
 
     def gather_from(self, source: "KVStore", slots: torch.Tensor, horizon: int) -> None:

@@ -18,6 +18,7 @@ from specstack.batch import TokenBatch
 from specstack.decode_attention import AMX_MIN_KEYS, MAX_TOKENS, MAX_TOKENS_AMX, MAX_TOKENS_DOT_PRODUCTS, MAX_TOKENS_WIDENED_BF16, DecodeKernel, load_decode_kernel
 from specstack.native import find_compiler
 from specstack.hf import HFCausalLM
+from specstack.kvstore import KVStore
 from specstack.testing.llama import random_llama
 from specstack.types import Draft, DraftKind
 
@@ -61,7 +62,7 @@ def random_tree_mask(t: int, generator: torch.Generator) -> torch.Tensor:
     (2, 515, 128, 2, 4),  # a wider head
     (7, 133, 72, 1, 8),  # a head dimension that is not a multiple of 64
     (8, 300, 64, 1, 8),  # 64 query rows, the most it takes
-    (2, 200, 64, 3, 3), (4, 3_000, 64, 3, 3), (5, 300, 64, 1, 5),  # 6, 12 and 25 rows: around GEMM_ROWS (16 with AVX-512, 25 with AVX2)
+    (2, 200, 64, 3, 3), (4, 3_000, 64, 3, 3), (5, 300, 64, 1, 5),  # 6, 12 and 25 rows: around GEMM_ROWS (25, AVX2) and the column path (6, AVX-512)
     (1, 301, 72, 2, 3), (4, 300, 40, 1, 3),  # few rows (3; 12 as two sixes) over heads whose last 8 columns the wide vectors leave
     (7, 400, 64, 1, 1), (2, 400, 64, 2, 4), (3, 400, 64, 2, 3), (11, 400, 64, 2, 1),  # 7, 8, 9, 11 rows: a six, then a row, a pair, a pair and a row
     (6, 1_500, 64, 1, 3), (10, 500, 64, 1, 2),  # 18 and 20 rows: three sixes, and a pair after them (the few-row path with AVX2)
@@ -339,8 +340,6 @@ def test_a_failed_build_leaves_no_kernel(monkeypatch, tmp_path) -> None:
 
 def column_store(dtype, capacity=1024):
     """A one-layer KV store of three KV heads of 64 with random keys and values in every slot, slot i at position i."""
-    from specstack.kvstore import KVStore
-
     store = KVStore(layers=1, kv_heads=3, head_dim=64, capacity=capacity, dtype=dtype)
     store.slot_positions[:] = torch.arange(capacity)
     refill(store, 0, capacity, seed=0)
@@ -388,8 +387,6 @@ def test_a_store_that_changes_its_keys_below_the_mark_lowers_it(change) -> None:
     """Rolling back and writing other keys, compacting (eviction) and gathering all change keys in slots whose groups the
     store keeps: it lowers the mark, so the kernel lays them out again instead of reading stale groups (a store that
     kept its mark would give other bits here)."""
-    from specstack.kvstore import KVStore
-
     store = column_store(torch.bfloat16)
     attend_over_store(store, 900, 2, seed=1)  # groups current up to 896
     if change == "truncate":  # a rejected draft: back to 600, then other keys there

@@ -15,7 +15,7 @@ from specstack.native import find_compiler
 from specstack.packed_linear import MAX_STREAMED_ROWS, MAX_WIDENED_BF16_ROWS, TILES_FROM, PackedLinear, RowsKernel, load_rows_kernel, onednn_available, onednn_bf16_available, pack_linears
 
 ROWS_KERNEL = load_rows_kernel()
-# the most rows the streaming kernel takes: fp32 6, or 16 where it is built without AVX-512
+# the most fp32 rows the streaming kernel takes (sixteen on any build)
 FP32_ROWS = ROWS_KERNEL.max_rows(torch.float32) if ROWS_KERNEL is not None else MAX_STREAMED_ROWS[torch.float32]
 BF16_ROWS = MAX_STREAMED_ROWS[torch.bfloat16] if ROWS_KERNEL is None or ROWS_KERNEL.bf16_dots else MAX_WIDENED_BF16_ROWS  # the most bf16 rows the streaming kernel takes
 pytestmark = pytest.mark.skipif(not onednn_available(), reason="this torch build has no oneDNN linear ops")

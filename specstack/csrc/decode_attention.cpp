@@ -99,23 +99,20 @@ constexpr int MAX_DIM = 256;    // head dimension
 // Zen 3 host (AVX2), with the sixes, up to 18 rows took 1.02-1.32x less time on the few-row path than as a
 // GEMM over 7,500 and 32,000 keys, fp32 and bf16 alike, and 24 rows 1.06-1.12x less in fp32 and 1.02x more in
 // bf16. So there the GEMM starts at 25 rows, for both dtypes (a bf16 cache then gives the float32 kernel's
-// bits on its numbers). Where vectors hold 16 floats (AVX-512) it started at 8 rows (measured on the Intel host
-// while the few-row scores took eight lanes); with the scores sixteen lanes wide, 9 and 15 rows took 1.12-1.34x
-// less time on the few-row path over 7,500 bf16 keys and 9-15 rows 1.05-1.22x less over fp32 ones, 12 bf16 rows
-// 1.05x more (the 2-core Intel host without bf16 dot products), so there the GEMM starts at 16.
-constexpr int GEMM_ROWS = W == 16 ? 16 : 25;
+// bits on its numbers). Where vectors hold 16 floats (AVX-512) wide verifies take the column path instead (as_gemm).
+constexpr int GEMM_ROWS = 25;
 // Whether each work item asks for its next block of keys and values while it computes the current one:
 // on the Intel host (AVX-512) the one-token case over 32,000 keys took 1.21x less time with it; on the AMD
 // Zen 3 host (AVX2) 1.09x more (1.09-1.12x at one and two tokens over 7,500 and 32,000 keys; no change from
 // three on), where the hardware prefetcher does better alone (docs/benchmarks.md). On the AMD Zen 4 host
 // (AVX-512, no AMX) the few-row path did better without it too (float32, from memory: 1.05-1.16x at one token
 // and 1.32-1.34x at two, over 7,500 and 32,000 keys), and the GEMM path with it (1.03-1.05x at four and eight
-// tokens). The few rows keep it only where the kernel is built for AMX, which the Intel host has (as DP_PREFETCH).
-constexpr bool PREFETCH_NEXT_BLOCK = W == 16;
+// tokens; the GEMM path is now AVX2's only, where it never asked). So it is asked for only where the kernel is built
+// for AMX, which the Intel host has (as DP_PREFETCH).
 #ifdef SPECSTACK_AMX
-constexpr bool PREFETCH_FEW_ROWS = PREFETCH_NEXT_BLOCK;
+constexpr bool PREFETCH_NEXT_BLOCK = true;
 #else
-constexpr bool PREFETCH_FEW_ROWS = false;
+constexpr bool PREFETCH_NEXT_BLOCK = false;
 #endif
 // Whether the few-row path asks for the next block's keys while it computes this block's softmax (half of them, a
 // share a row) and weighted values (the other half, a line or two a value row), so that the key stream goes on
@@ -187,7 +184,7 @@ inline v8 row8(const uint16_t *p) { return load8_bf16(p); }
 // next block's keys while this block's softmax and values are computed: NextKeys). On the AMD Zen 3 host (AVX2),
 // two threads streaming the 30 layers' keys and values of 7,500 slots read 1.1-1.3x faster so (a scratch
 // benchmark), and the one- and two-token cases took 1.07-1.35x less time (examples/attention_bounds.py
-// --source). Where whole blocks are asked for ahead (PREFETCH_NEXT_BLOCK, PREFETCH_FEW_ROWS), it is not used.
+// --source). Where whole blocks are asked for ahead (PREFETCH_NEXT_BLOCK), it is not used.
 struct Ahead {
     const char *rows = nullptr;  // the first row; null: nothing to ask for
     int64_t row_bytes = 0;
@@ -778,15 +775,11 @@ void column_scores(const float *q, int rows, int d, const T *k, int64_t at, int 
 }
 #endif
 
-// Whether a block's rows take the GEMM path rather than the few-row path. On the column path the scores are taken by
-// columns and the weighted values by the few-row path at any number of rows: attention over 7,500 bf16 keys from memory
-// 1.19x / 1.12x / 1.06x faster at 6 / 8 / 12 tokens than with the GEMM's values (docs/benchmarks.md, "Keys by columns").
-inline bool as_gemm(int rows, int d) {
-#if defined(__AVX512F__)
-    if (column_path(d, rows)) return false;
-#endif
-    return rows >= GEMM_ROWS && d % (2 * W) == 0;
-}
+// Whether a block's rows take the GEMM path rather than the few-row path: only where vectors hold eight floats (AVX2).
+// With AVX-512 the GEMM path needs heads a multiple of 32 wide, which from six rows take the column path: scores by
+// columns, the weighted values by the few-row path at any number of rows (attention over 7,500 bf16 keys from memory
+// 1.19x / 1.12x / 1.06x faster at 6 / 8 / 12 tokens than with the GEMM's values; docs/benchmarks.md, "Keys by columns").
+inline bool as_gemm(int rows, int d) { return W == 8 && rows >= GEMM_ROWS && d % (2 * W) == 0; }
 
 // s[r * BLOCK + j] = q_r . k_j for the block's len keys (rows of d, float32 or bfloat16); kt is
 // scratch of d * BLOCK floats for the GEMM path's transposed keys.
@@ -902,19 +895,18 @@ inline void block_scores_at(const float *q, int rows, int d, const void *k, bool
 void attend_range(const float *q, int rows, int d, const void *k, const void *v, bool bf16, int64_t begin, int64_t end,
                   float *scratch, float *m, float *l, float *acc, Columns columns = {}) {
     const size_t elem = bf16 ? 2 : 4;
-    const bool whole_blocks = as_gemm(rows, d) ? PREFETCH_NEXT_BLOCK : PREFETCH_FEW_ROWS;  // else the values' rows ahead (Ahead)
     float *s = scratch, *kt = s + MAX_ROWS * BLOCK, *values = kt + BLOCK * d;
     float rescale[MAX_ROWS];
     for (int r = 0; r < rows; ++r) m[r] = -INFINITY, l[r] = 0.0f;
     for (int i = 0; i < rows * d; ++i) acc[i] = 0.0f;
     for (int64_t b = begin; b < end; b += BLOCK) {
         const int len = (int)(end - b < BLOCK ? end - b : BLOCK);
-        if (whole_blocks && b + BLOCK < end) {  // the next block on its way from memory while this one is computed
+        if (PREFETCH_NEXT_BLOCK && b + BLOCK < end) {  // the next block on its way from memory while this one is computed
             const char *next_k = block_keys(k, bf16, d, rows, columns, b + BLOCK), *next_v = (const char *)v + (b + BLOCK) * d * elem;
             for (size_t i = 0; i < (size_t)BLOCK * d * elem; i += 64) __builtin_prefetch(next_k + i, 0, 3), __builtin_prefetch(next_v + i, 0, 3);
         }
-        const Ahead ahead{whole_blocks ? nullptr : (const char *)v + b * d * elem, (int64_t)d * (int64_t)elem};
-        const bool asks_next = ASK_NEXT_KEYS && !whole_blocks && b + BLOCK < end;
+        const Ahead ahead{PREFETCH_NEXT_BLOCK ? nullptr : (const char *)v + b * d * elem, (int64_t)d * (int64_t)elem};  // else the values' rows ahead
+        const bool asks_next = ASK_NEXT_KEYS && !PREFETCH_NEXT_BLOCK && b + BLOCK < end;
         const NextKeys next = next_keys(asks_next ? block_keys(k, bf16, d, rows, columns, b + BLOCK) : nullptr, (int64_t)BLOCK * d * elem, rows);
         block_scores_at(q, rows, d, k, bf16, b, len, columns, kt, s, ahead);
         softmax_block(s, rows, len, m, l, rescale, next.softmax);
