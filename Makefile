@@ -47,7 +47,7 @@ gpu-check: SHELL := /bin/bash
 gpu-check:
 	$(GPU_PYTHON) -m pip install --quiet --no-deps --no-build-isolation --no-index -e . $(addprefix -e ,$(wildcard plugins/*))
 	$(GPU_PYTHON) -m pytest --collect-only -q -p no:cacheprovider --device cuda $(GPU_TESTS) 2>/dev/null | grep '::' > gpu-tests.ids || true
-	-timeout -s INT -k 30 $(GPU_TEST_SECONDS) $(GPU_PYTHON) -m pytest -v -p no:cacheprovider --tb=short --device cuda \
+	-timeout -s INT -k 30 $(GPU_TEST_SECONDS) $(GPU_PYTHON) -m pytest -v -p no:cacheprovider --tb=short --durations=40 --device cuda \
 		$$($(GPU_PYTHON) -c "import xdist" 2>/dev/null && echo "-n $(GPU_TEST_WORKERS)") $(GPU_TESTS) > gpu-tests.log 2>&1; tail -5 gpu-tests.log
 	$(GPU_PYTHON) -m specstack.gpu_check --out $(GPU_REPORT) --tests-log gpu-tests.log --tests-ids gpu-tests.ids
 
