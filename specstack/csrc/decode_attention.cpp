@@ -71,12 +71,6 @@
 #endif
 #endif
 
-#ifdef SPECSTACK_DP
-constexpr bool SPECSTACK_DP_BUILT = true;
-#else
-constexpr bool SPECSTACK_DP_BUILT = false;
-#endif
-
 namespace {
 
 typedef float v8 __attribute__((vector_size(32), aligned(4)));  // 8 floats, loads need no alignment
@@ -197,8 +191,9 @@ struct Ahead {
 
 // A key's score takes the widest vectors the machine has (vw) along the head's dimension, then folds them to eight
 // lanes (lane l plus lane l + 8 with AVX-512), adds the last d % W columns eight at a time, and sums the eight lanes
-// by a fixed tree (sums8, or hsum): every path below folds and sums alike, so a row's scores are the same bits on
-// any of them (docs/benchmarks.md, "The fp32 sums sixteen lanes wide on AVX-512").
+// by sums8's fixed tree (a block's last one to three keys as a four padded with zero keys): every path below folds and
+// sums alike, so a row's scores are the same bits on any of them (docs/benchmarks.md, "The fp32 sums sixteen lanes wide
+// on AVX-512").
 inline vw roww(const float *p) { return loadw(p); }
 #if defined(__AVX512F__)
 inline vw splatw(float x) { return (vw)_mm512_set1_ps(x); }
@@ -386,7 +381,7 @@ void triple_scores(const float *q0, const float *q1, const float *q2, int d, con
 template <typename T>
 void six_scores(const float *q, int d, const T *k, int len, float *s, Ahead ahead = {}) {
     const float *rows[6] = {q, q + d, q + 2 * d, q + 3 * d, q + 4 * d, q + 5 * d};
-    const int grouped = len - len % 4;  // keys summed by sums8's tree; the rest by hsum, as row_scores does
+    const int grouped = len - len % 4;  // keys in pairs here; the rest as row_scores sums them (a padded four)
     for (int j = 0; j < grouped; j += 2) {
         if (j % 4 == 0) ahead.ask(j, 4);
         float *const out[6] = {s + j, s + BLOCK + j, s + 2 * BLOCK + j, s + 3 * BLOCK + j, s + 4 * BLOCK + j, s + 5 * BLOCK + j};
@@ -1479,7 +1474,10 @@ int specstack_max_dim() { return MAX_DIM; }
 // or d / 2 for bfloat16).
 int specstack_column_keys(int kv_bf16, int d, int rows) {
 #if defined(__AVX512F__)
-    return column_path(d, rows) && !(kv_bf16 && SPECSTACK_DP_BUILT) ? 1 : 0;
+#ifdef SPECSTACK_DP
+    if (kv_bf16) return 0;  // a bfloat16 cache takes the dot products
+#endif
+    return column_path(d, rows) ? 1 : 0;
 #else
     (void)kv_bf16, (void)d, (void)rows;
     return 0;
