@@ -77,6 +77,16 @@ def best_length(acceptance, costs) -> int:
     return best_count(list(itertools.accumulate(acceptance, operator.mul)), costs)
 
 
+def chain_ceiling(acceptance: float, costs) -> tuple[float, int]:
+    """The most a level that verifies chains can gain over its own step, with drafting free: the speedup
+    c_0 · E(α, γ) / c_γ and the γ that reaches it (0: no draft pays), where every drafted token is accepted
+    with ``acceptance`` α once the tokens before it were and ``costs[m]`` = c_m is the seconds of a forward of
+    m + 1 tokens (``costs[0]``: the step). Any drafter's cost, or acceptance below α, only lowers it
+    (docs/benchmarks.md: what a verify over 32,000 keys costs on the third host)."""
+    gamma = best_length([acceptance] * (len(costs) - 1), costs)
+    return expected_emitted(acceptance, gamma) * costs[0] / costs[gamma], gamma
+
+
 @attrs.frozen(kw_only=True)
 class LevelCost:
     """One verifying level: the acceptance of its drafter's tokens, γ, and its forward of γ+1 tokens."""

@@ -287,6 +287,19 @@ def test_best_length_matches_the_hand_computed_optimum() -> None:
     assert best_length([0.9, 0.9, 0.9], [1.0, 1.1]) == 1  # no cost beyond a 2-token forward: no longer draft
 
 
+def test_a_chains_ceiling_matches_the_hand_computed_optimum() -> None:
+    """c_0 E(α, γ) / c_γ at its best γ: acceptance 0.9 at costs 1, 1.2, 1.5, 2.0 -> γ 2 (2.71 / 1.5 = 1.807x against
+    1.583x at γ 1 and 1.7195x at γ 3); forwards that cost the same -> the longest chain, and all of it emitted at
+    α = 1; forwards that cost a step a token -> no draft pays (1x)."""
+    from specstack.speedup import chain_ceiling
+
+    speedup, gamma = chain_ceiling(0.9, [1.0, 1.2, 1.5, 2.0])
+    assert gamma == 2 and speedup == pytest.approx(2.71 / 1.5)
+    assert chain_ceiling(1.0, [1.0, 1.0, 1.0, 1.0]) == (4.0, 3)
+    assert chain_ceiling(0.5, [2.0, 2.0, 2.0, 2.0]) == (pytest.approx(1.875), 3)
+    assert chain_ceiling(0.9, [1.0, 2.0, 3.0]) == (1.0, 0)
+
+
 def test_best_count_takes_the_nodes_in_their_order_as_many_as_pay() -> None:
     """(1 + Σ_{i<m} r_i) / c_m over the nodes' own chances of acceptance: 0.9, 0.5, 0.1 at costs 1, 1.1, 1.5, 2.0 ->
     one node (1.73 a second against 1.0, 1.6 and 1.25); all where forwards cost the same; best_length is the same

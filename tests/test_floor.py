@@ -13,9 +13,9 @@ from hypothesis import strategies as st
 
 from specstack import SpecstackError
 from specstack.batch import TokenBatch
-from specstack.bench.floor import Level, fill, measure, run_floor, time_forwards, tree_parents
+from specstack.bench.floor import Level, Row, ceilings, chain_costs, fill, measure, run_floor, time_forwards, tree_parents
 from specstack.cli import _parser, main
-from specstack.floor import Gemm, Machine, ModelShape, forward_floor, measure_machine
+from specstack.floor import Floor, Gemm, Machine, ModelShape, forward_floor, measure_machine
 from specstack.testing.llama import random_llama
 from specstack.types import Draft, DraftKind
 
@@ -195,6 +195,23 @@ def test_widths_are_timed_in_turn_and_rolled_back() -> None:
     assert sorted(seconds) == [1, 3, 5] and all(s > 0 for s in seconds.values()) and len(store) == 24
 
 
+def _row(tokens: int, ms: float, *, cache: int = 100, tree: bool = False) -> Row:
+    return Row(level="L2 target+full", cache=cache, tokens=tokens, tree=tree, seconds=ms / 1e3,
+               floor=Floor(bytes=1.0, flops=1.0, memory_s=1.0, compute_s=0.0))
+
+
+def test_the_ceiling_prices_chains_from_the_measured_forwards_and_the_line_between_them() -> None:
+    """Chains timed at 1, 2 and 4 tokens (10, 12, 20 ms): 3 tokens cost 16 ms, between 2 and 4; at acceptance 0.9
+    the best chain is one drafted token, 1.9 x 10 / 12 = 1.583x (two: 2.71 x 10 / 16 = 1.694x; three: 3.439 x 10 / 20 =
+    1.72x, the longest measured); at 0.1 none (1.1 x 10 / 12 < 1). Trees, and a cache without a one-token forward, are left out."""
+    rows = [_row(1, 10.0), _row(2, 12.0), _row(4, 20.0), _row(2, 11.0, tree=True), _row(2, 30.0, cache=200), _row(4, 50.0, cache=200)]
+    assert chain_costs(rows[:3]) == pytest.approx([0.010, 0.012, 0.016, 0.020])
+    found = ceilings(rows, acceptances=(0.9, 0.1))
+    assert [(c.level, c.cache, c.acceptance) for c in found] == [("L2 target+full", 100, 0.9), ("L2 target+full", 100, 0.1)]
+    assert (found[0].gamma, found[0].longest) == (3, True) and found[0].speedup == pytest.approx(3.439 * 10 / 20)
+    assert (found[1].gamma, found[1].longest) == (0, False) and found[1].speedup == pytest.approx(1.0)  # 1.1 x 10 / 12 < 1
+
+
 # -- the command ----------------------------------------------------------------------------------
 
 def _args(*flags: str):
@@ -216,10 +233,15 @@ def test_the_command_reports_each_forward_against_its_floor(capsys, monkeypatch)
     for row in report["rows"]:
         assert row["ratio"] == pytest.approx(row["ms"] / row["floor_ms"])
         assert row["floor_ms"] == pytest.approx(1e3 * forward_floor(levels[0].shape, "float32", row["tokens"], 32, row["tokens"], MACHINE).seconds)
+    one, two = (row["ms"] for row in report["rows"])
+    assert [c["acceptance"] for c in report["ceilings"]] == [0.7, 0.8, 0.9, 0.95]
+    for c in report["ceilings"]:  # the better of the step alone and one drafted token, priced by the two forwards measured
+        assert c["speedup"] == pytest.approx(max(1.0, (1 + c["acceptance"]) * one / two)) and c["gamma"] == (c["speedup"] > 1)
     assert run_floor(_args("--tokens", "2", "--repeats", "1", "--tree"), levels) == 0
     out = capsys.readouterr().out
     assert "read bandwidth: 10.0 GB/s" in out
     assert [line.split()[4] for line in out.splitlines() if line.startswith("L1 target+retrieval")] == ["chain", "tree"]
+    assert "ceiling" not in out  # chains of one length only: nothing to price
 
 
 @pytest.mark.parametrize(("flags", "message"), [

@@ -25,18 +25,21 @@ import time
 from typing import Callable, Sequence
 
 import attrs
+import numpy as np
 import torch
 
 from ..errors import SpecstackError
 from ..floor import DTYPES, Floor, Machine, ModelShape, dtype_name, forward_floor, measure_machine
 from ..model import weights_held
 from ..run import status, torch_threads
+from ..speedup import chain_ceiling
 
 LEVELS = {"full": "L2 target+full", "retrieval": "L1 target+retrieval", "draft": "L0 draft+streaming"}
 CACHES = (1024, 4096, 7500)
 TOKENS = (1, 2, 4, 8, 16, 32, 64)
 BUDGET = 512  # TriForce's retrieval budget on the embedded default (docs/benchmarks.md)
 WINDOW = 272  # the draft's StreamingLLM window: 256 recent + 16 sinks
+ACCEPTANCES = (0.7, 0.8, 0.9, 0.95)  # per-token acceptances at which the report prices a chain (ceilings)
 
 
 @attrs.frozen(kw_only=True)
@@ -163,6 +166,61 @@ def measure(levels: Sequence[Level], machine: Machine, *, tokens: Sequence[int],
                                                         level.model.head_bytes_per_weight(t))))
             del store
     return rows
+
+
+def chain_costs(rows: Sequence[Row]) -> list[float]:
+    """Seconds of a chain forward of every count from 1 to the most measured, for one level and cache: the measured
+    ones, and between them the line through their neighbours."""
+    counts, seconds = zip(*sorted((row.tokens, row.seconds) for row in rows))
+    return [float(np.interp(count, counts, seconds)) for count in range(1, counts[-1] + 1)]
+
+
+@attrs.frozen(kw_only=True)
+class Ceiling:
+    """The most chains verified by one level over one cache can gain over its own step, drafting free
+    (:func:`specstack.speedup.chain_ceiling` on :func:`chain_costs`)."""
+
+    level: str
+    cache: int
+    acceptance: float
+    speedup: float
+    gamma: int
+    longest: bool  # gamma is the longest chain measured: longer forwards, had they been timed, might pay more
+
+    def as_dict(self) -> dict:
+        return attrs.asdict(self)
+
+
+def ceilings(rows: Sequence[Row], acceptances: Sequence[float] = ACCEPTANCES) -> list[Ceiling]:
+    """A :class:`Ceiling` per acceptance for every level and cache whose chains were timed at one token and more."""
+    groups: dict[tuple[str, int], list[Row]] = {}
+    for row in rows:
+        if not row.tree:
+            groups.setdefault((row.level, row.cache), []).append(row)
+    found = []
+    for (level, cache), chains in groups.items():
+        if min(row.tokens for row in chains) != 1 or len(chains) < 2:
+            continue
+        costs = chain_costs(chains)
+        for acceptance in acceptances:
+            speedup, gamma = chain_ceiling(acceptance, costs)
+            found.append(Ceiling(level=level, cache=cache, acceptance=acceptance, speedup=speedup, gamma=gamma, longest=gamma == len(costs) - 1))
+    return found
+
+
+def ceiling_lines(found: Sequence[Ceiling]) -> list[str]:
+    """The report's closing lines: a level and cache a line, its ceiling at each acceptance."""
+    if not found:
+        return []
+    lines = ["", "ceiling with drafting free (chains whose drafted tokens are each accepted with α; forwards between the "
+                 "measured T on a line; *: the longest chain measured):"]
+    by_group: dict[tuple[str, int], list[Ceiling]] = {}
+    for ceiling in found:
+        by_group.setdefault((ceiling.level, ceiling.cache), []).append(ceiling)
+    for (level, cache), group in by_group.items():
+        lines.append(f"{level:<20} {cache:>6}  " + "  ".join(
+            f"α {c.acceptance:g}: {c.speedup:.2f}x (γ {c.gamma}{'*' if c.longest else ''})" for c in group))
+    return lines
 
 
 # -- the report -----------------------------------------------------------------------------------
@@ -297,8 +355,8 @@ def run_floor(args: argparse.Namespace, levels: Sequence[Level] | None = None) -
     if args.json:
         print(json.dumps({"dtype": opts.dtype, "repeats": opts.repeats, "machine": machine.as_dict(),
                           "models": {name: attrs.asdict(shape) for name, shape in shapes.items()},
-                          "rows": [row.as_dict() for row in rows]}))
+                          "rows": [row.as_dict() for row in rows], "ceilings": [ceiling.as_dict() for ceiling in ceilings(rows)]}))
         return 0
     print("\n".join([*machine_lines(machine), "", f"forwards ({opts.dtype}, median of {opts.repeats} after one warm-up; "
-                     "ratio = ms / floor ms, floor = max(memory, compute)):", *table(rows)]))
+                     "ratio = ms / floor ms, floor = max(memory, compute)):", *table(rows), *ceiling_lines(ceilings(rows))]))
     return 0
