@@ -19,6 +19,7 @@ ratio to :func:`specstack.floor.forward_floor`. See docs/benchmarks.md, "Forward
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import time
@@ -168,6 +169,8 @@ def measure(levels: Sequence[Level], machine: Machine, *, tokens: Sequence[int],
     return rows
 
 
+# -- the report -----------------------------------------------------------------------------------
+
 def chain_costs(rows: Sequence[Row]) -> list[float]:
     """Seconds of a chain forward of every count from 1 to the most measured, for one level and cache: the measured
     ones, and between them the line through their neighbours."""
@@ -214,16 +217,11 @@ def ceiling_lines(found: Sequence[Ceiling]) -> list[str]:
         return []
     lines = ["", "ceiling with drafting free (chains whose drafted tokens are each accepted with α; forwards between the "
                  "measured T on a line; *: the longest chain measured):"]
-    by_group: dict[tuple[str, int], list[Ceiling]] = {}
-    for ceiling in found:
-        by_group.setdefault((ceiling.level, ceiling.cache), []).append(ceiling)
-    for (level, cache), group in by_group.items():
+    for (level, cache), group in itertools.groupby(found, key=lambda c: (c.level, c.cache)):  # ceilings() keeps a group together
         lines.append(f"{level:<20} {cache:>6}  " + "  ".join(
             f"α {c.acceptance:g}: {c.speedup:.2f}x (γ {c.gamma}{'*' if c.longest else ''})" for c in group))
     return lines
 
-
-# -- the report -----------------------------------------------------------------------------------
 
 def machine_lines(machine: Machine) -> list[str]:
     """The roofs, then matrix-product GFLOP/s by what and rows."""
