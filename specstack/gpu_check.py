@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
+import re
 import statistics
 import sys
 import time
@@ -243,6 +244,26 @@ def outcomes_in_log(lines: Sequence[str]) -> dict[str, str]:
                 outcomes[test] = outcome
                 break
     return outcomes
+
+
+DURATION = re.compile(r"^(?P<seconds>[0-9.]+)s (?:setup|call|teardown) +(?P<test>\S.*?)\s*$")
+
+
+def recorded_seconds(lines: Sequence[str]) -> dict[str, float]:
+    """Test id -> seconds from pytest's ``--durations`` lines (``145.54s call     tests/a.py::t[x]``), a test's
+    setup, call and teardown added up; other lines are ignored."""
+    seconds: dict[str, float] = {}
+    for line in lines:
+        if match := DURATION.match(line):
+            seconds[match["test"]] = seconds.get(match["test"], 0.0) + float(match["seconds"])
+    return seconds
+
+
+def slowest_first(tests: Sequence[str], seconds: dict[str, float]) -> list[str]:
+    """``tests`` with those recorded slowest first, the unrecorded after them in their own order. Under the
+    check's time cap the long sampled-distribution tests then run side by side from the start instead of
+    beginning last, when the cap would cut them off (docs/gpu.md)."""
+    return sorted(tests, key=lambda test: -seconds.get(test, 0.0))  # stable: ties keep collection order
 
 
 def tests_summary(log: Path, collected: Sequence[str] = (), rest: Path | None = None) -> str:

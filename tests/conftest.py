@@ -1,3 +1,5 @@
+from pathlib import Path
+
 import pytest
 from hypothesis import settings
 
@@ -8,6 +10,24 @@ settings.load_profile("specstack")
 
 def pytest_addoption(parser):
     parser.addoption("--device", default="cpu", help="device of the synthetic models in the greedy and distribution tests (make gpu-check: cuda)")
+
+
+GPU_DURATIONS = Path(__file__).with_name("gpu-durations.txt")
+
+
+def pytest_collection_modifyitems(config, items):
+    """With ``--device cuda`` (make gpu-check) the tests start slowest first, by the seconds each took on a
+    GPU (``tests/gpu-durations.txt``: the ``--durations`` lines of a check's logs), so that the cap cuts off
+    quick tests rather than half-run slow ones."""
+    import torch
+
+    if torch.device(config.getoption("--device")).type != "cuda" or not GPU_DURATIONS.exists():
+        return
+    from specstack.gpu_check import recorded_seconds, slowest_first
+
+    order = slowest_first([item.nodeid for item in items], recorded_seconds(GPU_DURATIONS.read_text().splitlines()))
+    rank = {test: index for index, test in enumerate(order)}
+    items.sort(key=lambda item: rank[item.nodeid])
 
 
 @pytest.fixture(scope="session")

@@ -103,3 +103,31 @@ def test_the_tests_the_cap_stopped_are_written_for_the_next_run(tmp_path) -> Non
     assert rest.read_text().splitlines() == ["tests/b.py::u", "tests/b.py::v"]  # u started but was cut off; v never started
     assert "2 passed, 1 failed, then the time cap" in text and f"5 tests collected, 2 did not run to the end (`make gpu-check GPU_TESTS=@{rest}`" in text
     assert "- FAILED tests/a.py::t[cpu]" in text
+
+
+def test_the_gpu_tests_start_slowest_first_by_their_recorded_seconds() -> None:
+    """A test's setup, call and teardown lines add up; tests with no line keep their order after the recorded
+    ones; lines that are not durations are ignored."""
+    from specstack.gpu_check import recorded_seconds, slowest_first
+
+    lines = ["# a comment", "145.54s call     tests/a.py::slow[x y]", "36.93s setup    tests/b.py::fixture_heavy",
+             "2.00s call     tests/b.py::fixture_heavy", "0.50s teardown tests/a.py::slow[x y]",
+             "(12 durations < 0.005s hidden.  Use -vv to show these durations.)", "============ 3 passed in 9.1s ============"]
+    seconds = recorded_seconds(lines)
+    assert seconds == {"tests/a.py::slow[x y]": 146.04, "tests/b.py::fixture_heavy": 38.93}
+    collected = ["tests/c.py::quick", "tests/b.py::fixture_heavy", "tests/c.py::other", "tests/a.py::slow[x y]"]
+    assert slowest_first(collected, seconds) == ["tests/a.py::slow[x y]", "tests/b.py::fixture_heavy", "tests/c.py::quick", "tests/c.py::other"]
+
+
+def test_the_shipped_durations_name_tests_that_exist() -> None:
+    """tests/gpu-durations.txt orders make gpu-check's tests: a renamed test would silently lose its place."""
+    from pathlib import Path
+
+    from specstack.gpu_check import recorded_seconds
+
+    recorded = recorded_seconds((Path(__file__).with_name("gpu-durations.txt")).read_text().splitlines())
+    assert len(recorded) >= 30
+    for test in recorded:
+        path, _, name = test.partition("::")
+        source = (Path(__file__).parent.parent / path).read_text()
+        assert f"def {name.split('[')[0]}(" in source, test
