@@ -111,15 +111,17 @@ def triforce_demo(args) -> int:
     for name, stack in stacks.items():
         shared = stack.share_prefill(autoregressive, prompt)  # the target's prefill, paid once
         rows.append(_demo_row(session, name, stack, modes[name] or ("auto" if args.tune else None), args, prompt, reference, shared, replay))
+    drift = _baseline_drift(autoregressive, prompt, reference, args)
     text = session.tokenizer.decode(list(reference.tokens))
     if args.json:
         print(json.dumps({"prompt": source, "prompt_tokens": len(prompt), "new_tokens": args.max_new_tokens, "dtype": str(session.dtype).removeprefix("torch."),
                           "temperature": sampling.temperature, "device": str(session.target.device),
                           "autoregressive_ms_per_token": 1e3 * reference.seconds / max(len(reference.tokens), 1),
+                          "baseline_again": attrs.asdict(drift),
                           "stacks": [row.as_dict() for row in rows], "text": text}))
         return 0
     print(f"prompt: {source}, {len(prompt)} tokens; {len(reference.tokens)} new tokens; temperature {sampling.temperature}; {session.dtype}")
-    print(f"autoregressive: {1e3 * reference.seconds / max(len(reference.tokens), 1):.1f} ms/token")
+    print(f"autoregressive: {1e3 * reference.seconds / max(len(reference.tokens), 1):.1f} ms/token; {drift.describe()}")
     for row in rows:
         accept = ", ".join(f"{name} {rate:.2f}" for name, rate in row.acceptance.items())
         gammas = f"; {row.tuning['description']}" if row.tuning else ""
@@ -127,6 +129,35 @@ def triforce_demo(args) -> int:
         print(f"  exactness: {row.exactness}")
     print("text:", text[:600].replace("\n", " "))
     return 0
+
+
+@attrs.frozen(kw_only=True)
+class BaselineDrift:
+    """Autoregressive decoding measured again after every stack, as ``specstack bench`` measures each group's
+    baseline again at its end: ``drift`` is its speed then over its speed first. The speedups stay against the
+    first measurement; a drift far from 1 says the shared host changed speed while the stacks ran, by about that
+    factor in either direction."""
+
+    ms_per_token: float
+    drift: float
+
+    def describe(self) -> str:
+        from .bench.report import DRIFT_NOTED
+
+        again = f"{self.ms_per_token:.1f} ms/token measured again after the stacks (drift {self.drift:.2f})"
+        if abs(self.drift - 1) <= DRIFT_NOTED:
+            return again
+        return f"{again}: the host changed speed by more than {DRIFT_NOTED:.0%} during the run, and the speedups with it"
+
+
+def _baseline_drift(autoregressive, prompt: list[int], reference, args) -> BaselineDrift:
+    """The reference's decoding once more, from its own cache of the prompt (no second prefill)."""
+    from . import run
+    from .speedup import measured_speedup
+
+    again = autoregressive.generate(prompt, args.max_new_tokens, seed=args.seed, reuse_cache=True, progress=run.progress_printer("autoregressive again"))
+    return BaselineDrift(ms_per_token=1e3 * again.seconds / max(len(again.tokens), 1),
+                         drift=measured_speedup(reference.seconds, len(reference.tokens), again.seconds, len(again.tokens)))
 
 
 def _spec(text: str, shared: Sequence[str]) -> tuple[str, list[str]]:

@@ -22,6 +22,8 @@ def _demo_json(capsys, threads: str, *extra: str) -> dict:
 def test_demo_compares_triforce_and_the_fastest_stack_with_tuned_gammas(capsys, threads) -> None:
     record = _demo_json(capsys, threads)
     assert record["dtype"] == "float32" and record["prompt_tokens"] > 500
+    again = record["baseline_again"]  # autoregressive decoding measured again after the stacks
+    assert again["ms_per_token"] > 0 and again["drift"] == pytest.approx(record["autoregressive_ms_per_token"] / again["ms_per_token"])
     assert [row["stack"] for row in record["stacks"]] == ["triforce", "medusa-lookup"]
     for row in record["stacks"]:
         assert row["identical"] is True, row
@@ -111,3 +113,13 @@ def test_demo_times_the_autoregressive_reference_warm(capsys, threads, monkeypat
     first_timed = next(i for i, (_, length) in enumerate(calls) if length > WARMUP_PROMPT)
     warmed = [model for model, length in calls[:first_timed]]
     assert calls[first_timed][0] in warmed and len({id(model) for model in warmed}) == 2  # the target and the draft
+
+
+def test_the_demo_says_when_the_host_changed_speed_under_its_runs() -> None:
+    """The baseline measured again: within 10% of its first speed it is reported plainly, beyond it the line says the
+    speedups moved with the host."""
+    from specstack.demo import BaselineDrift
+
+    assert BaselineDrift(ms_per_token=40.0, drift=1.05).describe() == "40.0 ms/token measured again after the stacks (drift 1.05)"
+    assert "changed speed by more than 10%" in BaselineDrift(ms_per_token=40.0, drift=1.28).describe()
+    assert "changed speed by more than 10%" in BaselineDrift(ms_per_token=60.0, drift=0.85).describe()
