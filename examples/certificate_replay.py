@@ -18,7 +18,7 @@ import torch
 
 from specstack import Registry
 from specstack.models import load_target
-from specstack.demo import task_prompt
+from specstack.demo import SUMMARY, task_prompt
 from specstack.testing.certificate import GreedyReference
 
 
@@ -38,7 +38,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     target, tokenizer = load_target(dtype=torch.bfloat16)
-    prompt = task_prompt(tokenizer, book="prideprejudice", length=args.prompt_tokens)
+    prompt = task_prompt(tokenizer, book="prideprejudice", length=args.prompt_tokens, request=SUMMARY)
     stack = Registry.create().stack("autoregressive", target=target)
     began = time.perf_counter()
     tokens = stack.generate(prompt, args.new_tokens).tokens

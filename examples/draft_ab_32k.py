@@ -21,7 +21,7 @@ import time
 import torch
 
 from specstack.autotune import verifying_levels
-from specstack.demo import task_prompt
+from specstack.demo import SUMMARY, task_prompt
 from specstack.models import load_default, load_draft
 from specstack.registry import Registry
 from specstack.speedup import measured_speedup
@@ -37,7 +37,7 @@ def main() -> None:
     torch.set_num_threads(2)
     target, draft, tokenizer = load_default(dtype=torch.bfloat16, context=32768, rope_scaling="yarn")
     drafts = {"default": draft, "shared": load_draft(target, SHARED, dtype=torch.bfloat16)}
-    prompt = task_prompt(tokenizer, book=args.book, length=32500)
+    prompt = task_prompt(tokenizer, book=args.book, length=32500, request=SUMMARY)
     registry = Registry.create()
     autoregressive = registry.stack("autoregressive", target=target)
     began = time.perf_counter()

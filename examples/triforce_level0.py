@@ -17,7 +17,7 @@ import argparse
 import torch
 
 from specstack import Registry, autotune
-from specstack.demo import passage_tokens, task_prompt
+from specstack.demo import SUMMARY, passage_tokens, task_prompt
 from specstack.models import load_default
 from specstack.speedup import measured_speedup
 
@@ -42,7 +42,7 @@ def main() -> None:
     args.prompt_tokens = None  # the demo's passage: 7,000 tokens, or what fills --context
     torch.set_num_threads(args.threads)
     target, draft, tokenizer = load_default(dtype=getattr(torch, args.dtype), context=args.context, rope_scaling="yarn")
-    prompt = task_prompt(tokenizer, book="prideprejudice", length=passage_tokens(args))
+    prompt = task_prompt(tokenizer, book="prideprejudice", length=passage_tokens(args), request=SUMMARY)
     registry, stops = Registry.create(), [tokenizer.eos_token_id]
     autoregressive = registry.stack("autoregressive", target=target, stop_tokens=stops)
     reference = autoregressive.generate(prompt, args.max_new_tokens)
