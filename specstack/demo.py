@@ -41,8 +41,9 @@ def synthetic_demo(*, max_new_tokens: int, seed: int, device: str = "cpu", draft
 
 
 # The demo's request after its passage. Decoding greedily in fp32 on the default 7,000 tokens the 135M model answers
-# it for all 128 tokens without repeating itself (2026-11-28; in bf16 it loops from about its 40th token). The summary
-# request the demo made before loops after about 40 tokens in both; the examples' documented runs used it.
+# it for all 128 tokens with no 8 tokens repeated (2026-11-28; in bf16 it repeats its 19th-26th tokens from its 47th).
+# To the summary request the demo made before it repeats from token 59 in fp32, 19 in bf16; the examples' documented
+# runs used it.
 QUESTION = "What does Elizabeth think of Mr. Darcy in the passage above? Answer in a short paragraph."
 SUMMARY = "Summarize the passage above in a few sentences."
 

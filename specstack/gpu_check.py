@@ -21,7 +21,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, Sequence, TypeVar
 
 import attrs
 import torch
@@ -246,6 +246,7 @@ def outcomes_in_log(lines: Sequence[str]) -> dict[str, str]:
     return outcomes
 
 
+T = TypeVar("T")
 DURATION = re.compile(r"^(?P<seconds>[0-9.]+)s (?:setup|call|teardown) +(?P<test>\S.*?)\s*$")
 
 
@@ -259,11 +260,11 @@ def recorded_seconds(lines: Sequence[str]) -> dict[str, float]:
     return seconds
 
 
-def slowest_first(tests: Sequence[str], seconds: dict[str, float]) -> list[str]:
-    """``tests`` with those recorded slowest first, the unrecorded after them in their own order. Under the
-    check's time cap the long sampled-distribution tests then run side by side from the start instead of
-    beginning last, when the cap would cut them off (docs/gpu.md)."""
-    return sorted(tests, key=lambda test: -seconds.get(test, 0.0))  # stable: ties keep collection order
+def slowest_first(tests: Sequence[T], seconds: dict[str, float], name: Callable[[T], str] = str) -> list[T]:
+    """``tests`` (ids, or what ``name`` gives an id of) with those recorded slowest first, the unrecorded after them
+    in their own order. Under the check's time cap the long sampled-distribution tests then run side by side from
+    the start instead of beginning last, when the cap would cut them off (docs/gpu.md)."""
+    return sorted(tests, key=lambda test: -seconds.get(name(test), 0.0))  # stable: ties keep collection order
 
 
 def tests_summary(log: Path, collected: Sequence[str] = (), rest: Path | None = None) -> str:

@@ -25,9 +25,7 @@ def pytest_collection_modifyitems(config, items):
         return
     from specstack.gpu_check import recorded_seconds, slowest_first
 
-    order = slowest_first([item.nodeid for item in items], recorded_seconds(GPU_DURATIONS.read_text().splitlines()))
-    rank = {test: index for index, test in enumerate(order)}
-    items.sort(key=lambda item: rank[item.nodeid])
+    items[:] = slowest_first(items, recorded_seconds(GPU_DURATIONS.read_text().splitlines()), name=lambda item: item.nodeid)
 
 
 @pytest.fixture(scope="session")
