@@ -182,7 +182,8 @@ def _demo(args: argparse.Namespace) -> int:
     if args.synthetic:
         from .demo import synthetic_demo
 
-        synthetic_demo(max_new_tokens=args.max_new_tokens, seed=args.seed, device=args.device, draft_device=args.draft_device)
+        with torch_threads(args.threads):
+            synthetic_demo(max_new_tokens=args.max_new_tokens, seed=args.seed, device=args.device, draft_device=args.draft_device)
         return 0
     from .demo import triforce_demo
 

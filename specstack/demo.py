@@ -9,6 +9,7 @@ from typing import Sequence
 import attrs
 import torch
 
+from .errors import whole_number
 from .registry import Registry
 from .policies import StreamingLLM
 from .stack import Level, SpeculationStack
@@ -81,7 +82,7 @@ TASK_ROOM = 64  # tokens of the chat template and the request around the passage
 def passage_tokens(args) -> int:
     """``--prompt-tokens``; by default 7,000 (the trained 8K window), or what fills a ``--context`` window."""
     if args.prompt_tokens is not None:
-        return args.prompt_tokens
+        return whole_number(args.prompt_tokens, "--prompt-tokens")
     return 7000 if args.context is None else args.context - args.max_new_tokens - TASK_ROOM
 
 

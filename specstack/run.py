@@ -11,7 +11,7 @@ from typing import Iterable, Iterator, Sequence
 import attrs
 import torch
 
-from .errors import SpecstackError
+from .errors import SpecstackError, whole_number
 from .registry import Registry
 from .sampling import SamplingConfig
 from .stack import SpeculationStack
@@ -44,8 +44,8 @@ class Session:
         device, draft_device = check_devices(getattr(args, "device", "cpu"), getattr(args, "draft_device", None))
         cuda_graphs = getattr(args, "cuda_graphs", True)
         hf_logging.disable_progress_bar()  # our own progress lines are enough
-        if args.threads:
-            torch.set_num_threads(args.threads)
+        if args.threads is not None:
+            torch.set_num_threads(whole_number(args.threads, "--threads"))
         sampling = SamplingConfig(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
         status(f"loading the target model on {device}")
         dtype = getattr(torch, args.dtype)
@@ -83,6 +83,8 @@ class Session:
         return self.registry.stack(name, target=self.target, draft=draft, sampling=self.sampling, stop_tokens=stops, seed=self.seed, **parse_options(options))
 
     def prompt_tokens(self, *, prompt: str | None, prompt_file: str | None, book: str | None, length: int | None) -> list[int]:
+        if length is not None:
+            whole_number(length, "--prompt-tokens")
         if book is not None:
             from .data import book_tokens
 
@@ -195,8 +197,8 @@ def torch_threads(threads: int | None = None) -> Iterator[None]:
     before it: the count is process-wide, and a command may run inside a longer process (a test, a
     notebook, a benchmark's other groups)."""
     before = torch.get_num_threads()
-    if threads:
-        torch.set_num_threads(threads)
+    if threads is not None:
+        torch.set_num_threads(whole_number(threads, "--threads"))
     try:
         yield
     finally:

@@ -136,6 +136,15 @@ def test_a_small_bench_runs_on_an_explicit_cpu_and_says_so(capsys, tmp_path) -> 
         assert (record["environment"]["device"], record["environment"]["draft_device"]) == ("cpu", "cpu")
 
 
+def test_the_bench_names_an_unknown_stack_before_it_runs_anything(capsys, tmp_path) -> None:
+    assert main(["bench", "--synthetic", "--stacks", "naive", "tri-force", "--context-lengths", "256", "--max-new-tokens", "6",
+                 "--out", str(tmp_path), "--quiet"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"specstack bench: error: unknown stack 'tri-force'; available: {err[0].split('available: ')[1]}"]
+    assert "naive, " in err[0] and "hf-assisted" in err[0]
+    assert not (tmp_path / "results.jsonl").exists()  # nothing ran
+
+
 def test_no_cuda_graphs_switches_them_off_in_transformers_models() -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 

@@ -78,6 +78,12 @@ def test_a_corrupt_gguf_file_is_named(tmp_path) -> None:
         (["generate", "--stack", "triforce", "-o", "gamma1=0", "--prompt", "hi"], "gamma 0 is not allowed"),
         (["generate", "--stack", "triforce", "-o", "budget=100", "--prompt", "hi"], "retrieval budget 100 is not allowed with chunk_size 8"),
         (["generate", "--stack", "triforce", "-o", "budgit=64", "--prompt", "hi"], "stack 'triforce' has no option 'budgit'"),
+        (["generate", "--threads", "-3", "--prompt", "hi"], "--threads -3 is not allowed; use an integer >= 1"),
+        (["generate", "--threads", "0", "--prompt", "hi"], "--threads 0 is not allowed; use an integer >= 1"),
+        (["generate", "--prompt-tokens", "0", "--prompt", "hi"], "--prompt-tokens 0 is not allowed; use an integer >= 1"),
+        (["generate", "--prompt-tokens", "-4", "--prompt", "hi there, how are you today?"], "--prompt-tokens -4 is not allowed"),
+        (["demo", "--threads", "-1", "--synthetic"], "--threads -1 is not allowed; use an integer >= 1"),
+        (["demo", "--prompt-tokens", "0", "--max-new-tokens", "2"], "--prompt-tokens 0 is not allowed; use an integer >= 1"),
     ],
 )
 def test_cli_reports_bad_input_in_one_line_with_exit_code_2(capsys, argv, message) -> None:

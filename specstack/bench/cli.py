@@ -62,6 +62,8 @@ def run_bench(args: argparse.Namespace) -> int:
     from .models import SyntheticModels
 
     grid = load_grid(args.grid, grid_overrides(args))  # a bad grid fails here, before anything runs
+    if args.executor == "local":
+        check_stack_names(grid)
     models = SyntheticModels(device=grid.device or "cpu", draft_device=grid.draft_device or grid.device or "cpu") if args.synthetic else None
     table = run_grid(grid, args.out, models=models, executor=args.executor, ray_address=args.ray_address, num_cpus=args.num_cpus,
                      progress=not args.quiet)
@@ -69,3 +71,14 @@ def run_bench(args: argparse.Namespace) -> int:
     print(f"\n{table.executed} runs executed; {len(table.ok)} ok and {len(table.errors)} failed in {table.out} "
           f"(results.jsonl, results.csv, report.md)")
     return 0
+
+
+def check_stack_names(grid) -> None:
+    """A stack name that nothing installed here registers is a typo: one error line before any model loads.
+    (``run_grid`` itself records such a point as a failed run, as a Ray worker with other plugins would.)"""
+    from ..registry import Registry
+    from .stacks import Catalog
+
+    catalog = Catalog(registry=Registry.create())
+    for spec in grid.stacks:
+        catalog.get(spec.name)

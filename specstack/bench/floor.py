@@ -29,7 +29,7 @@ import attrs
 import numpy as np
 import torch
 
-from ..errors import SpecstackError
+from ..errors import SpecstackError, whole_number
 from ..floor import DTYPES, Floor, Machine, ModelShape, dtype_name, forward_floor, measure_machine
 from ..model import weights_held
 from ..run import status, torch_threads
@@ -296,25 +296,16 @@ class Options:
     rope_scaling: str | None = None  # how a window beyond the trained one is reached (specstack.hf.window_config)
 
 
-def _int(text: str, flag: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise SpecstackError(f"{flag} {text!r} is not allowed; use an integer >= 1") from None
-    if value < 1:
-        raise SpecstackError(f"{flag} {text!r} is not allowed; use an integer >= 1")
-    return value
-
-
 def options(args: argparse.Namespace) -> Options:
     """The checked options of ``specstack floor``; a bad one is a :class:`SpecstackError`."""
     unknown = [name for name in args.levels if name not in LEVELS]
     if unknown:
         raise SpecstackError(f"unknown level {unknown[0]!r}; available: {', '.join(LEVELS)}")
-    return Options(dtype=dtype_name(args.dtype), caches=tuple(_int(n, "--cache") for n in args.cache),
-                   tokens=tuple(dict.fromkeys(_int(t, "--tokens") for t in args.tokens)), levels=tuple(dict.fromkeys(args.levels)),
-                   budget=_int(args.budget, "--budget"), window=_int(args.window, "--window"), repeats=_int(args.repeats, "--repeats"),
-                   threads=None if args.threads is None else _int(args.threads, "--threads"), tree=args.tree,
+    return Options(dtype=dtype_name(args.dtype), caches=tuple(whole_number(n, "--cache") for n in args.cache),
+                   tokens=tuple(dict.fromkeys(whole_number(t, "--tokens") for t in args.tokens)),
+                   levels=tuple(dict.fromkeys(args.levels)), budget=whole_number(args.budget, "--budget"),
+                   window=whole_number(args.window, "--window"), repeats=whole_number(args.repeats, "--repeats"),
+                   threads=None if args.threads is None else whole_number(args.threads, "--threads"), tree=args.tree,
                    context=args.context, rope_scaling=args.rope_scaling)
 
 

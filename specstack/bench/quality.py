@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from ..data import BOOKS
-from ..errors import SpecstackError
+from ..errors import SpecstackError, whole_number
 from ..run import torch_threads
 
 CHUNK = 2048  # tokens per forward: at most one [CHUNK, V] block of logits is held at a time
@@ -185,16 +185,6 @@ def add_quality_parser(commands) -> argparse.ArgumentParser:
     return quality
 
 
-def _int(text: str, flag: str, minimum: int = 1) -> int:
-    try:
-        value = int(text)
-    except (TypeError, ValueError):
-        raise SpecstackError(f"{flag} {text!r} is not allowed; use an integer >= {minimum}") from None
-    if value < minimum:
-        raise SpecstackError(f"{flag} {text!r} is not allowed; use an integer >= {minimum}")
-    return value
-
-
 def _depth(text: str) -> float:
     try:
         value = float(text)
@@ -220,16 +210,17 @@ def options(args: argparse.Namespace) -> Options:
 
     if args.book not in BOOKS:
         raise SpecstackError(f"unknown book {args.book!r}; available: {', '.join(BOOKS)}")
-    tokens = _int(args.tokens, "--tokens", minimum=0)
-    edges = () if tokens == 0 else check_edges([_int(e, "--edges") for e in args.edges] if args.edges else default_edges(tokens), tokens)
+    tokens = whole_number(args.tokens, "--tokens", minimum=0)
+    given = [whole_number(e, "--edges") for e in args.edges] if args.edges else None
+    edges = () if tokens == 0 else check_edges(given or default_edges(tokens), tokens)
     if tokens == 0 and not args.passkey:
         raise SpecstackError("nothing to measure; give --tokens N >= 2 or --passkey LENGTH")
-    return Options(book=args.book, offset=_int(args.offset, "--offset", minimum=0), tokens=tokens, edges=edges,
-                   context=None if args.context is None else _int(args.context, "--context"),
+    return Options(book=args.book, offset=whole_number(args.offset, "--offset", minimum=0), tokens=tokens, edges=edges,
+                   context=None if args.context is None else whole_number(args.context, "--context"),
                    rope_scaling=None if args.rope_scaling == "none" else args.rope_scaling, dtype=dtype_name(args.dtype),
-                   threads=None if args.threads is None else _int(args.threads, "--threads"),
-                   passkey=tuple(_int(n, "--passkey") for n in args.passkey), depths=tuple(_depth(d) for d in args.depths),
-                   seed=_int(args.seed, "--seed", minimum=0))
+                   threads=None if args.threads is None else whole_number(args.threads, "--threads"),
+                   passkey=tuple(whole_number(n, "--passkey") for n in args.passkey), depths=tuple(_depth(d) for d in args.depths),
+                   seed=whole_number(args.seed, "--seed", minimum=0))
 
 
 def run_quality(args: argparse.Namespace, loaded=None) -> int:

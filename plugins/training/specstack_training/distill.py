@@ -59,7 +59,7 @@ from safetensors.torch import save_file
 
 from specstack import SpecstackError
 
-from .shared import check_names, encode, lr_factor, self_distillation, text_chunks
+from .shared import check_counts_at_least_one, check_names, encode, lr_factor, self_distillation, text_chunks
 
 if TYPE_CHECKING:  # imported where they run: `specstack train`'s parser (and `specstack --help`) need no transformers
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -93,6 +93,8 @@ DEFAULTS = dict(
     gen_temperature=0.7,  # temperature of the sampled half
     gen_batch=32,  # continuations written at once
 )
+
+COUNTS = ("hidden", "heads", "kv_heads", "intermediate", "seq_len", "batch", "top_k", "replay", "eval_positions", "threads")  # each at least 1
 
 
 # ----------------------------------------------------------------------------
@@ -439,6 +441,7 @@ def check_hyperparameters(hyperparams: dict) -> None:
     if "layers" in hyperparams:
         hyperparams["layers"] = target_layers(hyperparams["layers"])
     check_counts(hyperparams)
+    check_counts_at_least_one(hyperparams, COUNTS)
     check_generation(hyperparams)
     check_temperatures(hyperparams)
     grown = str(hyperparams.get("grow_from", ""))

@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from specstack import SpecstackError
 from specstack.draft_vocabulary import coverage, token_rank  # the ranking a draft_vocab takes, as the core reads it
 
-from .shared import check_names, continuations, encode, lr_factor, self_distillation, text_chunks
+from .shared import check_counts_at_least_one, check_names, continuations, encode, lr_factor, self_distillation, text_chunks
 
 DEFAULTS = dict(
     heads=4,  # K: head k predicts the token k + 1 positions ahead of the state it reads
@@ -70,6 +70,8 @@ DEFAULTS = dict(
     autocast=True,  # bfloat16 autocast for the heads' forward and backward
 )
 
+COUNTS = ("heads", "layers", "seq_len", "positions", "label_batch", "gen_batch", "eval_chunks", "top_k", "threads")  # each at least 1
+
 DATA_KEYS = ("seq_len", "chunks", "generations", "prompt_len", "gen_temperature", "teacher_bf16")  # what the labelled data depends on
 
 
@@ -85,8 +87,7 @@ def check_hyperparameters(hyperparams: dict) -> None:
         if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0 or (isinstance(DEFAULTS[key], int) and not isinstance(value, int)):
             kind = "a non-negative integer" if isinstance(DEFAULTS[key], int) else "a non-negative number"
             raise SpecstackError(f"hyperparameter {key}={value!r} is not allowed; use {kind}")
-    if hyperparams.get("heads", 1) < 1 or hyperparams.get("layers", 1) < 1:
-        raise SpecstackError("hyperparameters heads and layers must be at least 1")
+    check_counts_at_least_one(hyperparams, COUNTS)
     if hyperparams.get("prompt_len", DEFAULTS["prompt_len"]) >= hyperparams.get("seq_len", DEFAULTS["seq_len"]):
         raise SpecstackError("hyperparameter prompt_len must be smaller than seq_len (a continuation adds seq_len - prompt_len tokens)")
 

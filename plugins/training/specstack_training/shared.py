@@ -55,6 +55,15 @@ def lr_factor(frac: float, warmup: float) -> float:
     return 0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * p))
 
 
+def check_counts_at_least_one(hyperparams: dict, keys: tuple[str, ...]) -> None:
+    """Each of ``keys`` that is given must be a whole number >= 1 (threads, batches, widths): one error line
+    naming the first that is not."""
+    for key in keys:
+        value = hyperparams.get(key, 1)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise SpecstackError(f"hyperparameter {key}={value!r} is not allowed; use a whole number >= 1")
+
+
 def check_names(hyperparams: dict, defaults: dict) -> None:
     """Every key must be one of ``defaults`` (one error line naming the first, in sorted order, that is not)."""
     unknown = sorted(set(hyperparams) - set(defaults))
