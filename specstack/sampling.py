@@ -33,7 +33,7 @@ def _top_p(instance, attribute, value: float) -> None:
 
 
 def _top_k(instance, attribute, value: int | None) -> None:
-    if value is not None and not (isinstance(value, int) and value >= 1):
+    if value is not None and not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
         raise SpecstackError(f"top_k {value!r} is not allowed; use an integer >= 1, or None for no limit")
 
 

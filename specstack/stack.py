@@ -15,6 +15,7 @@ emits tokens distributed as the target's ``warp(logits)``.
 
 from __future__ import annotations
 
+import operator
 import time
 from typing import Callable, Sequence
 
@@ -232,6 +233,7 @@ class SpeculationStack:
     def _generate(self, prompt: Sequence[int], max_new_tokens: int, *, seed: int | None, progress, reuse_cache: bool, prefill_progress,
                   after_round: Callable[[int], None] | None) -> GenerationResult:
         prompt = _check_prompt(prompt, self.target, max_new_tokens)
+        _check_seed(seed)
         sequence = TokenSequence(prompt)  # shared by every level: O(1) prefixes, O(γ) comparisons
         if seed is not None:
             self.generators.manual_seed(seed)
@@ -371,7 +373,7 @@ def _name(model: CausalLM) -> str:
 
 
 def _check_prompt(prompt: Sequence[int], target: CausalLM, max_new_tokens: int) -> list[int]:
-    prompt = [int(t) for t in prompt]
+    prompt = _token_ids(prompt)
     if not prompt:
         raise SpecstackError("the prompt is empty; give at least one token")
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
@@ -381,6 +383,26 @@ def _check_prompt(prompt: Sequence[int], target: CausalLM, max_new_tokens: int) 
         raise SpecstackError(f"prompt token {bad[0]} is outside the vocabulary [0, {target.vocab_size})")
     check_window(target, len(prompt) + max_new_tokens, f"a {len(prompt)}-token prompt plus {max_new_tokens} new tokens")
     return prompt
+
+
+def _token_ids(prompt: Sequence[int]) -> list[int]:
+    """The prompt as ints: a sequence of integers, or a 1-D integer tensor or array; anything else (a batch, a
+    float) is one error line, never a silent conversion."""
+    if hasattr(prompt, "ndim") and hasattr(prompt, "tolist"):
+        if prompt.ndim != 1:
+            raise SpecstackError(f"the prompt has shape {list(prompt.shape)}; give one sequence of token ids (1-D)")
+        prompt = prompt.tolist()
+    ids = []
+    for token in prompt:
+        if isinstance(token, bool) or not hasattr(type(token), "__index__"):
+            raise SpecstackError(f"prompt token {token!r} is not allowed; token ids are integers")
+        ids.append(operator.index(token))
+    return ids
+
+
+def _check_seed(seed: int | None) -> None:
+    if seed is not None and (isinstance(seed, bool) or not hasattr(type(seed), "__index__")):
+        raise SpecstackError(f"seed {seed!r} is not allowed; use an integer, or None to continue the generators")
 
 
 def _delta(after: LevelStats, before: LevelStats) -> LevelStats:

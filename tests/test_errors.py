@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
+import torch
 
 from specstack import Level, PromptLookupDrafter, SamplingConfig, SpecstackError, SpeculationStack, StreamingLLM
 from specstack.registry import Registry
@@ -31,9 +33,25 @@ target = SyntheticLM(vocab_size=6, seed=1, max_length=64)
         (lambda: SpeculationStack.build([Level(model=target)]).generate([], 10), "the prompt is empty"),
         (lambda: SpeculationStack.build([Level(model=target)]).generate([1], 0), "max_new_tokens 0 is not allowed"),
         (lambda: SpeculationStack.build([Level(model=target)]).generate([9], 3), r"prompt token 9 is outside the vocabulary \[0, 6\)"),
+        (lambda: SpeculationStack.build([Level(model=target)]).generate([1, 2.5, 3], 3),
+         "prompt token 2.5 is not allowed; token ids are integers"),  # int() would have read it as 2
+        (lambda: SpeculationStack.build([Level(model=target)]).generate(torch.tensor([1.0, 2.0]), 3),
+         "prompt token 1.0 is not allowed; token ids are integers"),
+        (lambda: SpeculationStack.build([Level(model=target)]).generate(torch.tensor([[1, 2, 3]]), 3),
+         r"the prompt has shape \[1, 3\]; give one sequence of token ids \(1-D\)"),
+        (lambda: SpeculationStack.build([Level(model=target)]).generate([1, 2], 3, seed="a"),
+         "seed 'a' is not allowed; use an integer, or None to continue the generators"),
+        (lambda: SamplingConfig(temperature=1.0, top_k=True), "top_k True is not allowed"),
     ],
 )
 def test_bad_input_is_reported_in_one_line(build, message) -> None:
     with pytest.raises(SpecstackError, match=message) as error:
         build()
     assert "\n" not in str(error.value)
+
+
+def test_a_prompt_of_integer_tensors_or_arrays_is_read_as_its_ids() -> None:
+    stack = SpeculationStack.build([Level(model=target)])
+    expected = stack.generate([1, 2, 3], 4, seed=0).tokens
+    for prompt in (torch.tensor([1, 2, 3]), np.array([1, 2, 3]), [np.int64(1), np.int32(2), torch.tensor(3)]):
+        assert stack.generate(prompt, 4, seed=0).tokens == expected
