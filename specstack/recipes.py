@@ -35,6 +35,7 @@ class StackRecipe:
             raise SpecstackError(f"stack '{self.name}' needs a draft model; pass one")
         unknown = sorted(set(options) - set(self.options()))
         if unknown:
-            raise SpecstackError(f"stack '{self.name}' has no option '{unknown[0]}'; options: {', '.join(self.options()) or 'none'}")
+            tuning = " (gamma=auto or gamma=adaptive tunes every level's γ)" if unknown[0] == "gamma" else ""
+            raise SpecstackError(f"stack '{self.name}' has no option '{unknown[0]}'; options: {', '.join(self.options()) or 'none'}{tuning}")
         extra = {"draft": draft} if self.needs_draft else {}
         return self.build(registry, target=target, **extra, **options)

@@ -78,6 +78,9 @@ def test_a_corrupt_gguf_file_is_named(tmp_path) -> None:
         (["generate", "--stack", "triforce", "-o", "gamma1=0", "--prompt", "hi"], "gamma 0 is not allowed"),
         (["generate", "--stack", "triforce", "-o", "budget=100", "--prompt", "hi"], "retrieval budget 100 is not allowed with chunk_size 8"),
         (["generate", "--stack", "triforce", "-o", "budgit=64", "--prompt", "hi"], "stack 'triforce' has no option 'budgit'"),
+        (["generate", "--stack", "triforce", "-o", "gamma=3", "--prompt", "hi"],
+         "stack 'triforce' has no option 'gamma'; options: gamma1, gamma2, budget, chunk_size, stride, draft_window, sinks, draft_vocab "
+         "(gamma=auto or gamma=adaptive tunes every level's γ)"),
         (["generate", "--threads", "-3", "--prompt", "hi"], "--threads -3 is not allowed; use an integer >= 1"),
         (["generate", "--threads", "0", "--prompt", "hi"], "--threads 0 is not allowed; use an integer >= 1"),
         (["generate", "--prompt-tokens", "0", "--prompt", "hi"], "--prompt-tokens 0 is not allowed; use an integer >= 1"),
