@@ -39,13 +39,13 @@ def continuations(model, prompts: torch.Tensor, new: int, temperature: float, ge
 @torch.inference_mode()
 def coverage(model, heads, rows: torch.Tensor, first: int, temperature: float, ks: list[int]) -> dict[int, tuple[float, float]]:
     """k -> (the head's step-1 coverage, the oracle's), averaged over positions ``first`` … of ``rows`` [N, L]."""
-    embedding, lm_head = model.get_input_embeddings().weight, model.lm_head.weight  # [V, H], [V, H]
+    embedding, unembed = model.get_input_embeddings().weight, model.lm_head.weight.float().T  # [V, H], [H, V]
     hidden = model.model(input_ids=rows).last_hidden_state  # [N, L, H]
     logits = model.lm_head(hidden).float()  # [N, L, V]
     sums = {k: [0.0, 0.0] for k in ks}
     count = 0
     for t in range(first, rows.shape[1] - 2):
-        ranked = (heads.step(hidden[:, t].float(), embedding[rows[:, t + 1]].float()) @ lm_head.float().T).topk(max(ks), -1).indices  # [N, k]
+        ranked = (heads.step(hidden[:, t].float(), embedding[rows[:, t + 1]].float()) @ unembed).topk(max(ks), -1).indices  # [N, k]
         target = logits[:, t + 1]  # [N, V]: the target's distribution of x_{t+2}
         p = torch.softmax(target / temperature, -1) if temperature > 0 else torch.nn.functional.one_hot(target.argmax(-1), target.shape[-1]).float()
         best = p.topk(max(ks), -1).values  # [N, k]

@@ -44,8 +44,7 @@ class Session:
         device, draft_device = check_devices(getattr(args, "device", "cpu"), getattr(args, "draft_device", None))
         cuda_graphs = getattr(args, "cuda_graphs", True)
         hf_logging.disable_progress_bar()  # our own progress lines are enough
-        if args.threads is not None:
-            torch.set_num_threads(whole_number(args.threads, "--threads"))
+        set_threads(args.threads)
         sampling = SamplingConfig(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
         status(f"loading the target model on {device}")
         dtype = getattr(torch, args.dtype)
@@ -191,14 +190,19 @@ def status(message: str) -> None:
     print(f"[specstack] {message}", file=sys.stderr, flush=True)
 
 
+def set_threads(threads: int | None) -> None:
+    """torch's intra-op threads at ``--threads`` (None: as they are); below 1 is one error line."""
+    if threads is not None:
+        torch.set_num_threads(whole_number(threads, "--threads"))
+
+
 @contextlib.contextmanager
 def torch_threads(threads: int | None = None) -> Iterator[None]:
     """torch's intra-op threads at ``threads`` (None: as they are) for the body, then as they were
     before it: the count is process-wide, and a command may run inside a longer process (a test, a
     notebook, a benchmark's other groups)."""
     before = torch.get_num_threads()
-    if threads is not None:
-        torch.set_num_threads(whole_number(threads, "--threads"))
+    set_threads(threads)
     try:
         yield
     finally:

@@ -394,14 +394,19 @@ def _token_ids(prompt: Sequence[int]) -> list[int]:
         prompt = prompt.tolist()
     ids = []
     for token in prompt:
-        if isinstance(token, bool) or not hasattr(type(token), "__index__"):
+        if not _is_integer(token):
             raise SpecstackError(f"prompt token {token!r} is not allowed; token ids are integers")
         ids.append(operator.index(token))
     return ids
 
 
+def _is_integer(value: object) -> bool:
+    """An int, a numpy integer or a 0-d integer tensor (what ``operator.index`` reads), not a bool."""
+    return not isinstance(value, bool) and hasattr(type(value), "__index__")
+
+
 def _check_seed(seed: int | None) -> None:
-    if seed is not None and (isinstance(seed, bool) or not hasattr(type(seed), "__index__")):
+    if seed is not None and not _is_integer(seed):
         raise SpecstackError(f"seed {seed!r} is not allowed; use an integer, or None to continue the generators")
 
 
