@@ -386,8 +386,10 @@ def test_the_store_keeps_its_keys_by_columns_and_they_give_the_same_bits(dtype) 
 def test_a_store_that_changes_its_keys_below_the_mark_lowers_it(change) -> None:
     """Rolling back and writing other keys, compacting (eviction) and gathering all change keys in slots whose groups the
     store keeps: it lowers the mark, so the kernel lays them out again instead of reading stale groups (a store that
-    kept its mark would give other bits here)."""
-    store = column_store(torch.bfloat16)
+    kept its mark would give other bits here). A bf16 cache where it keeps its keys by columns, else (bf16 dot products
+    take it) a float32 one."""
+    dtype = torch.bfloat16 if KERNEL.column_keys(torch.bfloat16, 64, 6) else torch.float32
+    store = column_store(dtype)
     attend_over_store(store, 900, 2, seed=1)  # groups current up to 896
     if change == "truncate":  # a rejected draft: back to 600, then other keys there
         store.truncate(600)
@@ -397,10 +399,10 @@ def test_a_store_that_changes_its_keys_below_the_mark_lowers_it(change) -> None:
         store.keep(torch.cat([torch.arange(4), torch.arange(300, 898)]))
         assert int(store.columns_upto[0]) == 0
     elif change == "gather":  # a retrieval view refilled from another store
-        store.gather_from(column_store(torch.bfloat16), torch.arange(100, 990), horizon=990)
+        store.gather_from(column_store(dtype), torch.arange(100, 990), horizon=990)
         store.slot_positions[:] = torch.arange(store.capacity)
     else:
-        source = column_store(torch.bfloat16)
+        source = column_store(dtype)
         refill(source, 0, 1024, seed=3)
         source.length = 899
         store.copy_prefix(source, 899)
@@ -416,7 +418,11 @@ def test_on_the_column_path_the_first_token_of_a_verify_gets_the_one_token_steps
     """Verifies take the keys by columns and the few-row path's weighted values at any width, the one-token step the
     few-row path: each key-row is summed by the same tree either way (the last keys of a block too, as a four padded
     with zero keys), so the first token of a verify of up to sixteen tokens is the same bits as the step, from a store's
-    keys by columns or laid out as they are read."""
+    keys by columns or laid out as they are read. With bf16 dot products a bf16 verify of up to five tokens (fifteen
+    rows) takes the register path, as the step does, each row summed alike; a wider one sums its blocks in another
+    order (csrc/decode_attention.cpp, "More rows"), so there it is not asked."""
+    if dtype == torch.bfloat16 and KERNEL.dot_products and 3 * t > 15:
+        pytest.skip("bf16 dot products: a verify of more than five tokens sums block by block, in another order than the step")
     store = column_store(dtype, capacity=n + t)
     query = torch.randn(1, 9, t, 64, generator=torch.Generator().manual_seed(t)).to(dtype)  # [1, Hq, T, D]
     key, value = store.keys[0, :, : n + t][None], store.values[0, :, : n + t][None]  # [1, Hkv, n + T, D]
@@ -433,6 +439,8 @@ def test_on_the_column_path_the_bf16_targets_verify_gives_its_first_token_the_on
     """The whole forward on a CPU without bf16 dot products: over 600 cached tokens, the first row of logits of a bf16
     verify of two to sixteen tokens (the keys by columns, the store keeping them) is the same bits as the one-token
     step's, since the linear layers and the LM head give each row the same bits at any row count up to sixteen."""
+    if KERNEL.dot_products:
+        pytest.skip("bf16 dot products here: bf16 verifies of more than five tokens sum in another order than the step")
     from specstack.models import load_target
 
     target = load_target(dtype=torch.bfloat16)[0]
