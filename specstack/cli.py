@@ -108,6 +108,8 @@ def _add_stack_options(parser: argparse.ArgumentParser, *, default_stack: str | 
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=None)
+    parser.add_argument("--coupled", action="store_true",
+                        help="coupled sampling: each position's draw fixed by the seed, so every stack samples autoregressive decoding's text")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="weights and KV cache dtype")

@@ -113,7 +113,8 @@ class ModelDrafter(ModelLevel):
         context = as_tokens(prefix)
         tokens, rows = [], []
         for _ in range(n):
-            probs = warp(self.lm.logits(context, 1)[0], self.sampling)  # [V]
+            position = torch.tensor([len(context)])  # [1]: the token drawn here
+            probs = warp(self.lm.logits(context, 1), self.sampling, seed=self.generator.initial_seed(), positions=position)[0]  # [V]
             tokens.append(sample(probs, self.generator))
             rows.append(probs)
             context = context.sequence.write(len(context), tokens[-1:])  # behind the prefix: this call's own positions

@@ -45,7 +45,7 @@ class Session:
         cuda_graphs = getattr(args, "cuda_graphs", True)
         hf_logging.disable_progress_bar()  # our own progress lines are enough
         set_threads(args.threads)
-        sampling = SamplingConfig(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
+        sampling = SamplingConfig(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, coupled=getattr(args, "coupled", False))
         status(f"loading the target model on {device}")
         dtype = getattr(torch, args.dtype)
         context, scaling = getattr(args, "context", None), getattr(args, "rope_scaling", "yarn")

@@ -20,6 +20,7 @@ import time
 from typing import Callable, Sequence
 
 import attrs
+import numpy as np
 import torch
 
 from .drafters import Drafter, ModelDrafter, ModelLevel
@@ -72,7 +73,7 @@ class SpeculativeLevel(ModelLevel):
         else:
             drafted = prefix.sequence.write(len(prefix), draft.tokens.tolist())  # a model below wrote them there already
             logits = self.lm.logits(drafted, len(draft) + 1)  # [k+1, V]
-        p = warp(logits, self.sampling)  # [k+1, V]
+        p = warp(logits, self.sampling, seed=self.generator.initial_seed(), positions=row_positions(len(prefix), draft))  # [k+1, V]
         verdict = check_verdict(self.verifier.verify(draft, p, self.generator), draft, self.vocab_size, self.verifier.name)
         if draft.is_tree:
             self.lm.accept_path(verdict.accepted)
@@ -99,6 +100,12 @@ class SpeculativeLevel(ModelLevel):
     def prefill(self, prompt: Sequence[int]) -> None:
         self.lm.logits(prompt, 1)  # top-down: a gathering level below reads this level's cache
         self.drafter.prefill(prompt)
+
+
+def row_positions(start: int, draft: Draft) -> torch.Tensor:
+    """[k+1] the sequence position each row of a verify's logits predicts: row 0 the token after the prefix (at
+    ``start``), row i + 1 the token after draft token i (one past its depth)."""
+    return start + torch.cat([torch.zeros(1, dtype=torch.long), draft.depths() + 1])  # [k+1]
 
 
 def _gamma(instance, attribute, value: int | None) -> None:
@@ -147,6 +154,11 @@ class Generators:
         if device not in self._by_device:
             self._by_device[device] = torch.Generator(device=device).manual_seed(self.seed)
         return self._by_device[device]
+
+    def next_seed(self) -> int:
+        """The seed after this one in a chain fixed by the first (not by the draws made since): a run of generations
+        without a seed is the same run in any stack built with the same seed."""
+        return int(np.random.default_rng([self.seed % 2**64, 1]).integers(2**62))
 
     def manual_seed(self, seed: int) -> None:
         self.seed = seed
@@ -237,6 +249,8 @@ class SpeculationStack:
         sequence = TokenSequence(prompt)  # shared by every level: O(1) prefixes, O(γ) comparisons
         if seed is not None:
             self.generators.manual_seed(seed)
+        elif self.sampling.coupled:  # a fresh text: the next seed the generators give (the levels' noise follows their seed)
+            self.generators.manual_seed(self.generators.next_seed())
         if not reuse_cache:
             self.top.reset()
         self.generators.synchronize()  # clocks are read only when every device is idle

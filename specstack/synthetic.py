@@ -166,7 +166,7 @@ def sequence_probabilities(
     for _ in range(length):
         grown: dict[tuple[int, ...], float] = {}
         for seq, prob in result.items():
-            probs = warp(model.logits_for([*prompt, *seq]), sampling)  # [V]
+            probs = warp(model.logits_for([*prompt, *seq]), sampling.marginal)  # [V]; a coupled draw is a sample of it
             for token in torch.nonzero(probs).flatten().tolist():
                 target = finished if token in stop_tokens else grown
                 target[(*seq, token)] = prob * float(probs[token])

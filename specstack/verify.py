@@ -69,9 +69,9 @@ class GreedyVerifier(Verifier):
     accepts = frozenset(DraftKind)
 
     def check_sampling(self, sampling: SamplingConfig) -> None:
-        if not sampling.greedy:
+        if not sampling.deterministic:
             raise SpecstackError(
-                f"verifier 'greedy' needs temperature 0, got {sampling.temperature}; use 'speculative' to sample"
+                f"verifier 'greedy' needs temperature 0 or coupled sampling, got temperature {sampling.temperature}; use 'speculative' to sample"
             )
 
     def verify(self, draft: Draft, p: torch.Tensor, generator: torch.Generator) -> Verdict:
@@ -308,4 +308,4 @@ _SAMPLING_VERIFIERS: dict[DraftKind, type[Verifier]] = {
 
 def default_verifier(kind: DraftKind, sampling: SamplingConfig) -> Verifier:
     """The lossless verifier for drafts of ``kind``: greedy at temperature 0, else by kind."""
-    return GreedyVerifier() if sampling.greedy else _SAMPLING_VERIFIERS[kind]()
+    return GreedyVerifier() if sampling.deterministic else _SAMPLING_VERIFIERS[kind]()

@@ -375,6 +375,22 @@ def test_the_cli_runs_a_synthetic_grid(tmp_path, capsys) -> None:
     assert "| `speculative:gamma=3` | prose | 256 |" in out and "3 runs executed" in out
 
 
+def test_a_coupled_grid_compares_sampled_runs_on_one_text(tmp_path, capsys) -> None:
+    """--coupled: at T = 1 every stack writes the baseline's text (docs/exactness.md, "Coupled sampling"), so the
+    identity is asked of sampled runs and holds (fp32); the records say coupled, their ids differ from independent
+    sampling's, and the report marks the rows."""
+    argv = ["--stacks", "naive", "speculative:gamma=3", "--context-lengths", "256", "--max-new-tokens", "12", "--temperatures", "1",
+            "--synthetic", "--quiet"]
+    assert run_bench(bench_args([*argv, "--coupled", "--out", str(tmp_path / "coupled")])) == 0
+    assert "| 1.00 coupled |" in capsys.readouterr().out
+    records = [json.loads(line) for line in (tmp_path / "coupled" / "results.jsonl").read_text().splitlines()]
+    assert len(records) == 3 and all(r["coupled"] and r["identical_to_baseline"] is True for r in records)
+    assert run_bench(bench_args([*argv, "--out", str(tmp_path / "independent")])) == 0
+    independent = [json.loads(line) for line in (tmp_path / "independent" / "results.jsonl").read_text().splitlines()]
+    assert all("coupled" not in r and r["identical_to_baseline"] is None for r in independent)
+    assert not {r["id"] for r in records} & {r["id"] for r in independent}
+
+
 def test_device_flags_become_grid_keys(tmp_path) -> None:
     from specstack.bench.cli import grid_overrides
 

@@ -9,6 +9,7 @@ made before, when it recomputed every mean at every gather.
 from __future__ import annotations
 
 import io
+import json
 import sys
 
 import pytest
@@ -284,3 +285,18 @@ def test_a_bad_budget_on_the_command_line_is_one_line(capsys) -> None:
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1] == ("specstack generate: error: retrieval budget 'big' is not allowed with chunk_size 8; "
                        "use a positive multiple of chunk_size, at least two chunks (16), or 'auto'")
+
+
+@pytest.mark.real_model
+def test_generate_coupled_samples_the_autoregressive_text_of_its_seed(capsys) -> None:
+    """``--coupled`` at T = 0.7: prompt lookup and plain autoregressive decoding print the same sampled tokens for one
+    seed (fp32), and another seed another text."""
+    def tokens(*extra):
+        argv = ["generate", "--book", "prideprejudice", "--prompt-tokens", "300", "--max-new-tokens", "16", "--temperature", "0.7",
+                "--coupled", "--json", *extra]
+        assert main(argv) == 0
+        return json.loads(capsys.readouterr().out)["tokens"]
+
+    lookup = tokens("--stack", "prompt-lookup", "--seed", "4")
+    assert lookup == tokens("--stack", "autoregressive", "--seed", "4")
+    assert lookup != tokens("--stack", "autoregressive", "--seed", "5")

@@ -145,3 +145,31 @@ def test_a_prompt_longer_than_the_window_is_named(models) -> None:
     target = models[0]
     with pytest.raises(SpecstackError, match="needs 8200 positions but the model's window is 8192"):
         Registry.create().stack("autoregressive", target=target).generate([1] * 8190, 10)
+
+
+COUPLED = SamplingConfig(temperature=0.6, coupled=True)
+
+
+@pytest.fixture(scope="module")
+def coupled_reference(models, prompt):
+    """Coupled autoregressive sampling at T = 0.6, seed 3, and its stack (whose cache then holds the prompt)."""
+    stack = Registry.create().stack("autoregressive", target=models[0], sampling=COUPLED)
+    return stack, stack.generate(prompt, NEW_TOKENS, seed=3)
+
+
+@pytest.mark.parametrize(
+    ("name", "options"),
+    [("triforce", SMALL), ("prompt-lookup", {}), ("sequoia", {"tree": "binary:3"}), ("medusa-lookup", {"tree_size": 4})],
+)
+def test_coupled_sampling_writes_autoregressive_samplings_text(models, prompt, coupled_reference, name, options) -> None:
+    """In fp32 a coupled stack's sampled output (T = 0.6) is coupled autoregressive sampling's with the same seed,
+    token for token (tests/test_coupled.py checks it is distributed as the target's)."""
+    target, draft, _ = models
+    registry = Registry.create()
+    extra = {"draft": draft} if registry.stack_recipe(name).needs_draft else {}
+    reference_stack, reference = coupled_reference
+    stack = registry.stack(name, target=target, sampling=COUPLED, **extra, **options)
+    shared = stack.share_prefill(reference_stack, prompt)
+    result = stack.generate(prompt, NEW_TOKENS, seed=3, reuse_cache=shared)
+    assert result.tokens == reference.tokens
+    assert result.levels[-1].rounds < NEW_TOKENS

@@ -337,7 +337,7 @@ class LyingDrafter(SequoiaDrafter):
         super().__init__(**kwargs)
         self.draft_kind = DraftKind.TREE_WITH_REPLACEMENT
 
-    def _children(self, logits, q, count):
+    def _children(self, logits, q, count, position):
         return race(q, count, self.generator)
 
 

@@ -10,7 +10,7 @@ from typing import Any
 GRID_FLAGS = {
     "stacks": "stacks", "budgets": "budgets", "chunk_sizes": "chunk_sizes", "gamma": "gammas", "gamma1": "gamma1s",
     "gamma2": "gamma2s", "trees": "trees", "temperatures": "temperatures", "context_lengths": "context_lengths", "tasks": "tasks",
-    "max_new_tokens": "max_new_tokens", "seeds": "seeds", "dtype": "dtype", "threads": "threads", "top_p": "top_p", "top_k": "top_k",
+    "max_new_tokens": "max_new_tokens", "seeds": "seeds", "dtype": "dtype", "threads": "threads", "top_p": "top_p", "top_k": "top_k", "coupled": "coupled",
     "device": "device", "draft_device": "draft_device", "cuda_graphs": "cuda_graphs", "context": "context", "rope_scaling": "rope_scaling",
 }
 
@@ -34,6 +34,8 @@ def add_bench_parser(commands) -> argparse.ArgumentParser:
     bench.add_argument("--seeds", nargs="+", type=int)
     bench.add_argument("--top-p", type=float)
     bench.add_argument("--top-k", type=int)
+    bench.add_argument("--coupled", action="store_const", const=True,
+                       help="coupled sampling: each position's draw fixed by the seed, so every stack samples autoregressive decoding's text")
     bench.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
     bench.add_argument("--threads", type=int, help="torch intra-op threads per run process")
     bench.add_argument("--device", help="the target's device: cpu, cuda or cuda:N (default: cpu)")

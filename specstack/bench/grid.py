@@ -167,6 +167,7 @@ class Grid:
     max_new_tokens: int = attrs.field(default=64, validator=_scalar("an integer >= 1", _is_int(1)))
     top_p: float = attrs.field(default=1.0, validator=_scalar("a number in (0, 1]", lambda v: _is_temperature(v) and 0 < v <= 1))
     top_k: int | None = attrs.field(default=None, validator=_scalar("an integer >= 1 or absent", _is_int(1), allow_none=True))
+    coupled: bool = attrs.field(default=False, validator=_scalar("true or false", lambda v: isinstance(v, bool)))  # SamplingConfig.coupled
     dtype: str = attrs.field(default="float32", validator=_scalar(f"one of {', '.join(DTYPES)}", lambda v: v in DTYPES))
     threads: int | None = attrs.field(default=None, validator=_scalar("an integer >= 1 or absent", _is_int(1), allow_none=True))
     device: str | None = attrs.field(default=None, validator=_device)  # the target's; None: cpu (given models: theirs)
@@ -259,6 +260,7 @@ class Point:
     device: str = "cpu"  # the target's
     draft_device: str | None = "cpu"  # None: no draft
     cuda_graphs: bool = True
+    coupled: bool = False  # SamplingConfig.coupled: every stack's sampled text is autoregressive decoding's of the seed
 
     def config(self) -> dict[str, Any]:
         return {
@@ -266,6 +268,7 @@ class Point:
             "context_length": self.context_length, "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
             "seed": self.seed, "max_new_tokens": self.max_new_tokens, "dtype": self.dtype, "stop_at_eos": self.stop_at_eos,
             "model": self.model, "device": self.device, "draft_device": self.draft_device, "cuda_graphs": self.cuda_graphs,
+            **({"coupled": True} if self.coupled else {}),
         }
 
     @property
@@ -307,7 +310,7 @@ def expand(grid: Grid, catalog, model: str, *, device: str = "cpu", draft_device
     for task, context, temperature, seed in itertools.product(grid.tasks, grid.context_lengths, grid.temperatures, grid.seeds):
         common = dict(task=task, context_length=context, temperature=temperature, top_p=grid.top_p, top_k=grid.top_k, seed=seed,
                       max_new_tokens=grid.max_new_tokens, dtype=grid.dtype, stop_at_eos=grid.stop_at_eos, model=model,
-                      device=device, draft_device=draft_device, cuda_graphs=grid.cuda_graphs)
+                      device=device, draft_device=draft_device, cuda_graphs=grid.cuda_graphs, coupled=grid.coupled)
         points = [Point(stack=spec.name, options=options, baseline=catalog.baseline_of(spec.name), **common)
                   for spec in grid.stacks for options in _option_sets(grid, spec, catalog)]
         groups.append(_unique([p.baseline_point() for p in points if p.baseline] + points))

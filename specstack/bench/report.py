@@ -45,7 +45,12 @@ def task_label(record: dict) -> str:
 def config_key(record: dict) -> tuple:
     """What a table row aggregates over seeds."""
     return (record["label"], task_label(record), record["context_length"], record["temperature"], record["top_p"], record["top_k"],
-            record["max_new_tokens"], record["dtype"], record["model"], placement(record))
+            record["max_new_tokens"], record["dtype"], record["model"], placement(record), record.get("coupled", False))
+
+
+def one_text(record: dict) -> bool:
+    """Whether a run's text is its seed's autoregressive one (greedy, or coupled sampling): the identity is asked."""
+    return record["temperature"] == 0 or record.get("coupled", False)
 
 
 def placement(record: dict) -> str:
@@ -129,7 +134,8 @@ def _summary(runs: list[dict]) -> dict:
         "speedup": _mean(r.get("speedup") for r in runs),
         "accuracy": _mean(r.get("accuracy") for r in runs),
         "peak_cuda_mb": _mean(r.get("peak_cuda_mb") for r in runs),
-        "identical": (all(identical) if identical else None) if first["temperature"] == 0 else None,
+        "identical": (all(identical) if identical else None) if one_text(first) else None,
+        "one_text": one_text(first), "coupled": first.get("coupled", False),
     }
 
 
@@ -156,10 +162,11 @@ def summary_markdown(records: Sequence[dict]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for row in rows:
         cells = [
-            f"`{row['stack']}`", row["task"], str(row["context"]), _fmt(row["temperature"], 2), *([row["device"]] * devices), str(row["runs"]),
+            f"`{row['stack']}`", row["task"], str(row["context"]), _fmt(row["temperature"], 2) + (" coupled" if row["coupled"] else ""),
+            *([row["device"]] * devices), str(row["runs"]),
             _levels(row["acceptance"], 3), _levels(row["accepted_per_round"], 2), _fmt(row["tokens_per_second"]),
             _fmt(row["decode_tokens_per_second"]), _fmt(row["total_seconds"]), _fmt(row["speedup"], 2, "×"), f"{row['baseline']} ({row['timing']})",
-            _fmt(row["accuracy"]), _fmt(row["identical"]) if row["temperature"] == 0 else "(sampled)",
+            _fmt(row["accuracy"]), _fmt(row["identical"]) if row["one_text"] else "(sampled)",
             *([_fmt(row["peak_cuda_mb"], 0)] * cuda),
         ]
         lines.append("| " + " | ".join(cells) + " |")

@@ -141,7 +141,7 @@ class Runner:
             return Failure.of(error)
 
     def _setup(self, point: Point, prompt: Prompt) -> RunSetup:
-        sampling = SamplingConfig(temperature=point.temperature, top_p=point.top_p, top_k=point.top_k)
+        sampling = SamplingConfig(temperature=point.temperature, top_p=point.top_p, top_k=point.top_k, coupled=point.coupled)
         stops = self.models.stop_tokens if point.stop_at_eos else ()
         return RunSetup(models=self.models, registry=self.catalog.registry, sampling=sampling, stop_tokens=stops,
                         prompt=prompt.tokens, max_new_tokens=point.max_new_tokens, seed=point.seed)
@@ -162,7 +162,7 @@ class Runner:
         tail = {"environment": self.environment, "git_revision": self.environment["git_revision"]}
         if isinstance(outcome, Failure):
             return {**head, "status": "error", "error": outcome.error, "error_kind": outcome.kind, **tail}
-        return {**head, "status": "ok", **metrics(outcome, reference, prompt, self.books, greedy=point.temperature == 0), **tail}
+        return {**head, "status": "ok", **metrics(outcome, reference, prompt, self.books, greedy=point.temperature == 0 or point.coupled), **tail}
 
 
 def _check_point(point: Point, target: Any) -> None:

@@ -21,7 +21,7 @@ import torch
 
 from specstack import Draft, LevelStats, SpecstackError, warp
 from specstack.drafters import Drafter, ModelLevel
-from specstack.sampling import draw
+from specstack.sampling import draw, position_noise
 from specstack.types import DraftKind
 
 from .shape import TreeShape
@@ -45,6 +45,13 @@ class _Growing:
         self.rows.append(q)
         return len(self.tokens) - 1
 
+    def depth(self, node: int) -> int:
+        """Tokens between the root and ``node`` (-1 for the root, 0 for its children)."""
+        depth = -1
+        while node >= 0:
+            node, depth = self.parents[node], depth + 1
+        return depth
+
     def draft(self, kind: DraftKind) -> Draft:
         if not self.tokens:
             return Draft.empty(self.vocab, device=self.device)
@@ -54,7 +61,7 @@ class _Growing:
 
 
 def _kind(drafter: "SequoiaDrafter") -> DraftKind:
-    if drafter.deterministic or drafter.sampling.greedy:
+    if drafter.deterministic or drafter.sampling.deterministic:
         return DraftKind.TREE_DETERMINISTIC
     return DraftKind.TREE_WITH_REPLACEMENT if drafter.replacement else DraftKind.TREE_WITHOUT_REPLACEMENT
 
@@ -78,7 +85,9 @@ class SequoiaDrafter(ModelLevel):
       replacement; c is capped at the size of q's support;
     * ``replacement=True`` (``TREE_WITH_REPLACEMENT``, SpecInfer): c independent draws from q;
     * ``deterministic=True``, and always at temperature 0 (``TREE_DETERMINISTIC``): the c tokens
-      with the largest logits.
+      with the largest logits;
+    * coupled sampling (``TREE_DETERMINISTIC``): the first c arrivals of the race on the stack's noise at the
+      children's position (``specstack.sampling``), the first being the draw plain coupled decoding would make.
 
     Every child's ``probs`` row is q after its parent. A stop token gets no children, and
     ``propose(prefix, n)`` grows at most ``n`` levels.
@@ -96,11 +105,12 @@ class SequoiaDrafter(ModelLevel):
         frontier = [(-1, -1)]  # (node in the draft, node in the shape); -1: the root
         for _ in range(min(n, self.shape.depth)):
             logits = self._logits(prefix, tree)  # [k+1, V] on the model's device, where this level's generator is
-            q = warp(logits, self.sampling)  # [k+1, V]
+            q = warp(logits, self.sampling.marginal)  # [k+1, V]
             grown = []
             for node, at in frontier:
                 slots = self.shape.children(at)
-                for token, slot in zip(self._children(logits[node + 1], q[node + 1], len(slots)), slots):
+                position = len(prefix) + tree.depth(node) + 1  # the children's
+                for token, slot in zip(self._children(logits[node + 1], q[node + 1], len(slots), position), slots):
                     child = tree.add(token, node, q[node + 1])
                     if token not in self.stop_tokens and self.shape.children(slot):
                         grown.append((child, slot))
@@ -119,8 +129,11 @@ class SequoiaDrafter(ModelLevel):
         self.lm.accept_path([])  # the draft's cache keeps the committed tokens only
         return logits
 
-    def _children(self, logits: torch.Tensor, q: torch.Tensor, count: int) -> list[int]:
-        """``count`` children of a node with ``logits`` [V] and q [V], as the draft kind says."""
+    def _children(self, logits: torch.Tensor, q: torch.Tensor, count: int, position: int) -> list[int]:
+        """``count`` children at ``position`` of a node with ``logits`` [V] and q [V], as the draft kind says."""
+        if self.sampling.coupled and not self.sampling.greedy and not self.deterministic:
+            noise = position_noise(self.generator.initial_seed(), torch.tensor(position), q.shape[0], q.device)  # [V]
+            return (q.double() / noise).topk(min(count, int((q > 0).sum()))).indices.tolist()  # the race's first arrivals
         if self.draft_kind is DraftKind.TREE_DETERMINISTIC:
             return logits.topk(min(count, logits.shape[0])).indices.tolist()
         if self.draft_kind is DraftKind.TREE_WITH_REPLACEMENT:

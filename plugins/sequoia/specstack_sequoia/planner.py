@@ -70,7 +70,7 @@ def positional_acceptance(target, draft, prompt: Sequence[int], *, width: int = 
     ``prompt`` and its continuation, was the token ``target`` accepted. Decodes ``new_tokens``."""
     _positive("width", width)
     _positive("new tokens", new_tokens)
-    kind = DraftKind.TREE_DETERMINISTIC if sampling.greedy else DraftKind.TREE_WITHOUT_REPLACEMENT
+    kind = DraftKind.TREE_DETERMINISTIC if sampling.deterministic else DraftKind.TREE_WITHOUT_REPLACEMENT
     recorder = _RankRecorder(default_verifier(kind, sampling))
     drafting = functools.partial(SequoiaDrafter, shape=TreeShape.star(width))
     levels = [Level(model=draft, policy=draft_policy or FullCache(), model_drafter=drafting, name="draft"),
