@@ -113,8 +113,8 @@ class ModelDrafter(ModelLevel):
         context = as_tokens(prefix)
         tokens, rows = [], []
         for _ in range(n):
-            position = torch.tensor([len(context)])  # [1]: the token drawn here
-            probs = warp(self.lm.logits(context, 1), self.sampling, seed=self.generator.initial_seed(), positions=position)[0]  # [V]
+            coupled = {"seed": self.generator.initial_seed(), "positions": torch.tensor([len(context)])} if self.sampling.coupled else {}
+            probs = warp(self.lm.logits(context, 1), self.sampling, **coupled)[0]  # [V]; coupled: the draw at position len(context)
             tokens.append(sample(probs, self.generator))
             rows.append(probs)
             context = context.sequence.write(len(context), tokens[-1:])  # behind the prefix: this call's own positions

@@ -73,7 +73,8 @@ class SpeculativeLevel(ModelLevel):
         else:
             drafted = prefix.sequence.write(len(prefix), draft.tokens.tolist())  # a model below wrote them there already
             logits = self.lm.logits(drafted, len(draft) + 1)  # [k+1, V]
-        p = warp(logits, self.sampling, seed=self.generator.initial_seed(), positions=row_positions(len(prefix), draft))  # [k+1, V]
+        coupled = {"seed": self.generator.initial_seed(), "positions": row_positions(len(prefix), draft)} if self.sampling.coupled else {}
+        p = warp(logits, self.sampling, **coupled)  # [k+1, V]
         verdict = check_verdict(self.verifier.verify(draft, p, self.generator), draft, self.vocab_size, self.verifier.name)
         if draft.is_tree:
             self.lm.accept_path(verdict.accepted)
