@@ -391,6 +391,13 @@ def test_a_coupled_grid_compares_sampled_runs_on_one_text(tmp_path, capsys) -> N
     assert not {r["id"] for r in records} & {r["id"] for r in independent}
 
 
+def test_only_specstack_stacks_are_asked_for_their_baselines_coupled_text(registry) -> None:
+    """transformers and llama.cpp sample with their own samplers, coupled or not: their texts are not compared."""
+    catalog = Catalog(registry=registry)
+    assert catalog.get("naive").couples and catalog.get("triforce").couples
+    assert not any(catalog.get(name).couples for name in ("hf-generate", "hf-assisted", "llama-cpp"))
+
+
 def test_device_flags_become_grid_keys(tmp_path) -> None:
     from specstack.bench.cli import grid_overrides
 

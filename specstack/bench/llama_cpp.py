@@ -47,6 +47,7 @@ class LlamaCpp:
     description: str = "llama.cpp (llama-cpp-python) autoregressive decoding of the target's GGUF file"
     baseline: str = "autoregressive"
     family: str = "llama-cpp"
+    couples: bool = False  # llama.cpp's own sampler
 
     def options(self) -> dict[str, Any]:
         return {"gguf": None, "threads": None, "flash_attn": False, "cache_type": "f16"}

@@ -49,8 +49,9 @@ def config_key(record: dict) -> tuple:
 
 
 def one_text(record: dict) -> bool:
-    """Whether a run's text is its seed's autoregressive one (greedy, or coupled sampling): the identity is asked."""
-    return record["temperature"] == 0 or record.get("coupled", False)
+    """Whether a run's text is its baseline's (greedy, or coupled sampling by a stack that couples, whose identity the
+    runner asked): the report shows the identity."""
+    return record["temperature"] == 0 or (record.get("coupled", False) and record.get("identical_to_baseline") is not None)
 
 
 def placement(record: dict) -> str:

@@ -120,6 +120,10 @@ class Runner:
         speed = again.decode_tokens_per_second if isinstance(again, Measurement) else None
         return {**record, "baseline_again": None if speed is None else {"decode_tokens_per_second": speed, "drift": speed / first}}
 
+    def _one_text(self, point: Point) -> bool:
+        """Whether the run must write its baseline's text: greedy, or coupled sampling by a stack that couples."""
+        return point.temperature == 0 or (point.coupled and self.catalog.get(point.stack).couples)
+
     def _prompt(self, point: Point) -> Prompt | Failure:
         try:
             return task_by_name(point.task.name).prompt(self.books, point.context_length, point.seed, dict(point.task.options))
@@ -162,7 +166,7 @@ class Runner:
         tail = {"environment": self.environment, "git_revision": self.environment["git_revision"]}
         if isinstance(outcome, Failure):
             return {**head, "status": "error", "error": outcome.error, "error_kind": outcome.kind, **tail}
-        return {**head, "status": "ok", **metrics(outcome, reference, prompt, self.books, greedy=point.temperature == 0 or point.coupled), **tail}
+        return {**head, "status": "ok", **metrics(outcome, reference, prompt, self.books, greedy=self._one_text(point)), **tail}
 
 
 def _check_point(point: Point, target: Any) -> None:

@@ -100,6 +100,7 @@ class BenchStack(Protocol):
     name: str
     baseline: str
     family: str  # stacks of one family share a warm-up
+    couples: bool  # whether it samples coupled when asked (SamplingConfig.coupled), so its coupled text is its baseline's
 
     def options(self) -> dict[str, Any]: ...
 
@@ -115,6 +116,7 @@ class RecipeStack:
     recipe: Any
     baseline: str = "autoregressive"
     family: str = "specstack"
+    couples: bool = True
 
     @property
     def name(self) -> str:
@@ -160,6 +162,7 @@ class Baseline:
     extra: Callable[[Models, Mapping[str, Any]], dict]
     baseline: str = "hf-generate"
     family: str = "transformers"
+    couples: bool = False  # transformers' own sampler
 
     def options(self) -> dict[str, Any]:
         return {"attn_implementation": "sdpa", **self.defaults}
