@@ -113,7 +113,7 @@ class ModelDrafter(ModelLevel):
         context = as_tokens(prefix)
         tokens, rows = [], []
         for _ in range(n):
-            coupled = {"seed": self.generator.initial_seed(), "positions": torch.tensor([len(context)])} if self.sampling.coupled else {}
+            coupled = {"seed": self.generator.initial_seed(), "positions": torch.tensor([len(context)], device="cpu")} if self.sampling.coupled else {}
             probs = warp(self.lm.logits(context, 1), self.sampling, **coupled)[0]  # [V]; coupled: the draw at position len(context)
             tokens.append(sample(probs, self.generator))
             rows.append(probs)

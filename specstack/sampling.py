@@ -169,7 +169,7 @@ def position_noise(seed: int, positions: torch.Tensor, vocab_size: int, device: 
     share theirs)."""
     distinct, index = torch.unique(positions.reshape(-1).cpu(), return_inverse=True)  # [u], [n]
     rows = [np.random.Generator(np.random.PCG64([seed, position])).standard_exponential(vocab_size) for position in distinct.tolist()]
-    noise = torch.from_numpy(np.stack(rows)) if rows else torch.empty(0, vocab_size, dtype=torch.float64)  # [u, V]
+    noise = torch.from_numpy(np.stack(rows)) if rows else torch.empty(0, vocab_size, dtype=torch.float64, device="cpu")  # [u, V]
     return noise[index].reshape(*positions.shape, vocab_size).to(device)  # [..., V]
 
 

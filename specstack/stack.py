@@ -106,7 +106,7 @@ class SpeculativeLevel(ModelLevel):
 def row_positions(start: int, draft: Draft) -> torch.Tensor:
     """[k+1] the sequence position each row of a verify's logits predicts: row 0 the token after the prefix (at
     ``start``), row i + 1 the token after draft token i (one past its depth)."""
-    return start + torch.cat([torch.zeros(1, dtype=torch.long), draft.depths() + 1])  # [k+1]
+    return start + torch.cat([torch.zeros(1, dtype=torch.long, device="cpu"), draft.depths() + 1])  # [k+1], host metadata
 
 
 def _gamma(instance, attribute, value: int | None) -> None:

@@ -23,7 +23,8 @@ from specstack.testing.devices import DeviceGuard, DeviceMixingError, _example_w
 
 GREEDY = SamplingConfig(temperature=0.0)
 SAMPLED = SamplingConfig(temperature=0.8)
-SAMPLINGS = pytest.mark.parametrize("sampling", [GREEDY, SAMPLED], ids=["greedy", "t0.8"])
+COUPLED = SamplingConfig(temperature=0.8, coupled=True)
+SAMPLINGS = pytest.mark.parametrize("sampling", [GREEDY, SAMPLED, COUPLED], ids=["greedy", "t0.8", "t0.8-coupled"])
 VOCAB = 6
 PROMPT = [1, 2, 3, 0, 2, 1, 3, 3, 0, 1, 2, 2, 3, 1, 0, 0, 2, 3, 1, 2, 4, 5, 1, 2, 3]  # long enough to evict and gather
 REPEATING = [1, 2, 3, 4, 1, 2, 3, 4, 5, 1, 2, 3, 4, 1, 2]  # prompt lookup finds matches
@@ -104,7 +105,8 @@ def test_prompt_lookup_at_level_0(sampling) -> None:
     (SAMPLED, {}),
     (SAMPLED, {"replacement": True}),
     (SamplingConfig(temperature=0.8, top_k=2), {"deterministic": True}),
-], ids=["greedy", "t0.8", "t0.8-replacement", "t0.8-k2-deterministic"])
+    (COUPLED, {}),
+], ids=["greedy", "t0.8", "t0.8-replacement", "t0.8-k2-deterministic", "t0.8-coupled"])
 def test_sequoia_tree_at_level_0(sampling, options) -> None:
     """Trees of every kind, so every tree verifier runs: drawn without and with replacement, and
     deterministic (greedy; and sampled, with a sibling outside top-k 2); then prompt lookup with branches."""

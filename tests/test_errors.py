@@ -25,7 +25,7 @@ target = SyntheticLM(vocab_size=6, seed=1, max_length=64)
          r"level 0 \(SyntheticLM\) uses tokenizer .other. but the target \(SyntheticLM\) uses .synthetic."),
         (lambda: SpeculationStack.build([Level(drafter=PromptLookupDrafter(vocab=6))]), "the top level must be a model"),
         (lambda: SpeculationStack.build([Level(model=target)], sampling=SamplingConfig(temperature=1.0), verifier=Registry.create(entry_points=False).verifier("greedy")),
-         "verifier 'greedy' needs temperature 0, got 1.0"),
+         "verifier 'greedy' needs temperature 0 or coupled sampling, got temperature 1.0"),
         (lambda: StreamingLLM(window=0), "window 0 is not allowed; use an integer >= 2"),
         (lambda: PromptLookupDrafter(vocab=6, min_ngram=3, max_ngram=2), "n-gram range 3..2 is not allowed"),
         (lambda: SpeculationStack.build([Level(model=target)]).generate(list(range(6)) * 10, 10),

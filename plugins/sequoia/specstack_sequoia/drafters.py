@@ -132,7 +132,7 @@ class SequoiaDrafter(ModelLevel):
     def _children(self, logits: torch.Tensor, q: torch.Tensor, count: int, position: int) -> list[int]:
         """``count`` children at ``position`` of a node with ``logits`` [V] and q [V], as the draft kind says."""
         if self.sampling.coupled and not self.sampling.greedy and not self.deterministic:
-            noise = position_noise(self.generator.initial_seed(), torch.tensor(position), q.shape[0], q.device)  # [V]
+            noise = position_noise(self.generator.initial_seed(), torch.tensor(position, device="cpu"), q.shape[0], q.device)  # [V]
             return (q.double() / noise).topk(min(count, int((q > 0).sum()))).indices.tolist()  # the race's first arrivals
         if self.draft_kind is DraftKind.TREE_DETERMINISTIC:
             return logits.topk(min(count, logits.shape[0])).indices.tolist()
