@@ -120,12 +120,13 @@ def triforce_demo(args) -> int:
     text = session.tokenizer.decode(list(reference.tokens))
     if args.json:
         print(json.dumps({"prompt": source, "prompt_tokens": len(prompt), "new_tokens": args.max_new_tokens, "dtype": str(session.dtype).removeprefix("torch."),
-                          "temperature": sampling.temperature, "device": str(session.target.device),
+                          "temperature": sampling.temperature, "coupled": sampling.coupled, "device": str(session.target.device),
                           "autoregressive_ms_per_token": 1e3 * reference.seconds / max(len(reference.tokens), 1),
                           "baseline_again": attrs.asdict(drift),
                           "stacks": [row.as_dict() for row in rows], "text": text}))
         return 0
-    print(f"prompt: {source}, {len(prompt)} tokens; {len(reference.tokens)} new tokens; temperature {sampling.temperature}; {session.dtype}")
+    coupled = " (coupled)" if sampling.coupled and not sampling.greedy else ""
+    print(f"prompt: {source}, {len(prompt)} tokens; {len(reference.tokens)} new tokens; temperature {sampling.temperature}{coupled}; {session.dtype}")
     print(f"autoregressive: {1e3 * reference.seconds / max(len(reference.tokens), 1):.1f} ms/token; {drift.describe()}")
     for row in rows:
         accept = ", ".join(f"{name} {rate:.2f}" for name, rate in row.acceptance.items())
