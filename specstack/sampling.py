@@ -87,8 +87,8 @@ def warp(logits: torch.Tensor, config: SamplingConfig, *, seed: int | None = Non
     if config.coupled:
         if seed is None or positions is None:
             raise SpecstackError("coupled sampling draws each position's token from the seed and the position; pass seed= and positions=")
-        probs = warp(logits, config.marginal)  # [..., V]
-        return _one_hot_argmax(probs.double() / position_noise(seed, positions, logits.shape[-1], logits.device)).float()  # [..., V]
+        first = race_arrivals(warp(logits, config.marginal), seed, positions, 1)  # [..., 1]
+        return torch.zeros_like(logits).scatter_(-1, first, 1.0)  # [..., V]
     logits = logits / config.temperature  # [..., V]
     if config.top_k is not None and config.top_k < logits.shape[-1]:
         kth = logits.topk(config.top_k, dim=-1).values[..., -1:]  # [..., 1]
@@ -171,6 +171,14 @@ def position_noise(seed: int, positions: torch.Tensor, vocab_size: int, device: 
     rows = [np.random.Generator(np.random.PCG64([seed, position])).standard_exponential(vocab_size) for position in distinct.tolist()]
     noise = torch.from_numpy(np.stack(rows)) if rows else torch.empty(0, vocab_size, dtype=torch.float64, device="cpu")  # [u, V]
     return noise[index].reshape(*positions.shape, vocab_size).to(device)  # [..., V]
+
+
+def race_arrivals(probs: torch.Tensor, seed: int, positions: torch.Tensor, count: int) -> torch.Tensor:
+    """[..., V] distributions at ``positions`` [...] -> [..., count] the first ``count`` arrivals of each row's race on
+    the noise of its position (largest p / E first; at most as many as the row's support is wide, so ``count`` must not
+    exceed it): the first is the coupled draw, the others the draws without replacement that would follow it."""
+    scores = probs.double() / position_noise(seed, positions, probs.shape[-1], probs.device)  # [..., V]
+    return scores.topk(count, dim=-1).indices  # [..., count]
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator) -> int:

@@ -24,6 +24,7 @@ from .stacks import StackCase, stack_cases
 
 PROMPT = [1, 2]
 SEEDS = range(6)
+_positions = specstack.stack.row_positions  # the shipped one, before a test patches it
 
 
 def coupled(case: StackCase) -> StackCase:
@@ -99,7 +100,3 @@ def test_coupled_sampling_asks_for_the_seed_and_positions() -> None:
 def _case(depth: int) -> StackCase:
     return StackCase(vocab=4, depth=depth, gammas=(3, 2)[: depth - 1], noises=(1.0, 0.3)[: depth - 1], lookup_base=False,
                      streaming_base=False, sampling=SamplingConfig(temperature=1.0), stop_token=None, seed=5)
-
-
-_positions = specstack.stack.row_positions
-

@@ -21,7 +21,7 @@ import torch
 
 from specstack import Draft, LevelStats, SpecstackError, warp
 from specstack.drafters import Drafter, ModelLevel
-from specstack.sampling import draw, position_noise
+from specstack.sampling import draw, race_arrivals
 from specstack.types import DraftKind
 
 from .shape import TreeShape
@@ -44,13 +44,6 @@ class _Growing:
         self.parents.append(parent)
         self.rows.append(q)
         return len(self.tokens) - 1
-
-    def depth(self, node: int) -> int:
-        """Tokens between the root and ``node`` (-1 for the root, 0 for its children)."""
-        depth = -1
-        while node >= 0:
-            node, depth = self.parents[node], depth + 1
-        return depth
 
     def draft(self, kind: DraftKind) -> Draft:
         if not self.tokens:
@@ -103,14 +96,13 @@ class SequoiaDrafter(ModelLevel):
     def propose(self, prefix: Sequence[int], n: int) -> Draft:
         tree = _Growing(vocab=self.vocab_size, device=self.lm.device)
         frontier = [(-1, -1)]  # (node in the draft, node in the shape); -1: the root
-        for _ in range(min(n, self.shape.depth)):
+        for depth in range(min(n, self.shape.depth)):  # the frontier's children are at this depth
             logits = self._logits(prefix, tree)  # [k+1, V] on the model's device, where this level's generator is
             q = warp(logits, self.sampling.marginal)  # [k+1, V]
             grown = []
             for node, at in frontier:
                 slots = self.shape.children(at)
-                position = len(prefix) + tree.depth(node) + 1  # the children's
-                for token, slot in zip(self._children(logits[node + 1], q[node + 1], len(slots), position), slots):
+                for token, slot in zip(self._children(logits[node + 1], q[node + 1], len(slots), len(prefix) + depth), slots):
                     child = tree.add(token, node, q[node + 1])
                     if token not in self.stop_tokens and self.shape.children(slot):
                         grown.append((child, slot))
@@ -132,8 +124,8 @@ class SequoiaDrafter(ModelLevel):
     def _children(self, logits: torch.Tensor, q: torch.Tensor, count: int, position: int) -> list[int]:
         """``count`` children at ``position`` of a node with ``logits`` [V] and q [V], as the draft kind says."""
         if self.sampling.coupled and not self.sampling.greedy and not self.deterministic:
-            noise = position_noise(self.generator.initial_seed(), torch.tensor(position, device="cpu"), q.shape[0], q.device)  # [V]
-            return (q.double() / noise).topk(min(count, int((q > 0).sum()))).indices.tolist()  # the race's first arrivals
+            at = torch.tensor(position, device="cpu")
+            return race_arrivals(q, self.generator.initial_seed(), at, min(count, int((q > 0).sum()))).tolist()
         if self.draft_kind is DraftKind.TREE_DETERMINISTIC:
             return logits.topk(min(count, logits.shape[0])).indices.tolist()
         if self.draft_kind is DraftKind.TREE_WITH_REPLACEMENT:
