@@ -12,7 +12,10 @@ cached slots are timed in alternating turns (both orders) and the medians compar
     python examples/forward_versions.py --source /tmp/before --cache 32000 --tokens 1 8 --context 32768
 
 A version that sums in another order (``--other-order``) gives other bits: the largest logit difference at each width
-is printed instead of stopping.
+is printed instead of stopping. ``--dot-products`` takes as the other version this checkout's kernels with the bf16
+dot products turned on (where they were built; specstack.bf16_products chooses at load), which sum in another order:
+
+    python examples/forward_versions.py --dot-products --cache 7500 --tokens 1 2 4 8 16
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import argparse
 import statistics
 from pathlib import Path
 
+import attrs
 import torch
 
 from specstack.batch import TokenBatch
@@ -32,7 +36,8 @@ from specstack.packed_linear import PackedLinear, load_rows_kernel
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--source", type=Path, required=True, help="a directory with the other linear_rows.cpp and decode_attention.cpp")
+    parser.add_argument("--source", type=Path, help="a directory with the other linear_rows.cpp and decode_attention.cpp")
+    parser.add_argument("--dot-products", action="store_true", help="the other version: these kernels with bf16 dot products on")
     parser.add_argument("--cache", type=int, default=7500)
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     parser.add_argument("--turns", type=int, default=8)
@@ -41,13 +46,22 @@ def main() -> None:
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     parser.add_argument("--other-order", action="store_true", help="the versions sum in different orders: report logit differences")
     args = parser.parse_args()
+    if (args.source is not None) == args.dot_products:
+        parser.error("give one of --source DIR and --dot-products")
     torch.set_num_threads(args.threads)
     scaled = {"context": args.context, "rope_scaling": "yarn" if args.context else None}
     model = load_target(dtype=getattr(torch, args.dtype), **scaled)[0]
     linears = [m for m in model.module.modules() if isinstance(m, PackedLinear)]
     linears += [product.linear for product in model.decoder.products()]
-    kernels = {"other": (load_rows_kernel(source=args.source / "linear_rows.cpp"), load_decode_kernel(source=args.source / "decode_attention.cpp")),
-               "this": (load_rows_kernel(), load_decode_kernel())}
+    kernels = {"this": (load_rows_kernel(), load_decode_kernel())}
+    if args.dot_products:
+        rows, attention = kernels["this"]
+        if rows is None or attention is None or not (rows.bf16_dots_built and attention.dot_products_built):
+            raise SystemExit("the kernels were not built with bf16 dot products here")
+        kernels["other"] = (attrs.evolve(rows, bf16_dots=True), attrs.evolve(attention, dot_products=True))
+        args.other_order = True
+    else:
+        kernels["other"] = (load_rows_kernel(source=args.source / "linear_rows.cpp"), load_decode_kernel(source=args.source / "decode_attention.cpp"))
     if any(kernel is None for pair in kernels.values() for kernel in pair):
         raise SystemExit("a kernel did not build here")
 

@@ -14,7 +14,9 @@ AVX-512's bf16 dot products, a few query rows per KV head take them in registers
 rounding: three or fewer beside AMX tiles (a one-token step with GQA groups of three, 1.13x faster than
 the tiles over 7,500 and 32,000 keys), fifteen or fewer without them (a verify of up to five tokens, in groups of
 six rows or fewer); without AMX, more rows take the same dot products, block by block (1.5-1.7x faster than
-widening at 3-16 tokens over 32,000 keys). It is built and loaded by
+widening at 3-16 tokens over 32,000 keys on the AMD Zen 4 host). Without AMX they are taken only where they pay
+(:mod:`specstack.bf16_products`): on an Intel host with them, whose FMAs do twice their multiply-adds a second,
+the widening paths took attention over 7,500 keys 1.2-1.6x less time at 3-16 tokens. It is built and loaded by
 :mod:`specstack.native`; where it cannot be built, :func:`load_decode_kernel` returns None and
 attention stays with SDPA.
 
@@ -30,6 +32,7 @@ from typing import TYPE_CHECKING
 import attrs
 import torch
 
+from .bf16_products import dot_products_pay
 from .native import SOURCES, load
 
 if TYPE_CHECKING:
@@ -65,7 +68,15 @@ class DecodeKernel:
     max_rows: int
     max_dim: int
     amx: bool = False  # a bfloat16 cache takes AMX tiles (the CPU has them and Linux lends them)
-    dot_products: bool = False  # a bfloat16 cache (heads of 64 or 128) takes AVX-512's bf16 dot products: up to three query rows always, more without tiles
+    dot_products_built: bool = False  # built with AVX-512's bf16 dot-product paths (the CPU has them)
+    # a bfloat16 cache (heads of 64 or 128) takes them: up to three query rows always, more without tiles; else it is widened.
+    # Chosen at load where they pay (specstack.bf16_products); attrs.evolve turns either way on where both are built.
+    dot_products: bool = attrs.field(default=False)
+
+    @dot_products.validator
+    def _built(self, attribute, value: bool) -> None:
+        if value and not self.dot_products_built:
+            raise ValueError("dot_products=True is not allowed: this kernel was built without AVX-512's bf16 dot products")
 
     def __reduce__(self):
         """Pickled (a model sent to a bench worker) as a request to load it again where it lands."""
@@ -108,7 +119,7 @@ class DecodeKernel:
         groups laid out by columns, so that a KV store's copy of them (:meth:`KVStore.key_columns`) saves laying them
         out at every forward."""
         entry = getattr(self.library, "specstack_column_keys", None)  # a kernel built from an older source has none
-        return entry is not None and entry(int(dtype == torch.bfloat16), d, rows) == 1
+        return entry is not None and entry(int(dtype == torch.bfloat16), d, rows, int(self.dot_products)) == 1
 
     def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float | None, sees: torch.Tensor | None,
                store: "KVStore | None" = None, layer: int = 0) -> torch.Tensor:
@@ -154,5 +165,6 @@ def load_decode_kernel(cache: Path | None = None, *, source: Path | None = None)
     if hasattr(library, "specstack_decode_attention_columns"):  # a kernel built from an older source has only the entry above
         columns = library.specstack_decode_attention_columns
         columns.restype, columns.argtypes = ctypes.c_int, ARGTYPES + [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
+    amx, built = library.specstack_amx_bf16() == 1, library.specstack_dp_bf16() == 1
     return DecodeKernel(library=library, path=path, max_rows=library.specstack_max_rows(), max_dim=library.specstack_max_dim(),
-                        amx=library.specstack_amx_bf16() == 1, dot_products=library.specstack_dp_bf16() == 1)
+                        amx=amx, dot_products_built=built, dot_products=dot_products_pay(built=built, tiles=amx, cache=cache))

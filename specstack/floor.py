@@ -115,6 +115,7 @@ class Machine:
     gemm: tuple[Gemm, ...] = ()
     cpu_capability: str = ""  # torch's vector kernels (torch.backends.cpu.get_cpu_capability())
     onednn_bf16: bool | None = None  # whether bf16 matrix products may use oneDNN's bf16 kernels
+    bf16_products: str = ""  # the bf16 dot products' and FMAs' rates a core, and the way bf16 products go (specstack.bf16_products)
 
     def peak(self, dtype: torch.dtype | str) -> float:
         """The attainable flop/s of ``dtype``'s products. A bf16 product can always be taken as the fp32 product
@@ -128,7 +129,7 @@ class Machine:
         return self.gemm_peak[name]
 
     def as_dict(self) -> dict:
-        return {"threads": self.threads, "cpu_capability": self.cpu_capability, "onednn_bf16": self.onednn_bf16,
+        return {"threads": self.threads, "cpu_capability": self.cpu_capability, "onednn_bf16": self.onednn_bf16, "bf16_products": self.bf16_products,
                 "read_bandwidth_gb_s": self.read_bandwidth / 1e9, "bandwidth_buffer_mib": self.bandwidth_mib,
                 "gemm_peak_gflop_s": {k: v / 1e9 for k, v in self.gemm_peak.items()},
                 "gemm": [{"dtype": g.dtype, "what": g.what, "rows": g.rows, "gflop_s": g.flops_per_s / 1e9} for g in self.gemm]}
@@ -250,7 +251,15 @@ def measure_machine(shapes: Mapping[str, ModelShape], rows: Sequence[int], *, dt
                                  flops_per_s=measure_gemm(dtype, square, [(square, square)], min_seconds=min_seconds, blocks=blocks)))
     peak = {name: max(g.flops_per_s for g in gemm if g.dtype == name) for name in dict.fromkeys(map(dtype_name, dtypes))}
     return Machine(threads=torch.get_num_threads(), read_bandwidth=bandwidth, gemm_peak=peak, bandwidth_mib=bandwidth_mib, gemm=tuple(gemm),
-                   cpu_capability=torch.backends.cpu.get_cpu_capability(), onednn_bf16=_onednn_bf16())
+                   cpu_capability=torch.backends.cpu.get_cpu_capability(), onednn_bf16=_onednn_bf16(), bf16_products=_bf16_products())
+
+
+def _bf16_products() -> str:
+    """How the kernels take bf16 products here: the measured rates and the way chosen, or that there are no dot products."""
+    from .bf16_products import product_rates
+
+    rates = product_rates()
+    return "bf16 products widened to float32 (no bf16 dot products here)" if rates is None else rates.describe()
 
 
 def _onednn_bf16() -> bool | None:

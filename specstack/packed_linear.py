@@ -13,8 +13,9 @@ a kernel that only streams the weights once and reuses them for each row (``csrc
 built by :mod:`specstack.native`) took 17-20 ms (docs/benchmarks.md, "A few rows: a streaming
 kernel"). In bfloat16, where the CPU has AVX-512's bf16 dot products, the same kernel reads bf16
 weights without widening them (docs/benchmarks.md, "bf16 linears through vdpbf16ps"); where it has not
-(AVX2), it widens bf16 rows and weights to fp32 and sums them as in fp32, rounding each output once
-(docs/benchmarks.md, "bf16 on AVX2: a storage format"). Results differ from ``F.linear``'s by rounding only.
+(AVX2), or where they do fewer multiply-adds a second than its FMAs (:mod:`specstack.bf16_products`), it widens
+bf16 rows and weights to fp32 and sums them as in fp32, rounding each output once (docs/benchmarks.md, "bf16 on
+AVX2: a storage format"). Results differ from ``F.linear``'s by rounding only.
 
 This module is the one place that choice is made. :func:`pack_linears` turns a model's ``nn.Linear``
 layers into :class:`PackedLinear` (the same module, parameters and state dict, another forward); each
@@ -37,6 +38,7 @@ from pathlib import Path
 import attrs
 import torch
 
+from .bf16_products import dot_products_pay
 from .native import SOURCES, load
 from .weight_formats import BF16, Q4_1, WeightFormat, bf16_rows
 
@@ -62,7 +64,9 @@ MAX_STREAMED_ROWS = {torch.float32: 16, torch.bfloat16: 16}
 # Where the CPU has no bf16 dot products (AVX2), bf16 products of up to this many rows are widened to fp32 in
 # the kernel (csrc/linear_rows.cpp, MAX_WIDENED_BF16_ROWS): there oneDNN has no bf16 kernels and F.linear
 # emulates bf16, at 2.3-2.4x the kernel's time for one row through the target's 120 layer products
-# (docs/benchmarks.md, "bf16 on AVX2: a storage format"; examples/bf16_widened.py --products).
+# (docs/benchmarks.md, "bf16 on AVX2: a storage format"; examples/bf16_widened.py --products). So too where the CPU's
+# bf16 dot products do fewer multiply-adds a second than its FMAs (specstack.bf16_products; the Intel host with them:
+# the target's 211 products of 1-16 rows over their blocks 1.03-1.71x faster widened).
 MAX_WIDENED_BF16_ROWS = 16
 # Where the CPU has AMX tiles (``RowsKernel.tiles``), bf16 products of TILES_FROM to MAX_TILE_ROWS rows take
 # them instead. The target's 120 layer products of 8-32 rows over their Q4_1 blocks measured 1.47-1.57x
@@ -94,13 +98,21 @@ class RowsKernel:
 
     library: ctypes.CDLL = attrs.field(repr=False)
     path: Path
-    bf16_dots: bool = False  # bf16 products take vdpbf16ps (the CPU has AVX-512's bf16 dot products); else widened to fp32
+    bf16_dots_built: bool = False  # built with AVX-512's bf16 dot products (the CPU has them)
+    # bf16 products take vdpbf16ps; else they are widened to fp32. Chosen at load where they pay (specstack.bf16_products);
+    # attrs.evolve turns either way on where both are built.
+    bf16_dots: bool = attrs.field(default=False)
     tiles: bool = False  # bf16 products of up to MAX_TILE_ROWS rows on AMX tiles (the CPU has them and Linux lends them)
     avx512: bool = True  # what the build is: AVX-512 (sixteen-float sums), or False for AVX2 or narrower; no limit depends on it
 
     def __reduce__(self):
         """Pickled and copied (with a model) as a request to load it again where it lands."""
         return load_rows_kernel, ()
+
+    @bf16_dots.validator
+    def _built(self, attribute, value: bool) -> None:
+        if value and not self.bf16_dots_built:
+            raise ValueError("bf16_dots=True is not allowed: this kernel was built without AVX-512's bf16 dot products")
 
     def max_rows(self, dtype: torch.dtype) -> int:
         """The most input rows of ``dtype`` the kernel takes: MAX_STREAMED_ROWS, MAX_TILE_ROWS in bf16 on tiles,
@@ -129,8 +141,9 @@ class RowsKernel:
         stored = blocks is not None and self.reads_stored(dtype, rows, format)
         if dtype == torch.bfloat16 and rows >= TILES_FROM and self.tiles:
             return (lib.specstack_linear_rows_q4_1_bf16_tiles, blocks) if stored else (lib.specstack_linear_rows_bf16_tiles, weight)
-        plain = lib.specstack_linear_rows_f32 if dtype == torch.float32 else lib.specstack_linear_rows_bf16
-        return (getattr(lib, format.entries[dtype]), blocks) if stored else (plain, weight)
+        widened = "_widened" if dtype == torch.bfloat16 and not self.bf16_dots else ""  # entries every build has
+        plain = lib.specstack_linear_rows_f32 if dtype == torch.float32 else getattr(lib, "specstack_linear_rows_bf16" + widened)
+        return (getattr(lib, format.entries[dtype] + widened), blocks) if stored else (plain, weight)
 
     def reads_stored(self, dtype: torch.dtype, rows: int, format: WeightFormat) -> bool:
         """Whether a product of ``rows`` rows of ``dtype`` reads a weight stored in ``format`` rather than the weight
@@ -164,12 +177,14 @@ def load_rows_kernel(cache: Path | None = None, source: Path = ROWS_SOURCE) -> R
     library, path = loaded
     for name in ("specstack_linear_rows_q4_1_f32", "specstack_linear_rows_q8_0_f32", "specstack_linear_rows_bf16_f32", "specstack_linear_rows_bf16",
                  "specstack_linear_rows_q4_1_bf16", "specstack_linear_rows_q8_0_bf16", "specstack_linear_rows_bf16_tiles",
-                 "specstack_linear_rows_q4_1_bf16_tiles"):
+                 "specstack_linear_rows_q4_1_bf16_tiles", "specstack_linear_rows_bf16_widened", "specstack_linear_rows_q4_1_bf16_widened",
+                 "specstack_linear_rows_q8_0_bf16_widened"):
         entry = getattr(library, name)
         entry.restype, entry.argtypes = ctypes.c_int, argtypes
-    dots = library.specstack_linear_rows_bf16_dots() == 1
-    return RowsKernel(library=library, path=path, bf16_dots=dots, tiles=dots and library.specstack_linear_rows_tiles_supported() == 1,
-                      avx512=library.specstack_linear_rows_avx512() == 1)
+    built = library.specstack_linear_rows_bf16_dots() == 1
+    tiles = built and library.specstack_linear_rows_tiles_supported() == 1
+    return RowsKernel(library=library, path=path, bf16_dots_built=built, bf16_dots=dot_products_pay(built=built, tiles=tiles, cache=cache),
+                      tiles=tiles, avx512=library.specstack_linear_rows_avx512() == 1)
 
 
 class PackedLinear(torch.nn.Linear):

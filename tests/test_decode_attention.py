@@ -25,7 +25,9 @@ from specstack.types import Draft, DraftKind
 KERNEL = load_decode_kernel()
 WIDENING = None if KERNEL is None else attrs.evolve(KERNEL, amx=False, dot_products=False)  # a bfloat16 cache widened to float32, AMX or not
 needs_amx = pytest.mark.skipif(KERNEL is None or not KERNEL.amx, reason="no AMX tiles here: a bfloat16 cache is widened")
-needs_dot_products = pytest.mark.skipif(KERNEL is None or not KERNEL.dot_products, reason="no AVX-512 bf16 dot products here")
+# the bf16 dot-product paths, where the kernel was built with them, whichever way bf16 goes here (specstack.bf16_products)
+DOTS = attrs.evolve(KERNEL, dot_products=True) if KERNEL is not None and KERNEL.dot_products_built else None
+needs_dot_products = pytest.mark.skipif(DOTS is None, reason="no AVX-512 bf16 dot products here")
 pytestmark = pytest.mark.skipif(find_compiler() is None, reason="no C++ compiler here: the kernel cannot be built")
 
 
@@ -151,7 +153,7 @@ def test_bf16_dot_products_are_attention_up_to_the_weights_rounding(t, n, d, kv_
     so the same bound holds; told to use neither, the result is the widened one. A wrong layout, mask
     or rescale moves an output by the values' scale."""
     query, keys, values, sees = bf16_inputs(t, n, d, kv_heads, group, tree)
-    no_tiles = attrs.evolve(KERNEL, amx=False)
+    no_tiles = attrs.evolve(DOTS, amx=False)
     got = no_tiles.attend(query, keys, values, None, sees)  # [1, T, Hq, D]
     want = reference(query, keys, values, sees)  # [1, T, Hq, D], float64
     bound = 2**-8 * want.abs() + 2**-9 * values.abs().amax()  # its own rounding, the weights'
@@ -167,7 +169,7 @@ def test_the_first_token_of_a_verify_of_up_to_five_tokens_gets_the_one_token_ste
     (up to fifteen rows a KV head, in groups of six or fewer) over n cached keys is the same bits as a one-token
     step over them (the attention; the linear layers give the same bits at any row count, tests/test_gguf_weights.py)."""
     query, keys, values, _ = bf16_inputs(t, n + t, d, 3, 3, False)  # n cached keys and the verify's own t
-    no_tiles = attrs.evolve(KERNEL, amx=False)
+    no_tiles = attrs.evolve(DOTS, amx=False)
     verify = no_tiles.attend(query, keys, values, None, None)  # [1, t, Hq, D]
     step = no_tiles.attend(query[:, :, :1], keys[:, :, :n + 1], values[:, :, :n + 1], None, None)  # [1, 1, Hq, D]
     assert torch.equal(verify[:, :1], step)
@@ -197,7 +199,7 @@ def test_the_bf16_targets_verify_of_up_to_five_tokens_gives_its_first_token_the_
     from specstack.models import load_target
 
     target = load_target(dtype=torch.bfloat16)[0]
-    target.attention_kernel = attrs.evolve(target.attention_kernel, amx=False)
+    target.attention_kernel = attrs.evolve(target.attention_kernel, amx=False, dot_products=True)
     generator = torch.Generator().manual_seed(11)
     prompt, verify = torch.randint(1000, 20000, (600,), generator=generator).tolist(), [504, 3458, 314, 253, 1345]
     store = target.new_cache(640)
@@ -222,7 +224,7 @@ def test_scores_that_keep_rising_move_each_rows_reference_and_rescale_its_sums(t
     query = (query.float() + 0.3 * (keys.float()[0, 0, -1] - keys.float()[0, 0, 0])).bfloat16()  # [1, 3, T, D]: the drift raises its scores
     scores = (query.double() @ keys[0, 0, :-t].double().T)[0, 0, 0] * d**-0.5  # [n - t], the first row's
     assert scores[-16:].mean() - scores[:16].mean() > 8 * 10  # the first row's reference moves ten times or more
-    got = attrs.evolve(KERNEL, amx=False).attend(query, keys, values, None, None)  # [1, T, Hq, D]
+    got = attrs.evolve(DOTS, amx=False).attend(query, keys, values, None, None)  # [1, T, Hq, D]
     want = reference(query, keys, values, None)  # [1, T, Hq, D], float64
     bound = 2**-8 * want.abs() + 2**-9 * values.abs().amax()  # its own rounding, the weights'
     assert ((got.double() - want).abs() <= bound).all(), float((got.double() - want).abs().max())

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import platform
 
+import attrs
 import numpy as np
 import pytest
 import torch
@@ -19,6 +20,9 @@ from specstack.weight_formats import (BF16, GROUP_ROWS, Q4_1, Q4_1_GGUF_BYTES, Q
 ROWS_KERNEL = load_rows_kernel()
 needs_kernel = pytest.mark.skipif(ROWS_KERNEL is None, reason="no C++ compiler here: the few-row kernel cannot be built")
 needs_bf16_rows = pytest.mark.skipif(ROWS_KERNEL is None, reason="no C++ compiler here: bf16 rows keep F.linear")
+# bf16 products each way the kernel was built for: the way chosen here (specstack.bf16_products), and where it was built
+# with bf16 dot products the other way too (widened, or the dot products)
+BF16_WAYS = [] if ROWS_KERNEL is None else [ROWS_KERNEL] + ([attrs.evolve(ROWS_KERNEL, bf16_dots=not ROWS_KERNEL.bf16_dots)] if ROWS_KERNEL.bf16_dots_built else [])
 
 
 def random_blocks(out: int, inp: int, seed: int = 0) -> torch.Tensor:
@@ -51,12 +55,12 @@ def random_bf16(out: int, inp: int, seed: int = 0) -> torch.Tensor:
 STORED = {"q4_1": (Q4_1, random_blocks), "q8_0": (Q8_0, random_q8_0), "bf16": (BF16, random_bf16)}
 
 
-def bf16_layer(blocks: torch.Tensor, bias: bool, format=Q4_1) -> PackedLinear:
+def bf16_layer(blocks: torch.Tensor, bias: bool, format=Q4_1, kernel=ROWS_KERNEL) -> PackedLinear:
     weight = format.weights(blocks, torch.bfloat16)  # [out, in]
     layer = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=bias, dtype=torch.bfloat16)
     with torch.no_grad():
         layer.weight.copy_(weight)
-    PackedLinear.adopt(layer, ROWS_KERNEL)
+    PackedLinear.adopt(layer, kernel)
     return layer
 
 
@@ -173,19 +177,20 @@ def test_only_float32_weights_made_of_bf16_numbers_are_read_as_bf16() -> None:
 
 
 @needs_bf16_rows
+@pytest.mark.parametrize("kernel", BF16_WAYS, ids=lambda kernel: "dots" if kernel.bf16_dots else "widened")
 @pytest.mark.parametrize("format", ["q4_1", "q8_0"])
 @pytest.mark.parametrize("out_features", [8, 10, 1, 40])
 @pytest.mark.parametrize("bias", [False, True])
-def test_rows_reading_blocks_are_the_same_bits_as_rows_reading_the_bf16_weight(format, out_features, bias) -> None:
+def test_rows_reading_blocks_are_the_same_bits_as_rows_reading_the_bf16_weight(kernel, format, out_features, bias) -> None:
     """Every row count the kernel takes (on AMX tiles from TILES_FROM rows where there are tiles, which read
     Q4_1 blocks and otherwise the weight), output counts that leave a short last group of four or of sixteen,
-    with a bias; Q4_1 layer matrices and a Q8_0 embedding's LM head."""
+    with a bias; Q4_1 layer matrices and a Q8_0 embedding's LM head; bf16 dot products and widened, where both are built."""
     kind, make = STORED[format]
-    layer = bf16_layer(make(out_features, 160, seed=out_features), bias, kind)
+    layer = bf16_layer(make(out_features, 160, seed=out_features), bias, kind, kernel)
     if bias:
         with torch.no_grad():
             layer.bias.copy_(torch.randn(out_features, generator=torch.Generator().manual_seed(1)))
-    rows = ROWS_KERNEL.max_rows(torch.bfloat16)
+    rows = kernel.max_rows(torch.bfloat16)
     x = torch.randn(rows, 160, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
     with torch.no_grad():
         for n in range(1, rows + 1):

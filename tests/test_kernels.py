@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import io
 
+import attrs
 import pytest
 import torch
 
@@ -92,6 +93,10 @@ def test_fp32_takes_up_to_sixteen_rows() -> None:
 needs_bf16_rows = pytest.mark.skipif(ROWS_KERNEL is None, reason="no C++ compiler here: bf16 rows keep F.linear")
 needs_tiles = pytest.mark.skipif(ROWS_KERNEL is None or not ROWS_KERNEL.tiles, reason="no AMX tiles here: wider bf16 products take oneDNN")
 BF16_KERNEL_ROWS = ROWS_KERNEL.max_rows(torch.bfloat16) if ROWS_KERNEL is not None else 0  # 6, or 32 on AMX tiles
+# bf16 products each way the kernel was built for: the way chosen here (specstack.bf16_products), and where it was built
+# with bf16 dot products the other way too (widened, or the dot products)
+BF16_WAYS = [] if ROWS_KERNEL is None else [ROWS_KERNEL] + ([attrs.evolve(ROWS_KERNEL, bf16_dots=not ROWS_KERNEL.bf16_dots)] if ROWS_KERNEL.bf16_dots_built else [])
+each_bf16_way = pytest.mark.parametrize("kernel", BF16_WAYS, ids=lambda kernel: "dots" if kernel.bf16_dots else "widened")
 
 
 @needs_bf16_rows
@@ -104,14 +109,17 @@ BF16_KERNEL_ROWS = ROWS_KERNEL.max_rows(torch.bfloat16) if ROWS_KERNEL is not No
     (96, 40, False, (min(17, BF16_KERNEL_ROWS),)),  # two B tiles, the second of one row (on tiles)
     (64, 1003, True, (max(BF16_KERNEL_ROWS, 1),)),  # the most rows the kernel takes
 ])
-def test_bf16_rows_take_the_kernel_and_are_the_linear_layer_rounded_once(monkeypatch, in_features, out_features, bias, shape) -> None:
+@each_bf16_way
+def test_bf16_rows_take_the_kernel_and_are_the_linear_layer_rounded_once(monkeypatch, kernel, in_features, out_features, bias, shape) -> None:
     """bf16: each output is the exact product of the bf16 numbers, summed in float32 and rounded once
-    to bf16 (half a bf16 ulp, at most 2^-8 relative, plus the float32 sum's error); one more row than
-    the kernel takes goes to oneDNN (packed: its bf16 kernels, or where it has none the weight widened to fp32)."""
+    to bf16 (half a bf16 ulp, at most 2^-8 relative, plus the float32 sum's error), by bf16 dot products or widened
+    where both are built; one more row than the kernel takes goes to oneDNN (packed: its bf16 kernels, or where it
+    has none the weight widened to fp32)."""
     calls = []
     call = RowsKernel.__call__
     monkeypatch.setattr(RowsKernel, "__call__", lambda self, *args: calls.append(1) or call(self, *args))
     layer = packed(in_features, out_features, bias=bias).to(torch.bfloat16)
+    layer._rows = kernel
     hidden = (3 * torch.randn(*shape, in_features)).bfloat16()  # [..., in]
     with torch.inference_mode():
         got = layer(hidden)  # [..., out]
@@ -126,11 +134,13 @@ def test_bf16_rows_take_the_kernel_and_are_the_linear_layer_rounded_once(monkeyp
 
 
 @needs_bf16_rows
-def test_a_bf16_rows_outputs_are_the_same_bits_alone_or_among_others() -> None:
+@each_bf16_way
+def test_a_bf16_rows_outputs_are_the_same_bits_alone_or_among_others(kernel) -> None:
     """Up to the row count where the tiles take over (all the streaming kernel takes where there are none),
-    a row's outputs are the same bits alone or among others; from there on, the same bits in any product
-    on the tiles."""
+    a row's outputs are the same bits alone or among others, by bf16 dot products or widened where both are built;
+    from there on, the same bits in any product on the tiles."""
     layer = packed(576, 1003, bias=True).to(torch.bfloat16)
+    layer._rows = kernel
     streamed = TILES_FROM - 1 if ROWS_KERNEL.tiles else BF16_ROWS
     hidden = torch.randn(BF16_KERNEL_ROWS, 576).bfloat16()  # [T, H]
     with torch.inference_mode():

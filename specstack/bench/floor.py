@@ -230,6 +230,8 @@ def machine_lines(machine: Machine) -> list[str]:
     lines = [f"machine: {machine.threads} torch threads, CPU capability {machine.cpu_capability or '?'}, {bf16}",
              f"read bandwidth: {machine.read_bandwidth / 1e9:.1f} GB/s (sum of a {machine.bandwidth_mib} MiB buffer, best of several)",
              f"GEMM peak (GFLOP/s, best measured): {peaks}"]
+    if machine.bf16_products:
+        lines.append(machine.bf16_products)
     rows = sorted({g.rows for g in machine.gemm if not g.what.startswith("square")})
     head = f"  {'dtype':<9} {'linear of':<14}" + "".join(f"{r:>8}" for r in rows) + "   rows"
     lines += ["", "GEMM GFLOP/s by rows:", head]

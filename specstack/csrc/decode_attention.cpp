@@ -42,7 +42,8 @@
 // AVX-512's bf16 dot products in registers instead, on any CPU that has them (attend_range_dp), the
 // weights rounded as on the tiles; where there are no tiles, so do up to fifteen rows (a verify of up to five
 // tokens), six at a time, and more rows take the same dot products a block laid out once for all rows
-// (attend_range_dp_rows).
+// (attend_range_dp_rows). Whether a call takes the dot products is the caller's `dp` (specstack/bf16_products.py
+// chooses per machine: where FMAs do more multiply-adds a second than vdpbf16ps, a bf16 cache is widened).
 // Compiled at first use by specstack/decode_attention.py; plain C++ with GCC vector types (and Intel
 // intrinsics for the AMX path), no torch headers. Not built with -ffast-math: the -infinities of the
 // merge must stay.
@@ -114,8 +115,9 @@ constexpr bool PREFETCH_NEXT_BLOCK = false;
 // memory over 7,500 keys: bf16 1.21x less time at one token, 1.17x at two, 1.14x at three, 1.10-1.11x at four and
 // five; float32 1.08x / 1.18x / 1.14x at one / two / three (docs/benchmarks.md, "The next block's keys asked for ..."). Asked for
 // all at once before the values, the same keys gave 1.09x at one token; asked for while this block's keys are scored
-// (a lead of one to four blocks), they made it slower. Not measured on the other hosts, so only there.
-#if defined(__AVX512F__) && !defined(SPECSTACK_DP)
+// (a lead of one to four blocks), they made it slower. Not measured on the AMD hosts, so only on AVX-512 builds
+// where no bf16 dot products were chosen (the entry's dp: on the Intel host with them, the widening paths ask too).
+#if defined(__AVX512F__)
 constexpr bool ASK_NEXT_KEYS = true;
 #else
 constexpr bool ASK_NEXT_KEYS = false;
@@ -886,9 +888,9 @@ inline void block_scores_at(const float *q, int rows, int d, const void *k, bool
 
 // One work item: keys [begin, end) of one KV head into running maxima m, sums l and weighted values acc.
 // k and v point at the head's first key and value; bf16 says how they are stored; columns: the store's copy of the
-// head's keys by groups (the column path), if it keeps one.
+// head's keys by groups (the column path), if it keeps one; ask_next: whether to ask for the next block's keys (ASK_NEXT_KEYS).
 void attend_range(const float *q, int rows, int d, const void *k, const void *v, bool bf16, int64_t begin, int64_t end,
-                  float *scratch, float *m, float *l, float *acc, Columns columns = {}) {
+                  float *scratch, float *m, float *l, float *acc, Columns columns, bool ask_next) {
     const size_t elem = bf16 ? 2 : 4;
     float *s = scratch, *kt = s + MAX_ROWS * BLOCK, *values = kt + BLOCK * d;
     float rescale[MAX_ROWS];
@@ -901,7 +903,7 @@ void attend_range(const float *q, int rows, int d, const void *k, const void *v,
             for (size_t i = 0; i < (size_t)BLOCK * d * elem; i += 64) __builtin_prefetch(next_k + i, 0, 3), __builtin_prefetch(next_v + i, 0, 3);
         }
         const Ahead ahead{PREFETCH_NEXT_BLOCK ? nullptr : (const char *)v + b * d * elem, (int64_t)d * (int64_t)elem};  // else the values' rows ahead
-        const bool asks_next = ASK_NEXT_KEYS && !PREFETCH_NEXT_BLOCK && b + BLOCK < end;
+        const bool asks_next = ask_next && !PREFETCH_NEXT_BLOCK && b + BLOCK < end;
         const NextKeys next = next_keys(asks_next ? block_keys(k, bf16, d, rows, columns, b + BLOCK) : nullptr, (int64_t)BLOCK * d * elem, rows);
         block_scores_at(q, rows, d, k, bf16, b, len, columns, kt, s, ahead);
         softmax_block(s, rows, len, m, l, rescale, next.softmax);
@@ -1468,18 +1470,20 @@ extern "C" {
 int specstack_max_rows() { return MAX_ROWS; }
 int specstack_max_dim() { return MAX_DIM; }
 
-// 1 where `rows` query rows a KV head over a cache (bfloat16 where kv_bf16 is nonzero) with heads of width d, on a CPU
-// without the bf16 dot-product paths, take the column path and so read a store's keys by groups where they are passed:
-// specstack_decode_attention_columns' `columns` [hkv, ceil(capacity / 16), key_words, 16] 32-bit words (key_words: d,
-// or d / 2 for bfloat16).
-int specstack_column_keys(int kv_bf16, int d, int rows) {
+// 1 where `rows` query rows a KV head over a cache (bfloat16 where kv_bf16 is nonzero) with heads of width d, a bfloat16
+// cache not taking the bf16 dot-product paths (dp zero, or none built), take the column path and so read a store's keys by
+// groups where they are passed: specstack_decode_attention_columns' `columns` [hkv, ceil(capacity / 16), key_words, 16]
+// 32-bit words (key_words: d, or d / 2 for bfloat16).
+int specstack_column_keys(int kv_bf16, int d, int rows, int dp) {
 #if defined(__AVX512F__)
 #ifdef SPECSTACK_DP
-    if (kv_bf16) return 0;  // a bfloat16 cache takes the dot products
+    if (kv_bf16 && dp) return 0;  // a bfloat16 cache takes the dot products
+#else
+    (void)dp;
 #endif
     return column_path(d, rows) ? 1 : 0;
 #else
-    (void)kv_bf16, (void)d, (void)rows;
+    (void)kv_bf16, (void)d, (void)rows, (void)dp;
     return 0;
 #endif
 }
@@ -1591,7 +1595,7 @@ int specstack_decode_attention_columns(const float *q, const void *k, const void
         const Columns head_columns = columns ? Columns{columns + h * columns_head_stride, upto} : Columns{};
         attend_range(scaled + (int64_t)h * rows * d, rows, d, (const char *)k + h * k_head_stride * elem,
                      (const char *)v + h * v_head_stride * elem, bf16, begin, end, scratch + (size_t)item * item_floats, item_m, item_l, item_acc,
-                     head_columns);
+                     head_columns, ASK_NEXT_KEYS && dp == 0);
     }
     if (columns) *columns_upto = past - past % GROUP;  // every whole group of the cached keys was read, or laid out and kept
 #pragma omp parallel for num_threads(threads) schedule(static)

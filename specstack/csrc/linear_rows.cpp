@@ -24,7 +24,8 @@
 // float32 in one fixed order and rounded once to bf16 (to nearest even), bias included. Where the
 // compiler targets no such instructions (specstack_linear_rows_bf16_dots() says 0), bf16 rows and weights
 // are widened to float32 and take the fp32 kernel's sums, then are rounded the same way (the section
-// "bfloat16 products widened to float32").
+// "bfloat16 products widened to float32"); the *_widened entries do so in every build, for CPUs whose
+// vdpbf16ps does fewer multiply-adds a second than their FMAs (specstack/bf16_products.py chooses).
 //
 // Weights stored as GGUF's Q4_1 blocks (a model shipped that way): each 32 weights of a row are four-bit
 // codes q with a float16 scale d and offset m, w = d * q + m. The bf16 entry widens each block in
@@ -412,10 +413,11 @@ int widened_linear(const uint8_t *w, const float *x, const float *bias, float *y
     return 0;
 }
 
-#if !defined(__AVX512BF16__)
-// ---- bfloat16 products widened to float32 (CPUs without AVX-512's bf16 dot products) -------------------
+// ---- bfloat16 products widened to float32 (CPUs without AVX-512's bf16 dot products, or slow ones) -------
 //
-// Without vdpbf16ps (the AMD Zen 3 host: AVX2) bf16 is a storage format here. The input rows and the
+// Without vdpbf16ps (the AMD Zen 3 host: AVX2) bf16 is a storage format here, and so it is where vdpbf16ps does
+// fewer multiply-adds a second than FMAs (the Intel host with bf16 dot products; specstack/bf16_products.py chooses
+// at load, the *_widened entries below). The input rows and the
 // weights are widened to float32 (exactly: a bf16 is the upper half of a float), their products summed as
 // the fp32 kernel sums them (widened_linear: the same order for any number of rows), the bias added, and
 // each output rounded once to bf16 (to nearest even), as bf16_outputs rounds. Q4_1 blocks widen to the
@@ -464,7 +466,6 @@ int widened_bf16_linear(const uint8_t *w, const uint16_t *x, const uint16_t *bia
     for (int64_t i = 0; i < (int64_t)n * out; ++i) y[i] = float_to_bf16(yf[i]);
     return 0;
 }
-#endif
 
 #if defined(__AVX512BF16__)
 // Whether a bf16 entry takes n rows through [out, in] on `threads` threads: in a multiple of 32, 1 to `most` rows.
@@ -875,6 +876,21 @@ int specstack_linear_rows_q4_1_bf16(const uint8_t *w, const uint16_t *x, const u
 // embedding reads 1.125 bytes a weight instead of 2.
 int specstack_linear_rows_q8_0_bf16(const uint8_t *w, const uint16_t *x, const uint16_t *bias, uint16_t *y, int n, int64_t out, int64_t in, int threads) {
     return stored_bf16_linear<Q8_0>(w, x, bias, y, n, out, in, threads);
+}
+
+// The three bf16 products above widened to float32 in every build (the section "bfloat16 products widened to
+// float32"), up to MAX_WIDENED_BF16_ROWS rows: what a CPU whose bf16 dot products are slower than its FMAs takes
+// (specstack/bf16_products.py); without bf16 dot products the entries above are these.
+int specstack_linear_rows_bf16_widened(const uint16_t *w, const uint16_t *x, const uint16_t *bias, uint16_t *y, int n, int64_t out, int64_t in, int threads) {
+    return widened_bf16_linear<BF16Rows>((const uint8_t *)w, x, bias, y, n, out, in, threads);
+}
+
+int specstack_linear_rows_q4_1_bf16_widened(const uint8_t *w, const uint16_t *x, const uint16_t *bias, uint16_t *y, int n, int64_t out, int64_t in, int threads) {
+    return widened_bf16_linear<AsBF16<Q4_1>>(w, x, bias, y, n, out, in, threads);
+}
+
+int specstack_linear_rows_q8_0_bf16_widened(const uint8_t *w, const uint16_t *x, const uint16_t *bias, uint16_t *y, int n, int64_t out, int64_t in, int threads) {
+    return widened_bf16_linear<AsBF16<Q8_0>>(w, x, bias, y, n, out, in, threads);
 }
 
 // 1 where the tile entries below run: built for AMX, and Linux lends this process the tiles.
