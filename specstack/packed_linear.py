@@ -175,16 +175,20 @@ def load_rows_kernel(cache: Path | None = None, source: Path = ROWS_SOURCE) -> R
     if loaded is None:
         return None
     library, path = loaded
+    widens = hasattr(library, WIDENED_ENTRIES[0])  # every build from this source has them; a kernel built from an older one has none
     for name in ("specstack_linear_rows_q4_1_f32", "specstack_linear_rows_q8_0_f32", "specstack_linear_rows_bf16_f32", "specstack_linear_rows_bf16",
                  "specstack_linear_rows_q4_1_bf16", "specstack_linear_rows_q8_0_bf16", "specstack_linear_rows_bf16_tiles",
-                 "specstack_linear_rows_q4_1_bf16_tiles", "specstack_linear_rows_bf16_widened", "specstack_linear_rows_q4_1_bf16_widened",
-                 "specstack_linear_rows_q8_0_bf16_widened"):
+                 "specstack_linear_rows_q4_1_bf16_tiles", *(WIDENED_ENTRIES if widens else ())):
         entry = getattr(library, name)
         entry.restype, entry.argtypes = ctypes.c_int, argtypes
     built = library.specstack_linear_rows_bf16_dots() == 1
     tiles = built and library.specstack_linear_rows_tiles_supported() == 1
-    return RowsKernel(library=library, path=path, bf16_dots_built=built, bf16_dots=dot_products_pay(built=built, tiles=tiles, cache=cache),
-                      tiles=tiles, avx512=library.specstack_linear_rows_avx512() == 1)
+    dots = built and (not widens or dot_products_pay(built=built, tiles=tiles, cache=cache))
+    return RowsKernel(library=library, path=path, bf16_dots_built=built, bf16_dots=dots, tiles=tiles, avx512=library.specstack_linear_rows_avx512() == 1)
+
+
+# The bf16 entries widened to fp32 in every build (RowsKernel.entry takes them where bf16_dots is off)
+WIDENED_ENTRIES = ("specstack_linear_rows_bf16_widened", "specstack_linear_rows_q4_1_bf16_widened", "specstack_linear_rows_q8_0_bf16_widened")
 
 
 class PackedLinear(torch.nn.Linear):

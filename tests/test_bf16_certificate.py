@@ -4,7 +4,8 @@ In bf16 a T-token verify and a 1-token step round differently, so a stack's gree
 autoregressive decoding's at a near-tie. ``specstack.testing.certificate`` checks that the first such
 divergence is one: the margin between the two tokens in autoregressive decoding's own logits is at
 most twice the difference measured between T-token and 1-token logits there. Bit-exact equality is
-tested in fp32 (test_real_model.py); docs/exactness.md states the guarantee.
+tested in fp32 (test_real_model.py), and in bf16 for the stacks that verify chains where the target's attention
+takes the widening paths (below); docs/exactness.md states the guarantee.
 
 The certificate must also fail on broken components: a verifier that emits the second-best token, a
 target that hands a verifying level its logits one row off, a cache that is not rolled back.
@@ -148,6 +149,24 @@ def test_bf16_greedy_output_is_certified(references, outputs, name, kind) -> Non
     certificate = references(kind).certify(outputs(name, kind))
     print(f"{name} on {kind}: {certificate.describe()}")
     assert certificate.holds, f"{name} on {kind}: {certificate.describe()}"
+
+
+# The stacks whose target verifies chains (the others verify token trees, whose nodes sit in other slots than the path
+# autoregressive decoding writes). Where the target's bf16 attention takes the widening paths (no bf16 dot products
+# chosen, no AMX tiles), every token of a chain verify gets the one-token step's logits bit for bit
+# (tests/test_decode_attention.py), so these stacks write exactly autoregressive decoding's output.
+CHAIN_STACKS = ("naive", "prompt-lookup", "retrieval-flat", "speculative", "hierarchical", "streaming-hierarchy", "self-speculative",
+                "triforce", "triforce-lookup")
+
+
+@pytest.mark.parametrize("kind", PROMPTS)
+@pytest.mark.parametrize("name", CHAIN_STACKS)
+def test_where_the_attention_widens_chain_stacks_write_autoregressive_decodings_output(models, references, outputs, name, kind) -> None:
+    kernel = models[0].attention_kernel
+    if kernel is None or kernel.dot_products or kernel.amx:
+        pytest.skip("the target's bf16 attention takes bf16 dot products or AMX tiles here: its verifies round otherwise than its steps")
+    certificate = references(kind).certify(outputs(name, kind))
+    assert certificate.diverged_at is None, f"{name} on {kind}: {certificate.describe()}"
 
 
 def test_identical_output_passes_trivially(references) -> None:

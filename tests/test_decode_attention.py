@@ -456,3 +456,51 @@ def test_on_the_column_path_the_bf16_targets_verify_gives_its_first_token_the_on
         logits = target.forward(TokenBatch.chain(verify[:t], start=600, num_logits=t), store)  # [t, V]
         assert torch.equal(logits[:1].view(torch.int16), step.view(torch.int16)), t
     assert int(store.columns_upto.min()) == 592  # every layer's groups of the 600 cached keys kept
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("t", "n"), [(2, 70), (3, 255), (5, 256), (8, 257), (16, 1_001), (4, 2), (16, 7_000), (11, 511)])
+def test_on_the_widening_paths_every_token_of_a_chain_verify_gets_the_steps_bits(dtype, t, n) -> None:
+    """The widening paths cut every head's keys, the new tokens' included, into spans fixed from key 0 and merge a row's
+    spans in order, so each token of a chain verify over n cached keys is the same bits as the one-token step at its
+    position (n + i keys cached, its own last), whatever the threads: from the keys as stored, and from a store's keys by
+    columns. Spans cut where the threads' shares fall, or the own keys folded in at the merge, fail it from the second
+    token on (cases across a span's end: 255-257 keys)."""
+    store = column_store(dtype, capacity=n + t)
+    key, value = store.keys[0, :, : n + t][None], store.values[0, :, : n + t][None]  # [1, Hkv, n + T, D]
+    query = torch.randn(1, 9, t, 64, generator=torch.Generator().manual_seed(t)).to(dtype)  # [1, Hq, T, D]
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, 2, 3):
+            torch.set_num_threads(count)
+            store.length = n
+            for held in (None, store):  # laid out as read; from the store
+                verify = WIDENING.attend_float32(query, key, value, None, None, held, 0)  # [1, T, Hq, D]
+                for i in range(t):
+                    step = WIDENING.attend_float32(query[:, :, i : i + 1], key[:, :, : n + i + 1].clone(), value[:, :, : n + i + 1].clone(), None, None)
+                    assert torch.equal(verify[:, i : i + 1], step), (count, held is not None, i)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.real_model
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_on_the_widening_paths_every_token_of_a_verify_gets_the_steps_logits(dtype) -> None:
+    """The whole forward: over 600 cached tokens, each row of logits of a chain verify of two to sixteen tokens is the
+    same bits as the one-token steps' that feed the same tokens one by one, in fp32 and bf16, since the linear layers,
+    the LM head and the decoder's small operations give a row the same bits at any row count, and the widening paths'
+    attention does (above). So a greedy chain stack writes exactly what autoregressive decoding writes."""
+    from specstack.models import load_target
+
+    target = load_target(dtype=dtype)[0]
+    target.attention_kernel = WIDENING
+    generator = torch.Generator().manual_seed(13)
+    prompt, verify = torch.randint(1000, 20000, (600,), generator=generator).tolist(), torch.randint(1000, 20000, (16,), generator=generator).tolist()
+    store = target.new_cache(640)
+    target.forward(TokenBatch.chain(prompt, start=0, num_logits=1), store)
+    steps = torch.cat([target.forward(TokenBatch.chain(verify[i : i + 1], start=600 + i, num_logits=1), store) for i in range(16)])  # [16, V]
+    for t in (2, 3, 5, 8, 12, 16):
+        store.truncate(600)
+        logits = target.forward(TokenBatch.chain(verify[:t], start=600, num_logits=t), store)  # [t, V]
+        bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
+        assert torch.equal(logits.view(bits), steps[:t].view(bits)), t

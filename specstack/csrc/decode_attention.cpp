@@ -7,6 +7,8 @@
 // weighted values (the online softmax). The ranges are then merged by their maxima, and the new tokens'
 // own keys (the last T of the n keys, under a T x T mask) are folded in at the merge:
 //     out_r = (sum_s e^{m_s - M} acc_s + sum_i e^{x_i - M} v_i) / (sum_s e^{m_s - M} l_s + sum_i e^{x_i - M}).
+// On the widening paths the ranges are spans of SPAN keys fixed from key 0, the own keys inside them under the mask,
+// so that every token of a chain verify gets the one-token step's sums ("Sums that do not depend on the token's place").
 // Rows are the query heads of a group folded into the query length: row r = g * T + t is head g of
 // the group and token t.
 //
@@ -772,6 +774,16 @@ void column_scores(const float *q, int rows, int d, const T *k, int64_t at, int 
 }
 #endif
 
+// Whether `rows` query rows over heads of width d read a store's keys by groups (the column path: AVX-512 only).
+inline bool reads_columns(int d, int rows) {
+#if defined(__AVX512F__)
+    return column_path(d, rows);
+#else
+    (void)d, (void)rows;
+    return false;
+#endif
+}
+
 // Whether a block's rows take the GEMM path rather than the few-row path: only where vectors hold eight floats (AVX2).
 // With AVX-512 the GEMM path needs heads a multiple of 32 wide, which from six rows take the column path: scores by
 // columns, the weighted values by the few-row path at any number of rows (attention over 7,500 bf16 keys from memory
@@ -844,7 +856,7 @@ void softmax_block(float *s, int rows, int len, float *m, float *l, float *resca
         for (int j = 0; j < BLOCK; j += W) most = loadw(sr + j) > most ? loadw(sr + j) : most;
         top[r] = max_lanes(most);
     }
-    for (int r = 0; r < rows; ++r) rescale[r] = expf(m[r] - top[r]);  // 0 on the first block (m = -inf)
+    for (int r = 0; r < rows; ++r) rescale[r] = top[r] == -INFINITY ? 0.0f : expf(m[r] - top[r]);  // 0 on the first block (m = -inf), and while a row sees no key
     for (int r = 0; r < rows; ++r) {
         float *sr = s + r * BLOCK;
         v8 sum{};
@@ -886,11 +898,32 @@ inline void block_scores_at(const float *q, int rows, int d, const void *k, bool
     score_block(q, rows, d, (const char *)k + b * d * (bf16 ? 2 : 4), bf16, len, kt, s, ahead);
 }
 
+// The new tokens' own keys where a range holds them (the span path, below): keys from `past` on are the t new tokens',
+// and row r (token r % t) sees own key i where `sees` says so (null: a chain, i <= its token).
+struct Own {
+    int64_t past = INT64_MAX;  // none in the range
+    int t = 1;
+    const uint8_t *sees = nullptr;
+};
+
+// Each row's scores of the own keys it does not see, among a block's len keys from key b, become -inf: as if the keys
+// were not there (they weigh exactly nothing, and a block or range a row sees nothing of leaves its sums as they were).
+void mask_own(float *s, int rows, Own own, int64_t b, int len) {
+    for (int r = 0; r < rows; ++r) {
+        const int token = r % own.t;
+        for (int64_t j = std::max(b, own.past); j < b + len; ++j) {
+            const int i = (int)(j - own.past);
+            if (!(own.sees ? own.sees[token * own.t + i] != 0 : i <= token)) s[r * BLOCK + (j - b)] = -INFINITY;
+        }
+    }
+}
+
 // One work item: keys [begin, end) of one KV head into running maxima m, sums l and weighted values acc.
 // k and v point at the head's first key and value; bf16 says how they are stored; columns: the store's copy of the
-// head's keys by groups (the column path), if it keeps one; ask_next: whether to ask for the next block's keys (ASK_NEXT_KEYS).
+// head's keys by groups (the column path), if it keeps one; ask_next: whether to ask for the next block's keys (ASK_NEXT_KEYS),
+// up to key ask_until (the end of the caller's run of ranges); own: the new tokens' keys, where the range holds them.
 void attend_range(const float *q, int rows, int d, const void *k, const void *v, bool bf16, int64_t begin, int64_t end,
-                  float *scratch, float *m, float *l, float *acc, Columns columns, bool ask_next) {
+                  float *scratch, float *m, float *l, float *acc, Columns columns, bool ask_next, int64_t ask_until, Own own = {}) {
     const size_t elem = bf16 ? 2 : 4;
     float *s = scratch, *kt = s + MAX_ROWS * BLOCK, *values = kt + BLOCK * d;
     float rescale[MAX_ROWS];
@@ -898,26 +931,28 @@ void attend_range(const float *q, int rows, int d, const void *k, const void *v,
     for (int i = 0; i < rows * d; ++i) acc[i] = 0.0f;
     for (int64_t b = begin; b < end; b += BLOCK) {
         const int len = (int)(end - b < BLOCK ? end - b : BLOCK);
-        if (PREFETCH_NEXT_BLOCK && b + BLOCK < end) {  // the next block on its way from memory while this one is computed
+        if (PREFETCH_NEXT_BLOCK && b + BLOCK < ask_until) {  // the next block on its way from memory while this one is computed
             const char *next_k = block_keys(k, bf16, d, rows, columns, b + BLOCK), *next_v = (const char *)v + (b + BLOCK) * d * elem;
             for (size_t i = 0; i < (size_t)BLOCK * d * elem; i += 64) __builtin_prefetch(next_k + i, 0, 3), __builtin_prefetch(next_v + i, 0, 3);
         }
         const Ahead ahead{PREFETCH_NEXT_BLOCK ? nullptr : (const char *)v + b * d * elem, (int64_t)d * (int64_t)elem};  // else the values' rows ahead
-        const bool asks_next = ask_next && !PREFETCH_NEXT_BLOCK && b + BLOCK < end;
+        const bool asks_next = ask_next && !PREFETCH_NEXT_BLOCK && b + BLOCK < ask_until;
         const NextKeys next = next_keys(asks_next ? block_keys(k, bf16, d, rows, columns, b + BLOCK) : nullptr, (int64_t)BLOCK * d * elem, rows);
         block_scores_at(q, rows, d, k, bf16, b, len, columns, kt, s, ahead);
+        if (b + len > own.past) mask_own(s, rows, own, b, len);
         softmax_block(s, rows, len, m, l, rescale, next.softmax);
         accumulate_block(s, rescale, rows, d, (const char *)v + b * d * elem, bf16, len, values, acc, next.values);
     }
 }
 
-// Row r of one KV head: merge the ranges' partials and fold in the new tokens' own keys under the mask.
+// Row r of one KV head: merge the ranges' partials, in range order, and fold in the new tokens' own keys under the mask
+// where the ranges leave them out (k_own null: the ranges hold them).
 void merge_row(const float *qr, int r, int t, int d, int splits, const float *k_own, const float *v_own, const uint8_t *sees,
                const float *m, const float *l, const float *acc, int rows, float *out) {
     const int token = r % t;
     float own[MAX_ROWS];
     float top = -INFINITY;
-    for (int i = 0; i < t; ++i) {
+    for (int i = 0; i < (k_own ? t : 0); ++i) {
         const bool visible = sees ? sees[token * t + i] != 0 : i <= token;
         if (!visible) { own[i] = -INFINITY; continue; }
         v8 a{};
@@ -935,7 +970,7 @@ void merge_row(const float *qr, int r, int t, int d, int splits, const float *k_
         const float *as = acc + ((int64_t)s * rows + r) * d;
         for (int c = 0; c < d; ++c) out[c] += w * as[c];
     }
-    for (int i = 0; i < t; ++i) {
+    for (int i = 0; i < (k_own ? t : 0); ++i) {
         if (own[i] == -INFINITY) continue;
         const float w = expf(own[i] - top);
         total += w;
@@ -945,6 +980,66 @@ void merge_row(const float *qr, int r, int t, int d, int splits, const float *k_
 }
 
 int gcd(int a, int b) { return b == 0 ? a : gcd(b, a % b); }
+
+// ---- Sums that do not depend on the token's place in a forward (the widening paths) ---------------------------
+//
+// A verify of t tokens and the one-token step at each of their positions should give each token the same bits, so that
+// a bf16 (or fp32) stack writes exactly what autoregressive decoding writes, not just up to rounding. The linear layers
+// and the decoder's other operations already give a row the same bits at any row count (csrc/linear_rows.cpp); the
+// attention did not, since its ranges were cut where the threads' shares fell (which move with the cache's length) and
+// the new tokens' own keys were folded in at the merge. So the widening paths cut every head's keys, the new tokens'
+// included, into spans of SPAN keys from key 0, fold each span's blocks into its own maxima, sums and weighted values,
+// and merge a row's spans in span order. A row's own keys it does not see (a later token of the verify) score -inf
+// (mask_own): a block's weights then are the step's with zeros after its last key, and a span the row sees nothing
+// of is skipped at the merge, so token i of a chain gets exactly the step's sums at its position, however the threads
+// share the spans. Each thread takes a run of spans of about equal keys and asks for the next block across the spans
+// of a head, as across the blocks of a range.
+constexpr int64_t SPAN = 256;
+
+// The first span of thread `th`'s run: the first whose first key, counting every head's keys in turn, is at or after
+// th / threads of all keys (spans run head by head).
+inline int64_t first_span(int th, int threads, int hkv, int64_t n, int64_t per_head) {
+    const int64_t target = (int64_t)hkv * n * th / threads, h = target / n, sp = (target % n + SPAN - 1) / SPAN;
+    return th == threads ? hkv * per_head : h * per_head + std::min(sp, per_head);
+}
+
+// specstack_decode_attention_columns' work on the widening paths, spans as above: q [hkv, rows, d] (rows = G * t),
+// every head's n keys and values (the last t the new tokens'), the store's copy of the keys by groups where passed.
+int attend_by_spans(const float *q, const void *k, const void *v, int64_t k_head_stride, int64_t v_head_stride, int hkv, int rows, int t,
+                    int d, int64_t n, const uint8_t *sees, float scale, float *out, int threads, bool bf16, bool ask_next, uint32_t *columns,
+                    int64_t columns_head_stride, int64_t *columns_upto) {
+    const size_t elem = bf16 ? 2 : 4;
+    const int64_t past = n - t, per_head = (n + SPAN - 1) / SPAN, spans = hkv * per_head;
+    const int64_t upto = columns ? std::min(*columns_upto, past - past % GROUP) : 0;
+    // one buffer a call, the calling thread's (scratch.h): scaled queries, each span's partials, each thread's scratch
+    float *scaled = thread_scratch<0>((size_t)hkv * rows * d + (size_t)spans * rows * (d + 2) + (size_t)threads * scratch_floats(d));
+    if (!scaled) return -1;
+    float *m = scaled + (size_t)hkv * rows * d, *l = m + (size_t)spans * rows, *acc = l + (size_t)spans * rows;
+    float *scratch = acc + (size_t)spans * rows * d;
+    for (int64_t i = 0; i < (int64_t)hkv * rows * d; ++i) scaled[i] = q[i] * scale;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int th = 0; th < threads; ++th) {
+        const int64_t first = first_span(th, threads, hkv, n, per_head), last = first_span(th + 1, threads, hkv, n, per_head);
+        for (int64_t i = first; i < last; ++i) {
+            const int h = (int)(i / per_head);
+            const int64_t begin = i % per_head * SPAN, end = std::min(n, begin + SPAN);
+            const int64_t run_end = last >= (h + 1) * per_head ? n : (last - h * per_head) * SPAN;  // where this thread's run of the head ends
+            const Columns head_columns = columns ? Columns{columns + h * columns_head_stride, upto} : Columns{};
+            attend_range(scaled + (int64_t)h * rows * d, rows, d, (const char *)k + h * k_head_stride * elem, (const char *)v + h * v_head_stride * elem,
+                         bf16, begin, end, scratch + (size_t)th * scratch_floats(d), m + i * rows, l + i * rows, acc + i * rows * d, head_columns,
+                         ask_next, run_end, Own{past, t, sees});
+        }
+    }
+    if (columns) *columns_upto = past - past % GROUP;  // every whole group of the cached keys was read, or laid out and kept
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int hr = 0; hr < hkv * rows; ++hr) {
+        const int h = hr / rows, r = hr % rows;
+        const int64_t first = (int64_t)h * per_head;
+        merge_row(nullptr, r, t, d, (int)per_head, nullptr, nullptr, sees, m + first * rows, l + first * rows, acc + first * rows * d, rows,
+                  out + (int64_t)hr * d);
+    }
+    return 0;
+}
 
 #ifdef SPECSTACK_DP
 // ---- bfloat16 caches in 512-bit vectors: the dot-product path and the AMX path -----------------------
@@ -1541,6 +1636,9 @@ int specstack_decode_attention_columns(const float *q, const void *k, const void
     const bool registers = false, dot_rows = false;
     (void)dp;
 #endif
+    if (!registers && !tiles && !dot_rows)  // the widening paths
+        return attend_by_spans(q, k, v, k_head_stride, v_head_stride, hkv, rows, t, d, n, sees, scale, out, threads, bf16, ASK_NEXT_KEYS && dp == 0,
+                               reads_columns(d, rows) ? columns : nullptr, columns_head_stride, columns_upto);
 #ifdef SPECSTACK_AMX
     const size_t item_floats = registers ? 16 * (size_t)rows : tiles ? amx_scratch_floats(d) : scratch_floats(d);  // the register path: its weight sums
 #else
@@ -1595,7 +1693,7 @@ int specstack_decode_attention_columns(const float *q, const void *k, const void
         const Columns head_columns = columns ? Columns{columns + h * columns_head_stride, upto} : Columns{};
         attend_range(scaled + (int64_t)h * rows * d, rows, d, (const char *)k + h * k_head_stride * elem,
                      (const char *)v + h * v_head_stride * elem, bf16, begin, end, scratch + (size_t)item * item_floats, item_m, item_l, item_acc,
-                     head_columns, ASK_NEXT_KEYS && dp == 0);
+                     head_columns, ASK_NEXT_KEYS && dp == 0, end);
     }
     if (columns) *columns_upto = past - past % GROUP;  // every whole group of the cached keys was read, or laid out and kept
 #pragma omp parallel for num_threads(threads) schedule(static)
