@@ -993,7 +993,9 @@ int gcd(int a, int b) { return b == 0 ? a : gcd(b, a % b); }
 // (mask_own): a block's weights then are the step's with zeros after its last key, and a span the row sees nothing
 // of is skipped at the merge, so token i of a chain gets exactly the step's sums at its position, however the threads
 // share the spans. Each thread takes a run of spans of about equal keys and asks for the next block across the spans
-// of a head, as across the blocks of a range.
+// of a head, as across the blocks of a range. Spans of 512 and 1,024 keys took 8-token verifies over 32,000 keys
+// 1.04-1.06x less time (fewer partial sums written and merged) but forwards over 512 slots (the retrieval level's)
+// 1.02-1.08x more (a head's one or two spans share poorly between threads): docs/benchmarks.md, "Spans fixed from key 0".
 constexpr int64_t SPAN = 256;
 
 // The first span of thread `th`'s run: the first whose first key, counting every head's keys in turn, is at or after
