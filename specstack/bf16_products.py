@@ -8,8 +8,8 @@ a ``vdpbf16ps`` does 32, an FMA 16). The two CPUs measured differ by 4x in that 
 * AMD Zen 4 (2 cores, no AMX): oneDNN's bf16 GEMM ran at 221 GFLOP/s on one core against 101 in fp32, and the dot
   products took bf16 attention 1.5-1.7x faster than widening at 3-16 tokens (docs/benchmarks.md, "bf16 verifies in
   dot products");
-* Intel model 207 with the bf16 instructions (2 cores, no AMX): one ``vdpbf16ps`` every 0.76 ns a core, 84 GFLOP/s,
-  against FMAs at about 147; there the widened paths took attention over 7,500 keys 1.2-1.6x less time at 3-16 tokens
+* Intel model 207 with the bf16 instructions (2 cores, no AMX): ``vdpbf16ps`` at 84-86 GFLOP/s a core, FMAs at
+  174-175 (``csrc/product_rates.cpp``); there the widened paths took attention over 7,500 keys 1.15-1.63x less time at 3-16 tokens
   and the target's 211 layer products 1.03-1.71x less at 1-16 rows (docs/benchmarks.md, "bf16 products widened
   where the dot products are slower").
 

@@ -114,6 +114,11 @@ class RowsKernel:
         if value and not self.bf16_dots_built:
             raise ValueError("bf16_dots=True is not allowed: this kernel was built without AVX-512's bf16 dot products")
 
+    def bf16_ways(self) -> list["RowsKernel"]:
+        """This kernel, and where it was built with bf16 dot products the same kernel taking bf16 the other way (widened,
+        or the dot products): what tests and benchmarks compare."""
+        return [self, attrs.evolve(self, bf16_dots=not self.bf16_dots)] if self.bf16_dots_built else [self]
+
     def max_rows(self, dtype: torch.dtype) -> int:
         """The most input rows of ``dtype`` the kernel takes: MAX_STREAMED_ROWS, MAX_TILE_ROWS in bf16 on tiles,
         MAX_WIDENED_BF16_ROWS in bf16 without bf16 dot products."""

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import platform
 
-import attrs
 import numpy as np
 import pytest
 import torch
@@ -22,7 +21,7 @@ needs_kernel = pytest.mark.skipif(ROWS_KERNEL is None, reason="no C++ compiler h
 needs_bf16_rows = pytest.mark.skipif(ROWS_KERNEL is None, reason="no C++ compiler here: bf16 rows keep F.linear")
 # bf16 products each way the kernel was built for: the way chosen here (specstack.bf16_products), and where it was built
 # with bf16 dot products the other way too (widened, or the dot products)
-BF16_WAYS = [] if ROWS_KERNEL is None else [ROWS_KERNEL] + ([attrs.evolve(ROWS_KERNEL, bf16_dots=not ROWS_KERNEL.bf16_dots)] if ROWS_KERNEL.bf16_dots_built else [])
+BF16_WAYS = [] if ROWS_KERNEL is None else ROWS_KERNEL.bf16_ways()
 
 
 def random_blocks(out: int, inp: int, seed: int = 0) -> torch.Tensor:

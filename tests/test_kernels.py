@@ -8,7 +8,6 @@ from __future__ import annotations
 import copy
 import io
 
-import attrs
 import pytest
 import torch
 
@@ -95,7 +94,7 @@ needs_tiles = pytest.mark.skipif(ROWS_KERNEL is None or not ROWS_KERNEL.tiles, r
 BF16_KERNEL_ROWS = ROWS_KERNEL.max_rows(torch.bfloat16) if ROWS_KERNEL is not None else 0  # 6, or 32 on AMX tiles
 # bf16 products each way the kernel was built for: the way chosen here (specstack.bf16_products), and where it was built
 # with bf16 dot products the other way too (widened, or the dot products)
-BF16_WAYS = [] if ROWS_KERNEL is None else [ROWS_KERNEL] + ([attrs.evolve(ROWS_KERNEL, bf16_dots=not ROWS_KERNEL.bf16_dots)] if ROWS_KERNEL.bf16_dots_built else [])
+BF16_WAYS = [] if ROWS_KERNEL is None else ROWS_KERNEL.bf16_ways()
 each_bf16_way = pytest.mark.parametrize("kernel", BF16_WAYS, ids=lambda kernel: "dots" if kernel.bf16_dots else "widened")
 
 

@@ -898,12 +898,12 @@ inline void block_scores_at(const float *q, int rows, int d, const void *k, bool
     score_block(q, rows, d, (const char *)k + b * d * (bf16 ? 2 : 4), bf16, len, kt, s, ahead);
 }
 
-// The new tokens' own keys where a range holds them (the span path, below): keys from `past` on are the t new tokens',
-// and row r (token r % t) sees own key i where `sees` says so (null: a chain, i <= its token).
+// The new tokens' own keys in a span (the span path, below): keys from `past` on are the t new tokens', and row r
+// (token r % t) sees own key i where `sees` says so (null: a chain, i <= its token).
 struct Own {
-    int64_t past = INT64_MAX;  // none in the range
-    int t = 1;
-    const uint8_t *sees = nullptr;
+    int64_t past;
+    int t;
+    const uint8_t *sees;
 };
 
 // Each row's scores of the own keys it does not see, among a block's len keys from key b, become -inf: as if the keys
@@ -921,9 +921,9 @@ void mask_own(float *s, int rows, Own own, int64_t b, int len) {
 // One work item: keys [begin, end) of one KV head into running maxima m, sums l and weighted values acc.
 // k and v point at the head's first key and value; bf16 says how they are stored; columns: the store's copy of the
 // head's keys by groups (the column path), if it keeps one; ask_next: whether to ask for the next block's keys (ASK_NEXT_KEYS),
-// up to key ask_until (the end of the caller's run of ranges); own: the new tokens' keys, where the range holds them.
+// up to key ask_until (the end of the caller's run of spans); own: the new tokens' keys, where the range holds them.
 void attend_range(const float *q, int rows, int d, const void *k, const void *v, bool bf16, int64_t begin, int64_t end,
-                  float *scratch, float *m, float *l, float *acc, Columns columns, bool ask_next, int64_t ask_until, Own own = {}) {
+                  float *scratch, float *m, float *l, float *acc, Columns columns, bool ask_next, int64_t ask_until, Own own) {
     const size_t elem = bf16 ? 2 : 4;
     float *s = scratch, *kt = s + MAX_ROWS * BLOCK, *values = kt + BLOCK * d;
     float rescale[MAX_ROWS];
@@ -992,7 +992,8 @@ int gcd(int a, int b) { return b == 0 ? a : gcd(b, a % b); }
 // and merge a row's spans in span order. A row's own keys it does not see (a later token of the verify) score -inf
 // (mask_own): a block's weights then are the step's with zeros after its last key, and a span the row sees nothing
 // of is skipped at the merge, so token i of a chain gets exactly the step's sums at its position, however the threads
-// share the spans. Each thread takes a run of spans of about equal keys and asks for the next block across the spans
+// share the spans. (Where a block is scored as a GEMM, from GEMM_ROWS rows with AVX2, its scores are summed otherwise than
+// the step's: there only verifies of fewer rows keep the step's bits.) Each thread takes a run of spans of about equal keys and asks for the next block across the spans
 // of a head, as across the blocks of a range. Spans of 512 and 1,024 keys took 8-token verifies over 32,000 keys
 // 1.04-1.06x less time (fewer partial sums written and merged) but forwards over 512 slots (the retrieval level's)
 // 1.02-1.08x more (a head's one or two spans share poorly between threads): docs/benchmarks.md, "Spans fixed from key 0".
@@ -1646,14 +1647,9 @@ int specstack_decode_attention_columns(const float *q, const void *k, const void
 #else
     const size_t item_floats = registers ? 16 * (size_t)rows : scratch_floats(d);
 #endif
-    // the column path keeps the store's copy of the keys by groups (where one is passed): its current groups are read, the others laid out
-#if defined(__AVX512F__)
-    const bool laid_out = column_path(d, rows) && !registers && !tiles && !dot_rows;
-#else
-    const bool laid_out = false;
-#endif
-    if (!laid_out) columns = nullptr;
-    const int64_t upto = columns ? std::min(*columns_upto, past - past % GROUP) : 0;
+    // below: the bf16 dot products and the AMX tiles, over the cached keys in ranges cut at the threads' shares, the new
+    // tokens' own keys folded in at the merge (their verifies round otherwise than their steps)
+    (void)columns, (void)columns_head_stride, (void)columns_upto;  // the column path is the widening paths'
     const size_t own = (size_t)hkv * t * d;  // the new tokens' own keys (and values), as float32
     // one buffer a call, the calling thread's (scratch.h): scaled queries, each item's partials and scratch, the own keys and values
     float *scaled = thread_scratch<0>((size_t)hkv * rows * d + (size_t)items * (rows * (d + 2) + item_floats) + 2 * own);
@@ -1692,12 +1688,8 @@ int specstack_decode_attention_columns(const float *q, const void *k, const void
             continue;
         }
 #endif
-        const Columns head_columns = columns ? Columns{columns + h * columns_head_stride, upto} : Columns{};
-        attend_range(scaled + (int64_t)h * rows * d, rows, d, (const char *)k + h * k_head_stride * elem,
-                     (const char *)v + h * v_head_stride * elem, bf16, begin, end, scratch + (size_t)item * item_floats, item_m, item_l, item_acc,
-                     head_columns, ASK_NEXT_KEYS && dp == 0, end);
+        (void)h, (void)begin, (void)end, (void)item_m, (void)item_l, (void)item_acc;  // a build with neither: every call takes the spans
     }
-    if (columns) *columns_upto = past - past % GROUP;  // every whole group of the cached keys was read, or laid out and kept
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int hr = 0; hr < hkv * rows; ++hr) {
         const int h = hr / rows, r = hr % rows;
