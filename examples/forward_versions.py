@@ -16,6 +16,8 @@ is printed instead of stopping. ``--dot-products`` takes as the other version th
 dot products turned on (where they were built; specstack.bf16_products chooses at load), which sum in another order:
 
     python examples/forward_versions.py --dot-products --cache 7500 --tokens 1 2 4 8 16
+
+``--tree`` times token trees of each width (the last committed token and a binary tree under it) instead of chains.
 """
 
 from __future__ import annotations
@@ -27,8 +29,7 @@ from pathlib import Path
 import attrs
 import torch
 
-from specstack.batch import TokenBatch
-from specstack.bench.floor import fill, time_forward
+from specstack.bench.floor import batch_maker, fill, time_forward
 from specstack.decode_attention import load_decode_kernel
 from specstack.models import load_target
 from specstack.packed_linear import PackedLinear, load_rows_kernel
@@ -45,6 +46,7 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=None, help="the target's window (YaRN beyond 8,192)")
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     parser.add_argument("--other-order", action="store_true", help="the versions sum in different orders: report logit differences")
+    parser.add_argument("--tree", action="store_true", help="time token trees (the committed token and a binary tree) instead of chains")
     args = parser.parse_args()
     if (args.source is not None) == args.dot_products:
         parser.error("give one of --source DIR and --dot-products")
@@ -78,11 +80,11 @@ def main() -> None:
     fill(store, args.cache, generator)
     with torch.no_grad():
         for t in args.tokens:
-            ids = torch.randint(model.vocab_size, (t,), generator=generator).tolist()
+            make = batch_maker(model.vocab_size, args.cache, t, args.tree and t >= 2, generator)
             logits = {}
             for name in kernels:
                 use(name)
-                logits[name] = model.forward(TokenBatch.chain(ids, args.cache, t), store).clone()  # [t, V]
+                logits[name] = model.forward(make(), store).clone()  # [t, V]
                 store.truncate(args.cache)
             if args.other_order:
                 print(f"{t} tokens: largest logit difference {float((logits['other'].float() - logits['this'].float()).abs().max()):.4g}", flush=True)
@@ -95,7 +97,7 @@ def main() -> None:
             for turn in range(args.turns):
                 for name in kernels if turn % 2 == 0 else reversed(list(kernels)):
                     use(name)
-                    times[name].append(time_forward(model, store, cached=args.cache, tokens=t, tree=False, repeats=3, generator=generator))
+                    times[name].append(time_forward(model, store, cached=args.cache, tokens=t, tree=args.tree and t >= 2, repeats=3, generator=generator))
             other, this = statistics.median(times["other"]), statistics.median(times["this"])
             print(f"{t} tokens over {args.cache} slots: other {1e3 * other:.2f} ms, this {1e3 * this:.2f} ms, {other / this:.3f}x", flush=True)
 

@@ -17,8 +17,9 @@ six rows or fewer); without AMX, more rows take the same dot products, block by 
 widening at 3-16 tokens over 32,000 keys on the AMD Zen 4 host). Without AMX they are taken only where they pay
 (:mod:`specstack.bf16_products`): on an Intel host with them, whose FMAs do twice their multiply-adds a second,
 the widening paths took attention over 7,500 keys 1.15-1.63x less time at 3-16 tokens. The widening paths cut the
-keys into spans fixed from key 0 and fold the new tokens' own keys into them under the mask, so every token of a
-chain verify gets exactly the one-token step's sums at its position (docs/exactness.md). It is built and loaded by
+keys into spans fixed from key 0 and fold the new tokens' own keys into them under the mask (a token tree's node over
+its own path, gathered as its step holds it), so every token of a chain or tree verify gets exactly the one-token
+step's sums at its position (docs/exactness.md). It is built and loaded by
 :mod:`specstack.native`; where it cannot be built, :func:`load_decode_kernel` returns None and
 attention stays with SDPA.
 

@@ -151,17 +151,12 @@ def test_bf16_greedy_output_is_certified(references, outputs, name, kind) -> Non
     assert certificate.holds, f"{name} on {kind}: {certificate.describe()}"
 
 
-# The stacks whose target verifies chains (the others verify token trees, whose nodes sit in other slots than the path
-# autoregressive decoding writes). Where the target's bf16 attention takes the widening paths (no bf16 dot products
-# chosen, no AMX tiles), every token of a chain verify gets the one-token step's logits bit for bit
-# (tests/test_decode_attention.py), so these stacks write exactly autoregressive decoding's output.
-CHAIN_STACKS = ("naive", "prompt-lookup", "retrieval-flat", "speculative", "hierarchical", "streaming-hierarchy", "self-speculative",
-                "triforce", "triforce-lookup")
-
-
+# Where the target's bf16 attention takes the widening paths (no bf16 dot products chosen, no AMX tiles), every token of
+# a verify, a chain's or a token tree's, gets the one-token step's logits bit for bit (tests/test_decode_attention.py), so
+# every stack writes exactly autoregressive decoding's output.
 @pytest.mark.parametrize("kind", PROMPTS)
-@pytest.mark.parametrize("name", CHAIN_STACKS)
-def test_where_the_attention_widens_chain_stacks_write_autoregressive_decodings_output(models, references, outputs, name, kind) -> None:
+@pytest.mark.parametrize("name", STACKS)
+def test_where_the_attention_widens_every_stack_writes_autoregressive_decodings_output(models, references, outputs, name, kind) -> None:
     kernel = models[0].attention_kernel
     if kernel is None or kernel.dot_products or kernel.amx:
         pytest.skip("the target's bf16 attention takes bf16 dot products or AMX tiles here: its verifies round otherwise than its steps")

@@ -483,6 +483,49 @@ def test_on_the_widening_paths_every_token_of_a_chain_verify_gets_the_steps_bits
         torch.set_num_threads(threads)
 
 
+def random_tree(t: int, seed: int) -> torch.Tensor:
+    """[t, t] bool: which of t new tokens each sees, for the last committed token (token 0) and a tree of t - 1 nodes under
+    it, each node's parent drawn from the tokens before it; every token sees its ancestors and itself."""
+    generator = torch.Generator().manual_seed(seed)
+    sees = torch.zeros(t, t, dtype=torch.bool)
+    sees[0, 0] = True
+    for i in range(1, t):
+        sees[i] = sees[int(torch.randint(i, (1,), generator=generator))]
+        sees[i, i] = True
+    return sees
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("t", "n"), [(3, 70), (8, 60), (5, 256), (16, 250), (12, 1_020), (16, 7_030), (11, 508), (2, 64), (6, 126)])
+def test_on_the_widening_paths_every_token_of_a_tree_verify_gets_the_steps_bits(dtype, t, n) -> None:
+    """A tree's token sees the cached keys and its path (its ancestors, then itself), which its one-token step holds in a
+    row of slots; here the tree's other nodes lie between them. Each token's keys from the block where the new tokens'
+    begin are gathered as its step holds them, so each token of a tree verify over n cached keys is the same bits as the
+    step over the cached keys and its path, whatever the threads: from the keys as stored, and from a store's keys by
+    columns. Folding the tree's own keys under the mask in the shared blocks fails it where its nodes cross a block's or a
+    span's end."""
+    store = column_store(dtype, capacity=n + t)
+    key, value = store.keys[0, :, : n + t][None], store.values[0, :, : n + t][None]  # [1, Hkv, n + T, D]
+    query = torch.randn(1, 9, t, 64, generator=torch.Generator().manual_seed(t)).to(dtype)  # [1, Hq, T, D]
+    sees = random_tree(t, seed=n)
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, 2, 3):
+            torch.set_num_threads(count)
+            for held in (None, store):  # laid out as read; from the store
+                store.length, store.columns_upto[:] = n, 0
+                verify = WIDENING.attend_float32(query, key, value, None, sees, held, 0)  # [1, T, Hq, D]
+                for u in range(t):
+                    path = n + torch.nonzero(sees[u]).flatten()  # the slots of its ancestors and itself, in order
+                    keys, values = (torch.cat([x[:, :, :n], x[:, :, path]], dim=2) for x in (key, value))  # [1, Hkv, n + depth + 1, D]
+                    step = WIDENING.attend_float32(query[:, :, u : u + 1], keys, values, None, None)
+                    assert torch.equal(verify[:, u : u + 1], step), (count, held is not None, u)
+                if held is not None:
+                    assert int(store.columns_upto[0]) <= n - n % 16  # only groups it read, or laid out and kept
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.mark.real_model
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_on_the_widening_paths_every_token_of_a_verify_gets_the_steps_logits(dtype) -> None:
@@ -504,3 +547,34 @@ def test_on_the_widening_paths_every_token_of_a_verify_gets_the_steps_logits(dty
         logits = target.forward(TokenBatch.chain(verify[:t], start=600, num_logits=t), store)  # [t, V]
         bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
         assert torch.equal(logits.view(bits), steps[:t].view(bits)), t
+
+
+@pytest.mark.real_model
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_on_the_widening_paths_every_node_of_a_tree_verify_gets_the_steps_logits(dtype) -> None:
+    """The whole forward of a token tree: over 252 cached tokens (its nodes across a span's end), each row of logits of a
+    verify of the last committed token and a tree of 15 nodes under it is the same bits as the one-token step that feeds
+    the node's path (the committed token, its ancestors, itself) one by one, in fp32 and bf16. So a greedy tree stack
+    writes exactly what autoregressive decoding writes. The tree's own keys folded under the mask in the blocks the rows
+    share (its nodes in other blocks and spans than their steps') fail it, in bf16 at nodes 4, 8, 9 and 13."""
+    from specstack.models import load_target
+
+    target = load_target(dtype=dtype)[0]
+    target.attention_kernel = WIDENING
+    generator = torch.Generator().manual_seed(14)
+    prompt, tokens = torch.randint(1000, 20000, (252,), generator=generator).tolist(), torch.randint(1000, 20000, (16,), generator=generator).tolist()
+    parents = [-1, -1, 0, 0, 1, 2, 2, 3, 4, 4, 5, 7, 7, 8, 11]  # node i's parent among the nodes (-1: the committed token)
+    draft = Draft(tokens=torch.tensor(tokens[1:]), probs=torch.zeros(15, target.vocab_size), parents=torch.tensor(parents),
+                  kind=DraftKind.TREE_DETERMINISTIC)
+    store = target.new_cache(300)
+    target.forward(TokenBatch.chain(prompt, start=0, num_logits=1), store)
+    tree = target.forward(TokenBatch.tree(tokens[:1], 252, draft), store)  # [16, V]: the committed token's row, then the nodes'
+    bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
+    for node in range(-1, 15):
+        path = [node]
+        while path[-1] >= 0:
+            path.append(parents[path[-1]])
+        store.truncate(252)
+        for depth, i in enumerate(reversed(path)):  # -1 (the committed token) first
+            step = target.forward(TokenBatch.chain([tokens[i + 1]], start=252 + depth, num_logits=1), store)  # [1, V]
+        assert torch.equal(tree[node + 1 : node + 2].view(bits), step.view(bits)), node

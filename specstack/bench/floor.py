@@ -96,7 +96,7 @@ def tree_parents(k: int) -> torch.Tensor:
     return torch.tensor([(i - 2) // 2 if i >= 2 else -1 for i in range(k)], dtype=torch.long, device="cpu")
 
 
-def _batch_maker(vocab: int, cached: int, tokens: int, tree: bool, generator: torch.Generator) -> Callable[[], object]:
+def batch_maker(vocab: int, cached: int, tokens: int, tree: bool, generator: torch.Generator) -> Callable[[], object]:
     """A function building the batch of one forward: a chain of ``tokens`` tokens, or one committed
     token followed by a binary tree of ``tokens - 1`` nodes (logits for ``tokens`` rows either way)."""
     from ..batch import TokenBatch
@@ -114,7 +114,7 @@ def _batch_maker(vocab: int, cached: int, tokens: int, tree: bool, generator: to
 def time_forward(model, store, *, cached: int, tokens: int, tree: bool, repeats: int, generator: torch.Generator, warmup: int = 1) -> float:
     """Median seconds of ``model.forward`` of a fresh batch over ``store`` holding ``cached`` slots,
     rolled back to them after each forward; the weights held as a generation holds them (checked once)."""
-    make = _batch_maker(model.vocab_size, cached, tokens, tree, generator)
+    make = batch_maker(model.vocab_size, cached, tokens, tree, generator)
     times = []
     with weights_held([model]):
         for i in range(warmup + repeats):

@@ -7,8 +7,9 @@
 // weighted values (the online softmax). The ranges are then merged by their maxima, and the new tokens'
 // own keys (the last T of the n keys, under a T x T mask) are folded in at the merge:
 //     out_r = (sum_s e^{m_s - M} acc_s + sum_i e^{x_i - M} v_i) / (sum_s e^{m_s - M} l_s + sum_i e^{x_i - M}).
-// On the widening paths the ranges are spans of SPAN keys fixed from key 0, the own keys inside them under the mask,
-// so that every token of a chain verify gets the one-token step's sums ("Sums that do not depend on the token's place").
+// On the widening paths the ranges are spans of SPAN keys fixed from key 0, the own keys inside them under the mask (a
+// token tree's node over its own path), so that every token of a chain or tree verify gets the one-token step's sums
+// ("Sums that do not depend on the token's place").
 // Rows are the query heads of a group folded into the query length: row r = g * T + t is head g of
 // the group and token t.
 //
@@ -918,17 +919,15 @@ void mask_own(float *s, int rows, Own own, int64_t b, int len) {
     }
 }
 
-// One work item: keys [begin, end) of one KV head into running maxima m, sums l and weighted values acc.
+// Keys [begin, end) of one KV head folded into the running maxima m, sums l and weighted values acc its rows hold already.
 // k and v point at the head's first key and value; bf16 says how they are stored; columns: the store's copy of the
 // head's keys by groups (the column path), if it keeps one; ask_next: whether to ask for the next block's keys (ASK_NEXT_KEYS),
 // up to key ask_until (the end of the caller's run of spans); own: the new tokens' keys, where the range holds them.
-void attend_range(const float *q, int rows, int d, const void *k, const void *v, bool bf16, int64_t begin, int64_t end,
-                  float *scratch, float *m, float *l, float *acc, Columns columns, bool ask_next, int64_t ask_until, Own own) {
+void fold_range(const float *q, int rows, int d, const void *k, const void *v, bool bf16, int64_t begin, int64_t end,
+                float *scratch, float *m, float *l, float *acc, Columns columns, bool ask_next, int64_t ask_until, Own own) {
     const size_t elem = bf16 ? 2 : 4;
     float *s = scratch, *kt = s + MAX_ROWS * BLOCK, *values = kt + BLOCK * d;
     float rescale[MAX_ROWS];
-    for (int r = 0; r < rows; ++r) m[r] = -INFINITY, l[r] = 0.0f;
-    for (int i = 0; i < rows * d; ++i) acc[i] = 0.0f;
     for (int64_t b = begin; b < end; b += BLOCK) {
         const int len = (int)(end - b < BLOCK ? end - b : BLOCK);
         if (PREFETCH_NEXT_BLOCK && b + BLOCK < ask_until) {  // the next block on its way from memory while this one is computed
@@ -943,6 +942,19 @@ void attend_range(const float *q, int rows, int d, const void *k, const void *v,
         softmax_block(s, rows, len, m, l, rescale, next.softmax);
         accumulate_block(s, rescale, rows, d, (const char *)v + b * d * elem, bf16, len, values, acc, next.values);
     }
+}
+
+// Rows that have seen nothing yet: maxima -inf, sums and weighted values zero.
+void start_rows(int rows, int d, float *m, float *l, float *acc) {
+    for (int r = 0; r < rows; ++r) m[r] = -INFINITY, l[r] = 0.0f;
+    for (int i = 0; i < rows * d; ++i) acc[i] = 0.0f;
+}
+
+// One work item: keys [begin, end) of one KV head into fresh running maxima, sums and weighted values (fold_range).
+void attend_range(const float *q, int rows, int d, const void *k, const void *v, bool bf16, int64_t begin, int64_t end,
+                  float *scratch, float *m, float *l, float *acc, Columns columns, bool ask_next, int64_t ask_until, Own own) {
+    start_rows(rows, d, m, l, acc);
+    fold_range(q, rows, d, k, v, bf16, begin, end, scratch, m, l, acc, columns, ask_next, ask_until, own);
 }
 
 // Row r of one KV head: merge the ranges' partials, in range order, and fold in the new tokens' own keys under the mask
@@ -1006,16 +1018,62 @@ inline int64_t first_span(int th, int threads, int hkv, int64_t n, int64_t per_h
     return th == threads ? hkv * per_head : h * per_head + std::min(sp, per_head);
 }
 
+// A token tree's own keys (sees passed): a token sees the cached keys and its path (its ancestors among the new tokens, then
+// itself), which the one-token step at its position holds as keys past, past + 1, ... But the tree's other nodes lie
+// between them here, so the blocks holding them would be cut otherwise than the step's. So where a verify passes `sees`,
+// the spans are folded for every row only up to the block where the new tokens' keys begin (`from`), and from there each
+// token's keys are gathered as its step holds them (the cached keys of that block, then its path) and folded for its rows
+// alone (fold_path): every token of a tree verify gets the step's sums at its position, as a chain's tokens do.
+
+// Floats of one thread's room for fold_path: a token's query rows and partials, its gathered keys and values, fold scratch.
+// Each part starts on a 64-byte line.
+inline size_t lines(size_t floats) { return (floats + 15) / 16 * 16; }
+inline size_t path_floats(int g, int t, int d) { return lines((size_t)g * (2 * d + 2)) + 2 * lines((size_t)(BLOCK + t) * d) + scratch_floats(d); }
+
+// Token u's rows of one KV head (rows u, u + t, ... of its rows = g * t; q their scaled queries) folded over the token's
+// keys as its step holds them: keys [from, past) as cached, then own key i wherever sees[u * t + i], in order. m, l and
+// acc are the head's partials [span][rows], where the span holding `from` is folded up to it (fresh if it begins there).
+void fold_path(const float *q, int rows, int t, int u, int d, const char *k, const char *v, bool bf16, int64_t past, int64_t from,
+               const uint8_t *sees, float *room, float *m, float *l, float *acc) {
+    const size_t row_bytes = (size_t)d * (bf16 ? 2 : 4);
+    const int g = rows / t;
+    float *qu = room, *mu = qu + (size_t)g * d, *lu = mu + g, *au = lu + g;
+    char *keys = (char *)(room + lines((size_t)g * (2 * d + 2))), *values = keys + lines((size_t)(BLOCK + t) * d) * 4;  // [keys, d] each, as stored
+    float *scratch = (float *)(values + lines((size_t)(BLOCK + t) * d) * 4);
+    int64_t count = past - from;  // the token's keys from `from` on
+    memcpy(keys, k + from * row_bytes, count * row_bytes), memcpy(values, v + from * row_bytes, count * row_bytes);
+    for (int i = 0; i < t; ++i) {
+        if (!sees[u * t + i]) continue;
+        memcpy(keys + count * row_bytes, k + (past + i) * row_bytes, row_bytes), memcpy(values + count * row_bytes, v + (past + i) * row_bytes, row_bytes);
+        ++count;
+    }
+    for (int j = 0; j < g; ++j) memcpy(qu + (size_t)j * d, q + (size_t)(j * t + u) * d, sizeof(float) * d);
+    for (int64_t at = from / SPAN * SPAN; at < from + count; at += SPAN) {  // the token's spans from the one holding `from`
+        const int64_t span = at / SPAN, lo = std::max(from, at), hi = std::min(from + count, at + SPAN);
+        float *ms = m + span * rows, *ls = l + span * rows, *as = acc + span * rows * d;
+        if (lo == at) start_rows(g, d, mu, lu, au);
+        for (int j = 0; j < g && lo > at; ++j)  // the span's keys before `from`, folded for every row
+            mu[j] = ms[j * t + u], lu[j] = ls[j * t + u], memcpy(au + (size_t)j * d, as + (size_t)(j * t + u) * d, sizeof(float) * d);
+        // the gathered keys counted from `from`, a multiple of BLOCK: the blocks fall where the step's do
+        fold_range(qu, g, d, keys, values, bf16, lo - from, hi - from, scratch, mu, lu, au, Columns{}, false, 0, Own{INT64_MAX, 1, nullptr});
+        for (int j = 0; j < g; ++j)
+            ms[j * t + u] = mu[j], ls[j * t + u] = lu[j], memcpy(as + (size_t)(j * t + u) * d, au + (size_t)j * d, sizeof(float) * d);
+    }
+}
+
 // specstack_decode_attention_columns' work on the widening paths, spans as above: q [hkv, rows, d] (rows = G * t),
-// every head's n keys and values (the last t the new tokens'), the store's copy of the keys by groups where passed.
+// every head's n keys and values (the last t the new tokens'), sees [t, t] for a tree (null: a chain), the store's copy
+// of the keys by groups where passed.
 int attend_by_spans(const float *q, const void *k, const void *v, int64_t k_head_stride, int64_t v_head_stride, int hkv, int rows, int t,
                     int d, int64_t n, const uint8_t *sees, float scale, float *out, int threads, bool bf16, bool ask_next, uint32_t *columns,
                     int64_t columns_head_stride, int64_t *columns_upto) {
     const size_t elem = bf16 ? 2 : 4;
     const int64_t past = n - t, per_head = (n + SPAN - 1) / SPAN, spans = hkv * per_head;
+    const int64_t from = sees ? past - past % BLOCK : n;  // where the rows stop sharing their blocks (a tree's paths: fold_path)
     const int64_t upto = columns ? std::min(*columns_upto, past - past % GROUP) : 0;
-    // one buffer a call, the calling thread's (scratch.h): scaled queries, each span's partials, each thread's scratch
-    float *scaled = thread_scratch<0>((size_t)hkv * rows * d + (size_t)spans * rows * (d + 2) + (size_t)threads * scratch_floats(d));
+    const size_t room = lines(std::max(scratch_floats(d), sees ? path_floats(rows / t, t, d) : 0));  // each thread's
+    // one buffer a call, the calling thread's (scratch.h): scaled queries, each span's partials, each thread's room
+    float *scaled = thread_scratch<0>((size_t)hkv * rows * d + (size_t)spans * rows * (d + 2) + (size_t)threads * room);
     if (!scaled) return -1;
     float *m = scaled + (size_t)hkv * rows * d, *l = m + (size_t)spans * rows, *acc = l + (size_t)spans * rows;
     float *scratch = acc + (size_t)spans * rows * d;
@@ -1025,15 +1083,25 @@ int attend_by_spans(const float *q, const void *k, const void *v, int64_t k_head
         const int64_t first = first_span(th, threads, hkv, n, per_head), last = first_span(th + 1, threads, hkv, n, per_head);
         for (int64_t i = first; i < last; ++i) {
             const int h = (int)(i / per_head);
-            const int64_t begin = i % per_head * SPAN, end = std::min(n, begin + SPAN);
+            const int64_t begin = i % per_head * SPAN, end = std::min(std::min(n, begin + SPAN), from);
             const int64_t run_end = last >= (h + 1) * per_head ? n : (last - h * per_head) * SPAN;  // where this thread's run of the head ends
             const Columns head_columns = columns ? Columns{columns + h * columns_head_stride, upto} : Columns{};
             attend_range(scaled + (int64_t)h * rows * d, rows, d, (const char *)k + h * k_head_stride * elem, (const char *)v + h * v_head_stride * elem,
-                         bf16, begin, end, scratch + (size_t)th * scratch_floats(d), m + i * rows, l + i * rows, acc + i * rows * d, head_columns,
+                         bf16, begin, std::max(begin, end), scratch + (size_t)th * room, m + i * rows, l + i * rows, acc + i * rows * d, head_columns,
                          ask_next, run_end, Own{past, t, sees});
         }
     }
-    if (columns) *columns_upto = past - past % GROUP;  // every whole group of the cached keys was read, or laid out and kept
+    if (sees) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+        for (int hu = 0; hu < hkv * t; ++hu) {
+            const int h = hu / t;
+            fold_path(scaled + (int64_t)h * rows * d, rows, t, hu % t, d, (const char *)k + h * k_head_stride * elem,
+                      (const char *)v + h * v_head_stride * elem, bf16, past, from, sees, scratch + (size_t)omp_get_thread_num() * room,
+                      m + (int64_t)h * per_head * rows, l + (int64_t)h * per_head * rows, acc + (int64_t)h * per_head * rows * d);
+        }
+    }
+    // every whole group of the cached keys the spans read was read, or laid out and kept (a tree's: those before `from`)
+    if (columns) *columns_upto = std::max(upto, std::min(from, past - past % GROUP));
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int hr = 0; hr < hkv * rows; ++hr) {
         const int h = hr / rows, r = hr % rows;
