@@ -375,6 +375,18 @@ def test_the_cli_runs_a_synthetic_grid(tmp_path, capsys) -> None:
     assert "| `speculative:gamma=3` | prose | 256 |" in out and "3 runs executed" in out
 
 
+def test_the_cli_exits_1_when_a_run_failed(tmp_path, capsys) -> None:
+    """The runs that worked are reported and written, and a script running the bench learns that one gave no figures:
+    exit code 1 and one line on stderr naming the first failed run and its error."""
+    args = bench_args(["--stacks", "naive", "triforce:budgett=5", "--context-lengths", "256", "--max-new-tokens", "8",
+                       "--temperatures", "0", "--synthetic", "--out", str(tmp_path), "--quiet"])
+    assert run_bench(args) == 1
+    captured = capsys.readouterr()
+    assert "3 runs executed; 2 ok and 1 failed" in captured.out
+    assert captured.err == ("specstack bench: 1 run(s) failed, the first 'triforce:budgett=5': stack 'triforce' has no option 'budgett'; "
+                            "options: gamma1, gamma2, budget, chunk_size, stride, draft_window, sinks, draft_vocab\n")
+
+
 def test_a_coupled_grid_compares_sampled_runs_on_one_text(tmp_path, capsys) -> None:
     """--coupled: at T = 1 every stack writes the baseline's text (docs/exactness.md, "Coupled sampling"), so the
     identity is asked of sampled runs and holds (fp32); the records say coupled, their ids differ from independent

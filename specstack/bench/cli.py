@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from typing import Any
 
 # flag destination -> grid key; a flag left unset keeps the grid file's value (or the default)
@@ -72,6 +73,10 @@ def run_bench(args: argparse.Namespace) -> int:
     print(table.to_markdown())
     print(f"\n{table.executed} runs executed; {len(table.ok)} ok and {len(table.errors)} failed in {table.out} "
           f"(results.jsonl, results.csv, report.md)")
+    if table.errors:  # a script running the bench must see that some runs gave no figures
+        first = table.errors[0]
+        print(f"specstack bench: {len(table.errors)} run(s) failed, the first {first.get('label', first.get('stack'))!r}: {first.get('error', first.get('status'))}", file=sys.stderr)
+        return 1
     return 0
 
 
