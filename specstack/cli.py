@@ -62,7 +62,8 @@ def _parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
 
     demo = commands.add_parser("demo", help="TriForce and the fastest stack vs autoregressive decoding on the embedded default, one process")
     demo.add_argument("--prompt-tokens", type=int, default=None,
-                      help="tokens of Pride and Prejudice before the question (default: 7000, or what fills --context)")
+                      help="tokens of Pride and Prejudice before the question (default: 7000, or what fills --context); "
+                           "with --prompt-file, the file's last N tokens (default: all of them)")
     demo.add_argument("--prompt-file", help="use this file's text as the prompt instead ('-' for stdin)")
     demo.add_argument("--stacks", nargs="+", default=list(DEMO_STACKS), metavar="NAME",
                       help=f"stacks to compare, each NAME or NAME:key=value,... (default: {' '.join(DEMO_STACKS)})")

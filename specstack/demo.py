@@ -96,7 +96,7 @@ def triforce_demo(args) -> int:
 
     session = run.Session.open(args)
     if args.prompt_file is not None:
-        prompt, source = session.prompt_tokens(prompt=None, prompt_file=args.prompt_file, book=None, length=None), args.prompt_file
+        prompt, source = session.prompt_tokens(prompt=None, prompt_file=args.prompt_file, book=None, length=args.prompt_tokens), args.prompt_file
     else:
         prompt, source = task_prompt(session.tokenizer, book="prideprejudice", length=passage_tokens(args)), "Pride and Prejudice + a question about it"
     sampling = session.sampling

@@ -41,7 +41,7 @@ def test_a_demo_stack_takes_its_own_options_after_the_shared_ones(capsys, tmp_pa
     """``NAME:key=value`` gives one stack options the others do not take (triforce has no min_ngram), its own winning
     over ``-o``; a bad entry is a one-line error."""
     path = tmp_path / "prompt.txt"
-    path.write_text("The quick brown fox jumps over the lazy dog. " * 40, encoding="utf-8")
+    path.write_text("The quick brown fox jumps over the lazy dog. " * 60, encoding="utf-8")
     record = _demo_json(capsys, threads, "--prompt-file", str(path), "--stacks", "prompt-lookup:min_ngram=2,gamma=3", "prompt-lookup",
                         "--no-tune", "-o", "gamma=5")
     own, shared = record["stacks"]
@@ -55,12 +55,15 @@ def test_a_demo_stack_takes_its_own_options_after_the_shared_ones(capsys, tmp_pa
 
 
 def test_demo_reads_a_prompt_file_and_keeps_default_gammas_without_tuning(capsys, tmp_path, threads) -> None:
+    """The file's last --prompt-tokens tokens are the prompt; more than the file holds is a one-line error."""
     path = tmp_path / "prompt.txt"
-    path.write_text("The quick brown fox jumps over the lazy dog. " * 40, encoding="utf-8")
+    path.write_text("The quick brown fox jumps over the lazy dog. " * 60, encoding="utf-8")
     record = _demo_json(capsys, threads, "--prompt-file", str(path), "--stacks", "prompt-lookup", "--no-tune")
-    assert record["prompt"] == str(path)
+    assert record["prompt"] == str(path) and record["prompt_tokens"] == 500
     (row,) = record["stacks"]
     assert row["stack"] == "prompt-lookup" and row["tuning"] is None and row["identical"] is True
+    assert main(["demo", "--prompt-file", str(path), "--prompt-tokens", "5000", "--max-new-tokens", "4", "--no-tune"]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].endswith("--prompt-tokens 5000 is more than the prompt's 601 tokens")
 
 
 def test_demo_names_an_unknown_stack_in_one_line(capsys) -> None:
