@@ -4,8 +4,8 @@ In bf16 a T-token verify and a 1-token step round differently, so a stack's gree
 autoregressive decoding's at a near-tie. ``specstack.testing.certificate`` checks that the first such
 divergence is one: the margin between the two tokens in autoregressive decoding's own logits is at
 most twice the difference measured between T-token and 1-token logits there. Bit-exact equality is
-tested in fp32 (test_real_model.py), and in bf16 for the stacks that verify chains where the target's attention
-takes the widening paths (below); docs/exactness.md states the guarantee.
+tested in fp32 (test_real_model.py), and in bf16 for every stack, greedy and coupled sampling, where the target's
+attention takes the widening paths (below); docs/exactness.md states the guarantee.
 
 The certificate must also fail on broken components: a verifier that emits the second-best token, a
 target that hands a verifying level its logits one row off, a cache that is not rolled back.
@@ -26,7 +26,7 @@ import attrs
 import pytest
 import torch
 
-from specstack import Kind, Registry, SpeculationStack
+from specstack import Kind, Registry, SamplingConfig, SpeculationStack
 from specstack.data import book_tokens
 from specstack.errors import SpecstackError
 from specstack.hf import HFCausalLM
@@ -132,7 +132,7 @@ def small_options(recipe, context: int) -> dict[str, object]:
     return {key: value for key, value in wanted.items() if key in recipe.options()}
 
 
-def build(name: str, models, context: int):
+def build(name: str, models, context: int, sampling: SamplingConfig | None = None):
     registry = Registry.create()
     recipe = registry.stack_recipe(name)
     missing = [key for key, default in recipe.options().items() if default is inspect.Parameter.empty]
@@ -140,7 +140,7 @@ def build(name: str, models, context: int):
         pytest.skip(f"stack '{name}' needs options without a default: {', '.join(missing)}")
     target, draft, _ = models
     with_draft = {"draft": draft} if recipe.needs_draft else {}
-    return registry.stack(name, target=target, **with_draft, **small_options(recipe, context))
+    return registry.stack(name, target=target, sampling=sampling, **with_draft, **small_options(recipe, context))
 
 
 @pytest.mark.parametrize("kind", PROMPTS)
@@ -162,6 +162,31 @@ def test_where_the_attention_widens_every_stack_writes_autoregressive_decodings_
         pytest.skip("the target's bf16 attention takes bf16 dot products or AMX tiles here: its verifies round otherwise than its steps")
     certificate = references(kind).certify(outputs(name, kind))
     assert certificate.diverged_at is None, f"{name} on {kind}: {certificate.describe()}"
+
+
+COUPLED = SamplingConfig(temperature=0.6, coupled=True)
+
+
+@pytest.fixture(scope="module")
+def coupled_reference(models, prompts):
+    """Coupled autoregressive sampling at T = 0.6, seed 3, on the held-out prompt, and its stack (its cache then holds
+    the prompt)."""
+    stack = Registry.create().stack("autoregressive", target=models[0], sampling=COUPLED)
+    return stack, stack.generate(prompts["held-out"], NEW_TOKENS, seed=3).tokens
+
+
+@pytest.mark.parametrize("name", STACKS)
+def test_where_the_attention_widens_every_coupled_stack_samples_autoregressive_samplings_text(models, prompts, coupled_reference, name) -> None:
+    """Sampling too: every position's draw is fixed by the seed (docs/exactness.md, "Coupled sampling"), and every verify
+    gives each token the step's logits bit for bit, so in bf16 each stack samples coupled autoregressive sampling's
+    text at T = 0.6, token for token, trees included."""
+    kernel = models[0].attention_kernel
+    if kernel is None or kernel.dot_products or kernel.amx:
+        pytest.skip("the target's bf16 attention takes bf16 dot products or AMX tiles here: its verifies round otherwise than its steps")
+    reference_stack, reference = coupled_reference
+    stack = build(name, models, len(prompts["held-out"]), sampling=COUPLED)
+    shared = stack.share_prefill(reference_stack, prompts["held-out"])
+    assert stack.generate(prompts["held-out"], NEW_TOKENS, seed=3, reuse_cache=shared).tokens == reference
 
 
 def test_identical_output_passes_trivially(references) -> None:
