@@ -96,6 +96,17 @@ def dot_products_pay(*, built: bool, tiles: bool, cache: Path | None = None) -> 
     return rates is None or rates.dot_products_pay
 
 
+def built_with(built: str):
+    """An attrs validator for a kernel's switch to the bf16 dot products: on only where its attribute ``built`` says the
+    kernel was built with them."""
+
+    def check(instance, attribute, value: bool) -> None:
+        if value and not getattr(instance, built):
+            raise ValueError(f"{attribute.name}=True is not allowed: this kernel was built without AVX-512's bf16 dot products")
+
+    return check
+
+
 @contextlib.contextmanager
 def _alone(lock: Path):
     """Hold an exclusive lock on the file ``lock`` (made if missing) while the block runs; where it cannot be made, run

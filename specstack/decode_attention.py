@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING
 import attrs
 import torch
 
-from .bf16_products import dot_products_pay
+from .bf16_products import built_with, dot_products_pay
 from .native import SOURCES, load
 
 if TYPE_CHECKING:
@@ -74,12 +74,7 @@ class DecodeKernel:
     dot_products_built: bool = False  # built with AVX-512's bf16 dot-product paths (the CPU has them)
     # a bfloat16 cache (heads of 64 or 128) takes them: up to three query rows always, more without tiles; else it is widened.
     # Chosen at load where they pay (specstack.bf16_products); attrs.evolve turns either way on where both are built.
-    dot_products: bool = attrs.field(default=False)
-
-    @dot_products.validator
-    def _built(self, attribute, value: bool) -> None:
-        if value and not self.dot_products_built:
-            raise ValueError("dot_products=True is not allowed: this kernel was built without AVX-512's bf16 dot products")
+    dot_products: bool = attrs.field(default=False, validator=built_with("dot_products_built"))
 
     def __reduce__(self):
         """Pickled (a model sent to a bench worker) as a request to load it again where it lands."""

@@ -38,7 +38,7 @@ from pathlib import Path
 import attrs
 import torch
 
-from .bf16_products import dot_products_pay
+from .bf16_products import built_with, dot_products_pay
 from .native import SOURCES, load
 from .weight_formats import BF16, Q4_1, WeightFormat, bf16_rows
 
@@ -101,18 +101,13 @@ class RowsKernel:
     bf16_dots_built: bool = False  # built with AVX-512's bf16 dot products (the CPU has them)
     # bf16 products take vdpbf16ps; else they are widened to fp32. Chosen at load where they pay (specstack.bf16_products);
     # attrs.evolve turns either way on where both are built.
-    bf16_dots: bool = attrs.field(default=False)
+    bf16_dots: bool = attrs.field(default=False, validator=built_with("bf16_dots_built"))
     tiles: bool = False  # bf16 products of up to MAX_TILE_ROWS rows on AMX tiles (the CPU has them and Linux lends them)
     avx512: bool = True  # what the build is: AVX-512 (sixteen-float sums), or False for AVX2 or narrower; no limit depends on it
 
     def __reduce__(self):
         """Pickled and copied (with a model) as a request to load it again where it lands."""
         return load_rows_kernel, ()
-
-    @bf16_dots.validator
-    def _built(self, attribute, value: bool) -> None:
-        if value and not self.bf16_dots_built:
-            raise ValueError("bf16_dots=True is not allowed: this kernel was built without AVX-512's bf16 dot products")
 
     def bf16_ways(self) -> list["RowsKernel"]:
         """This kernel, and where it was built with bf16 dot products the same kernel taking bf16 the other way (widened,

@@ -75,7 +75,7 @@ def run_bench(args: argparse.Namespace) -> int:
           f"(results.jsonl, results.csv, report.md)")
     if table.errors:  # a script running the bench must see that some runs gave no figures
         first = table.errors[0]
-        print(f"specstack bench: {len(table.errors)} run(s) failed, the first {first.get('label', first.get('stack'))!r}: {first.get('error', first.get('status'))}", file=sys.stderr)
+        print(f"specstack bench: {len(table.errors)} run(s) failed, the first {first['label']!r}: {first['error']}", file=sys.stderr)
         return 1
     return 0
 

@@ -899,24 +899,18 @@ inline void block_scores_at(const float *q, int rows, int d, const void *k, bool
     score_block(q, rows, d, (const char *)k + b * d * (bf16 ? 2 : 4), bf16, len, kt, s, ahead);
 }
 
-// The new tokens' own keys in a span (the span path, below): keys from `past` on are the t new tokens', and row r
-// (token r % t) sees own key i where `sees` says so (null: a chain, i <= its token).
+// A chain's own keys in a span (the span path, below): keys from `past` on are the t new tokens', and row r (token
+// r % t) sees own key i <= its token. (A tree's own keys never reach the shared spans: fold_path.)
 struct Own {
     int64_t past;
     int t;
-    const uint8_t *sees;
 };
 
 // Each row's scores of the own keys it does not see, among a block's len keys from key b, become -inf: as if the keys
 // were not there (they weigh exactly nothing, and a block or range a row sees nothing of leaves its sums as they were).
 void mask_own(float *s, int rows, Own own, int64_t b, int len) {
-    for (int r = 0; r < rows; ++r) {
-        const int token = r % own.t;
-        for (int64_t j = std::max(b, own.past); j < b + len; ++j) {
-            const int i = (int)(j - own.past);
-            if (!(own.sees ? own.sees[token * own.t + i] != 0 : i <= token)) s[r * BLOCK + (j - b)] = -INFINITY;
-        }
-    }
+    for (int r = 0; r < rows; ++r)
+        for (int64_t j = std::max(b, own.past + r % own.t + 1); j < b + len; ++j) s[r * BLOCK + (j - b)] = -INFINITY;
 }
 
 // Keys [begin, end) of one KV head folded into the running maxima m, sums l and weighted values acc its rows hold already.
@@ -1051,11 +1045,14 @@ void fold_path(const float *q, int rows, int t, int u, int d, const char *k, con
     for (int64_t at = from / SPAN * SPAN; at < from + count; at += SPAN) {  // the token's spans from the one holding `from`
         const int64_t span = at / SPAN, lo = std::max(from, at), hi = std::min(from + count, at + SPAN);
         float *ms = m + span * rows, *ls = l + span * rows, *as = acc + span * rows * d;
-        if (lo == at) start_rows(g, d, mu, lu, au);
-        for (int j = 0; j < g && lo > at; ++j)  // the span's keys before `from`, folded for every row
-            mu[j] = ms[j * t + u], lu[j] = ls[j * t + u], memcpy(au + (size_t)j * d, as + (size_t)(j * t + u) * d, sizeof(float) * d);
+        if (lo == at) {
+            start_rows(g, d, mu, lu, au);
+        } else {  // the span's keys before `from`, folded for every row
+            for (int j = 0; j < g; ++j)
+                mu[j] = ms[j * t + u], lu[j] = ls[j * t + u], memcpy(au + (size_t)j * d, as + (size_t)(j * t + u) * d, sizeof(float) * d);
+        }
         // the gathered keys counted from `from`, a multiple of BLOCK: the blocks fall where the step's do
-        fold_range(qu, g, d, keys, values, bf16, lo - from, hi - from, scratch, mu, lu, au, Columns{}, false, 0, Own{INT64_MAX, 1, nullptr});
+        fold_range(qu, g, d, keys, values, bf16, lo - from, hi - from, scratch, mu, lu, au, Columns{}, false, 0, Own{INT64_MAX, 1});
         for (int j = 0; j < g; ++j)
             ms[j * t + u] = mu[j], ls[j * t + u] = lu[j], memcpy(as + (size_t)(j * t + u) * d, au + (size_t)j * d, sizeof(float) * d);
     }
@@ -1088,7 +1085,7 @@ int attend_by_spans(const float *q, const void *k, const void *v, int64_t k_head
             const Columns head_columns = columns ? Columns{columns + h * columns_head_stride, upto} : Columns{};
             attend_range(scaled + (int64_t)h * rows * d, rows, d, (const char *)k + h * k_head_stride * elem, (const char *)v + h * v_head_stride * elem,
                          bf16, begin, std::max(begin, end), scratch + (size_t)th * room, m + i * rows, l + i * rows, acc + i * rows * d, head_columns,
-                         ask_next, run_end, Own{past, t, sees});
+                         ask_next, run_end, Own{past, t});  // a tree's: none before `from`
         }
     }
     if (sees) {
