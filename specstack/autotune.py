@@ -160,17 +160,14 @@ def verifying_levels(stack: SpeculationStack) -> list[SpeculativeLevel]:
 def best_gammas(draft_cost: float, verify_costs: Sequence[dict[int, float]], acceptances: Sequence[float],
                 autoregressive_cost: float, max_gamma: int, fixed: Sequence[TreeRound | None] = ()) -> tuple[tuple[int, ...], float]:
     """The γ per level (each 1 … ``max_gamma``; a tree's depth where ``fixed[i]`` gives its measured
-    rounds) that maximises the predicted speedup, and that speedup. A chain level's γ is at most the
-    γ of the chain level above it: a level drafts only the tokens it is asked for
-    (``SpeculativeLevel.propose`` caps each round at what is still wanted), so a longer γ below is never
-    drafted as such, and the formula, which assumes it is, would price a round that does not happen."""
+    rounds) that maximises the predicted speedup, and that speedup. A level below the top is priced by
+    what it supplies the level above (:meth:`specstack.speedup.LevelCost.supply`), so a γ longer than
+    the one above it predicts the same as that one (it is never drafted as such) and the shorter wins."""
     fixed = tuple(fixed) or (None,) * len(verify_costs)
     choices = [range(1, max_gamma + 1) if tree is None else (tree.depth,) for tree in fixed]
     best: tuple[tuple[int, ...], float] | None = None
     for gammas in itertools.product(*choices):
-        if any(below > above for below, above, lower, upper in zip(gammas, gammas[1:], fixed, fixed[1:]) if lower is None and upper is None):
-            continue
-        levels = [LevelCost(acceptance=a, gamma=g, verify_cost=costs[g + 1]) if tree is None else tree.cost(costs)
+        levels = [LevelCost(acceptance=a, gamma=g, verify_cost=costs[g + 1], forward_costs=costs) if tree is None else tree.cost(costs)
                   for a, g, costs, tree in zip(acceptances, gammas, verify_costs, fixed)]
         speedup = StackCost(draft_cost=draft_cost, levels=levels, autoregressive_cost=autoregressive_cost).speedup
         if best is None or speedup > best[1] + 1e-12:

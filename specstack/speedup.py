@@ -1,27 +1,41 @@
 """The speedup a speculation stack should reach, predicted from forward costs and acceptance rates.
 
 This is the one place that figure is computed. Speculative decoding (Leviathan et al., 2023, Eq. 1):
-with per-token acceptance α and a chain of γ drafted tokens, a round emits on average
+with per-token acceptance α and a chain of k drafted tokens, a round accepts j of them with probability
 
-    E(α, γ) = (1 − α^(γ+1)) / (1 − α)        (γ + 1 when α = 1)
+    P(j | k) = α^j (1 − α) for j < k,   α^k for j = k,
 
-tokens. A verifying level whose drafter costs t_d per drafted token and whose own forward of the
-γ+1 tokens costs c_v therefore emits a token every
+and emits j + 1 tokens (the accepted ones and the recovered or bonus one), on average
 
-    t = (γ · t_d + c_v) / E(α, γ).
+    E(α, k) = (1 − α^(k+1)) / (1 − α)        (k + 1 when α = 1).
 
-A verifying level is itself a drafter for the level above, so the formula stacks: t_0 is the draft
-model's single-token forward, t_i = (γ_i · t_(i−1) + c_i) / E(α_i, γ_i), and the predicted speedup
-is c_ar / t_n, with c_ar the target's single-token forward over its full cache (autoregressive
-decoding). For TriForce (Sun et al., 2024) that is L0 the draft, L1 the target over the retrieval
-view (acceptance β of the draft, γ1), L2 the target over the full cache (acceptance α of L1, γ2).
+The top level drafts γ tokens a round and keeps all it emits, so with c(T) its forward of T tokens and
+D(k) the seconds the level below takes to supply k drafted tokens it emits a token every
+
+    t = (D(γ) + c(γ + 1)) / E(α, γ),
+
+and the predicted speedup is c_ar / t, with c_ar the target's single-token forward over its full cache
+(autoregressive decoding). A level below the top is asked for what the level above drafts, and
+``SpeculativeLevel.propose`` runs its rounds as TriForce's middle level does (Sun et al., 2024: it
+drafts until it holds the γ2 tokens the target verifies): each round drafts min(γ, still wanted), and
+what the last round emits beyond the wanted tokens is dropped. So its supply is
+
+    S(w) = D(k) + c(k + 1) + Σ_j P(j | k) S(w − j − 1),   k = min(γ, w),   S(w <= 0) = 0,
+
+and D(k) = S_below(k), down to level 0, whose k drafted tokens cost k · t_0. Pricing a middle level
+at (γ t_0 + c) / E per token instead, as if everything it emitted were used, overrates it: under a top
+level with γ = 1 each middle round supplies one token whatever its acceptance. For TriForce that is
+L0 the draft, L1 the target over the retrieval view (acceptance β of the draft, γ1), L2 the target
+over the full cache (acceptance α of L1, γ2).
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import operator
+from typing import Callable, Mapping
 
 import attrs
 
@@ -87,17 +101,50 @@ def chain_ceiling(acceptance: float, costs) -> tuple[float, int]:
     return expected_emitted(acceptance, gamma) * costs[0] / costs[gamma], gamma
 
 
+Supply = Callable[[int], float]  # k -> expected seconds for a level to supply k drafted tokens to the level above
+
+
+def drafted_at(cost: float) -> Supply:
+    """Level 0's supply: k drafted tokens cost k times ``cost`` (t_0, a draft model's forward of one token)."""
+    return lambda k: k * cost
+
+
+def emitted_odds(acceptance: float, k: int) -> list[float]:
+    """P(j | k), j = 0 … k: the chance that a round of k drafted tokens accepts j of them (and emits j + 1)."""
+    return [acceptance**j * (1 - acceptance) for j in range(k)] + [acceptance**k]
+
+
 @attrs.frozen(kw_only=True)
 class LevelCost:
-    """One verifying level: the acceptance of its drafter's tokens, γ, and its forward of γ+1 tokens."""
+    """One verifying level: the acceptance of its drafter's tokens, γ, and its forward of γ+1 tokens;
+    ``forward_costs`` (T -> seconds) prices the shorter forwards of the rounds it runs when asked for
+    fewer than γ tokens (a forward missing from it is priced as ``verify_cost``, an upper bound)."""
 
     acceptance: float = attrs.field(validator=_acceptance)
     gamma: int = attrs.field(validator=at_least_one)
-    verify_cost: float = attrs.field(validator=_cost)  # c_v, seconds (or any unit, used consistently)
+    verify_cost: float = attrs.field(validator=_cost)  # c(γ + 1), seconds (or any unit, used consistently)
+    forward_costs: Mapping[int, float] = attrs.field(factory=dict, converter=dict, eq=False)
 
-    def time_per_token(self, draft_cost: float) -> float:
-        """t = (γ · t_d + c_v) / E(α, γ), with t_d the drafter's time per drafted token."""
-        return (self.gamma * draft_cost + self.verify_cost) / expected_emitted(self.acceptance, self.gamma)
+    def forward_cost(self, tokens: int) -> float:
+        return self.verify_cost if tokens == self.gamma + 1 else self.forward_costs.get(tokens, self.verify_cost)
+
+    def round_seconds(self, k: int, below: Supply) -> float:
+        """D(k) + c(k + 1): k tokens drafted below, then verified in one forward."""
+        return below(k) + self.forward_cost(k + 1)
+
+    def time_per_token(self, below: Supply) -> float:
+        """t = (D(γ) + c(γ + 1)) / E(α, γ): the top level's seconds per emitted token."""
+        return self.round_seconds(self.gamma, below) / expected_emitted(self.acceptance, self.gamma)
+
+    def supply(self, wanted: int, below: Supply) -> float:
+        """S(wanted): expected seconds to emit at least ``wanted`` tokens for the level above, rounds of
+        min(γ, still wanted) drafted tokens (the module docstring's recursion, bottom up)."""
+        seconds = [0.0]  # seconds[w] = S(w)
+        for w in range(1, wanted + 1):
+            k = min(self.gamma, w)
+            rest = sum(p * seconds[max(w - j - 1, 0)] for j, p in enumerate(emitted_odds(self.acceptance, k)))
+            seconds.append(self.round_seconds(k, below) + rest)
+        return seconds[wanted]
 
 
 def _emitted(instance, attribute, value: float) -> None:
@@ -112,14 +159,23 @@ class MeasuredLevelCost:
     ``emitted`` tokens on average (measured), costs ``drafts`` tokens' worth of its drafter's time
     (the tree's depth: one draft step per layer of the tree) and one forward of the tree, ``verify_cost``:
 
-        t = (drafts · t_d + c_v) / emitted."""
+        t = (D(drafts) + c_v) / emitted.
+
+    Below another level it supplies ``wanted`` tokens in about wanted / emitted rounds, at least one
+    (the calibration measured the mean a round emits, not its distribution)."""
 
     emitted: float = attrs.field(validator=_emitted)
     drafts: int = attrs.field(validator=at_least_one)
     verify_cost: float = attrs.field(validator=_cost)
 
-    def time_per_token(self, draft_cost: float) -> float:
-        return (self.drafts * draft_cost + self.verify_cost) / self.emitted
+    def round_seconds(self, below: Supply) -> float:
+        return below(self.drafts) + self.verify_cost
+
+    def time_per_token(self, below: Supply) -> float:
+        return self.round_seconds(below) / self.emitted
+
+    def supply(self, wanted: int, below: Supply) -> float:
+        return max(1.0, wanted / self.emitted) * self.round_seconds(below)
 
 
 @attrs.frozen(kw_only=True)
@@ -136,11 +192,11 @@ class StackCost:
             raise SpecstackError(f"levels {value!r} is not allowed; give at least one LevelCost or MeasuredLevelCost, bottom first")
 
     def time_per_token(self) -> float:
-        """t_n: the top level's time per emitted token."""
-        t = self.draft_cost
-        for level in self.levels:
-            t = level.time_per_token(t)
-        return t
+        """t_n: the top level's time per emitted token, each level below supplying what the one above drafts."""
+        below = drafted_at(self.draft_cost)
+        for level in self.levels[:-1]:
+            below = functools.partial(level.supply, below=below)
+        return self.levels[-1].time_per_token(below)
 
     @property
     def speedup(self) -> float:

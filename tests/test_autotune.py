@@ -49,16 +49,41 @@ def test_two_levels_are_tuned_jointly() -> None:
 
 def test_a_lower_gamma_never_exceeds_the_one_it_drafts_for() -> None:
     """A middle level as cheap at any width (a model-free draft below it), a full cache dear from three tokens
-    (ms, as measured at 32K): the formula alone prefers a long γ1 under γ2 = 1, a round the middle level never
-    drafts (it is asked for one token), so the choice keeps γ1 <= γ2."""
+    (ms, as measured at 32K): the middle level is asked for γ2 tokens a round, so a γ1 above γ2 is never drafted
+    as such and is priced as γ1 = γ2 (the old per-token formula priced it as if every token it emitted were used,
+    and preferred a long γ1 under γ2 = 1); the choice keeps the shorter."""
     middle = {t: 10.7 for t in range(1, 10)}
     top = {1: 37.4, 2: 43.7, 3: 67.3, 4: 76.5, 5: 87.0, 6: 97.4, 7: 107.2, 8: 109.6, 9: 117.4}
     gammas, speedup = autotune.best_gammas(0.01, [middle, top], [0.46, 0.83], 37.4, max_gamma=8)
     assert gammas[0] <= gammas[1]
-    unconstrained = max(itertools.product(range(1, 9), repeat=2), key=lambda g: StackCost(
-        draft_cost=0.01, levels=[LevelCost(acceptance=a, gamma=x, verify_cost=c[x + 1]) for a, x, c in zip([0.46, 0.83], g, [middle, top])],
-        autoregressive_cost=37.4).speedup)
-    assert unconstrained[0] > unconstrained[1]  # what the constraint rules out here
+
+    def predicted(g1: int, g2: int) -> float:
+        return StackCost(draft_cost=0.01, autoregressive_cost=37.4, levels=[
+            LevelCost(acceptance=a, gamma=g, verify_cost=c[g + 1], forward_costs=c) for a, g, c in zip([0.46, 0.83], (g1, g2), [middle, top])]).speedup
+
+    for g1, g2 in itertools.product(range(1, 9), repeat=2):
+        assert predicted(g1, g2) == pytest.approx(predicted(min(g1, g2), g2), rel=1e-12)
+
+
+def test_a_middle_level_under_gamma_one_supplies_one_token_a_round_whatever_its_acceptance() -> None:
+    """Under a top level with γ2 = 1 each middle round drafts one token and hands up one, so its acceptance
+    buys nothing: the prediction is the same at β = 0 and β = 1 (per emitted token it would differ 2x)."""
+    def predicted(beta: float) -> float:
+        return StackCost(draft_cost=1.0, autoregressive_cost=20.0, levels=[LevelCost(acceptance=beta, gamma=3, verify_cost=5.0),
+                                                                           LevelCost(acceptance=0.8, gamma=1, verify_cost=22.0)]).speedup
+    assert predicted(0.0) == pytest.approx(predicted(1.0))
+    assert predicted(1.0) == pytest.approx(20.0 / ((1.0 + 5.0 + 22.0) / 1.8))  # one draft, one middle forward, the top's forward; E(0.8, 1) = 1.8
+
+
+def test_a_middle_levels_supply_by_hand() -> None:
+    """S(2) for γ = 2, β = 0.5, t_0 = 1, forwards of 10: a round of two drafts (12) emits one token with
+    chance 0.5, after which a round of one draft (11) supplies the other: 12 + 0.5 · 11 = 17.5."""
+    from specstack.speedup import drafted_at
+
+    level = LevelCost(acceptance=0.5, gamma=2, verify_cost=10.0)
+    assert level.supply(2, drafted_at(1.0)) == pytest.approx(17.5)
+    assert level.supply(1, drafted_at(1.0)) == pytest.approx(11.0)  # one token wanted: one draft, whatever is accepted
+    assert LevelCost(acceptance=0.5, gamma=2, verify_cost=10.0, forward_costs={2: 4.0}).supply(1, drafted_at(1.0)) == pytest.approx(5.0)
 
 
 def _three_levels(device: str = "cpu") -> tuple[SpeculationStack, SyntheticLM]:
@@ -158,10 +183,12 @@ def test_a_tree_level_is_priced_by_what_its_calibration_rounds_emitted_and_fed(m
 
 
 def test_measured_level_cost_prices_a_round_from_its_measured_output() -> None:
-    from specstack.speedup import MeasuredLevelCost, StackCost
+    from specstack.speedup import MeasuredLevelCost, StackCost, drafted_at
 
     level = MeasuredLevelCost(emitted=2.5, drafts=3, verify_cost=2.0)
-    assert level.time_per_token(0.5) == pytest.approx((3 * 0.5 + 2.0) / 2.5)
+    assert level.time_per_token(drafted_at(0.5)) == pytest.approx((3 * 0.5 + 2.0) / 2.5)
+    assert level.supply(5, drafted_at(0.5)) == pytest.approx(2 * (3 * 0.5 + 2.0))  # five tokens: two rounds of 2.5
+    assert level.supply(1, drafted_at(0.5)) == pytest.approx(3 * 0.5 + 2.0)  # one token still takes a whole round
     assert StackCost(draft_cost=0.5, levels=[level], autoregressive_cost=1.0).speedup == pytest.approx(2.5 / 3.5)
     with pytest.raises(SpecstackError, match="emitted 0.5 is not allowed; a round emits at least 1 token"):
         MeasuredLevelCost(emitted=0.5, drafts=3, verify_cost=2.0)

@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from specstack import SpecstackError
-from specstack.speedup import LevelCost, StackCost, expected_emitted, triforce
+from specstack.speedup import LevelCost, StackCost, drafted_at, expected_emitted, triforce
 
 
 def test_expected_emitted_by_hand() -> None:
@@ -31,12 +31,17 @@ def test_full_acceptance_and_free_drafts_give_gamma_plus_one() -> None:
 
 
 def test_triforce_by_hand() -> None:
-    # E(0.8, 2) = 1 + 0.8 + 0.64 = 2.44; t1 = (2·1 + 10) / 2.44 = 4.918033
-    # E(0.9, 6) = 1 + 0.9 + … + 0.9^6 = 5.217031; t2 = (6·t1 + 30) / 5.217031 = 11.406525; 25 / t2 = 2.191728
+    # L1 (β = 0.8, γ1 = 2, every forward 10, t0 = 1) supplying w tokens: S(1) = 1 + 10 = 11 (one draft; a round
+    # asked for one token hands up one); S(w) = 12 + 0.2 S(w-1) + 0.16 S(w-2) + 0.64 S(w-3) for w >= 2, S(<=0) = 0:
+    # S(2) = 12 + 0.2·11 = 14.2, S(3) = 12 + 0.2·14.2 + 0.16·11 = 16.6, S(4) = 12 + 0.2·16.6 + 0.16·14.2 + 0.64·11
+    # = 24.632, S(5) = 12 + 0.2·24.632 + 0.16·16.6 + 0.64·14.2 = 28.6704, S(6) = 12 + 0.2·28.6704 + 0.16·24.632
+    # + 0.64·16.6 = 32.2992; E(0.9, 6) = 1 + 0.9 + … + 0.9^6 = 5.217031; t2 = (S(6) + 30) / E = 11.941505;
+    # 25 / t2 = 2.093539. (Pricing L1 per emitted token, (2 + 10) / E(0.8, 2) = 4.918033 a token, gave 2.19.)
     stack = triforce(c_ar=25.0, c2=30.0, c1=10.0, t0=1.0, alpha=0.9, beta=0.8, gamma1=2, gamma2=6)
-    assert stack.levels[0].time_per_token(1.0) == pytest.approx(4.918033, rel=1e-6)
-    assert stack.time_per_token() == pytest.approx(11.406525, rel=1e-6)
-    assert stack.speedup == pytest.approx(2.191728, rel=1e-6)
+    assert stack.levels[0].time_per_token(drafted_at(1.0)) == pytest.approx(4.918033, rel=1e-6)
+    assert stack.levels[0].supply(6, drafted_at(1.0)) == pytest.approx(32.2992, rel=1e-6)
+    assert stack.time_per_token() == pytest.approx(11.941505, rel=1e-6)
+    assert stack.speedup == pytest.approx(2.093539, rel=1e-6)
 
 
 @given(st.floats(0, 1), st.floats(0, 1), st.integers(1, 12))
