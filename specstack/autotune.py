@@ -99,7 +99,8 @@ class Tuning:
         priced = ("; level 0 chooses each draft's " + ("nodes" if tree else "length, γ1 its cap,") + " from the measured costs") if self.priced else ""
         unpriced = " from the calibration's unpriced rounds" if tree else " had every draft been the formula's best γ1"
         predicted = f"{self.predicted_speedup:.2f}x" + (unpriced if self.priced else "")
-        chosen = f"gamma=auto chose {gammas} (acceptance {accept} over {self.calibration_tokens} calibration tokens{trees}{priced}; predicted {predicted})"
+        idle = "".join(f"; γ{i + 1}=0: level {i + 1} decodes alone, level {i} idles" for i, g in enumerate(self.gammas) if g == 0)
+        chosen = f"gamma=auto chose {gammas} (acceptance {accept} over {self.calibration_tokens} calibration tokens{trees}{priced}{idle}; predicted {predicted})"
         if self.predicted_speedup >= 1.0 or self.priced:  # a priced drafter drafts only what pays: the formula does not bound it
             return chosen
         return f"{chosen}; no γ up to {self.max_gamma} is predicted to beat autoregressive decoding at this acceptance and these forward costs"
@@ -159,12 +160,14 @@ def verifying_levels(stack: SpeculationStack) -> list[SpeculativeLevel]:
 
 def best_gammas(draft_cost: float, verify_costs: Sequence[dict[int, float]], acceptances: Sequence[float],
                 autoregressive_cost: float, max_gamma: int, fixed: Sequence[TreeRound | None] = ()) -> tuple[tuple[int, ...], float]:
-    """The γ per level (each 1 … ``max_gamma``; a tree's depth where ``fixed[i]`` gives its measured
+    """The γ per level (each 1 … ``max_gamma``, 0 too below the top; a tree's depth where ``fixed[i]`` gives its measured
     rounds) that maximises the predicted speedup, and that speedup. A level below the top is priced by
     what it supplies the level above (:meth:`specstack.speedup.LevelCost.supply`), so a γ longer than
-    the one above it predicts the same as that one (it is never drafted as such) and the shorter wins."""
+    the one above it predicts the same as that one (it is never drafted as such) and the shorter wins;
+    it may also get γ 0, drafting nothing and decoding alone, where its drafter costs more than it saves."""
     fixed = tuple(fixed) or (None,) * len(verify_costs)
-    choices = [range(1, max_gamma + 1) if tree is None else (tree.depth,) for tree in fixed]
+    lowest = [0] * (len(fixed) - 1) + [1]  # below the top a level may draft nothing and decode alone (γ 0)
+    choices = [range(low, max_gamma + 1) if tree is None else (tree.depth,) for low, tree in zip(lowest, fixed)]
     best: tuple[tuple[int, ...], float] | None = None
     for gammas in itertools.product(*choices):
         levels = [LevelCost(acceptance=a, gamma=g, verify_cost=costs[g + 1], forward_costs=costs) if tree is None else tree.cost(costs)

@@ -53,6 +53,12 @@ def at_least_one(instance, attribute, value: int) -> None:
         raise SpecstackError(f"{attribute.name} {value!r} is not allowed; use an integer >= 1")
 
 
+def at_least_zero(instance, attribute, value: int) -> None:
+    """attrs validator: an integer >= 0 (a level's γ, 0 where it drafts nothing)."""
+    if not (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
+        raise SpecstackError(f"{attribute.name} {value!r} is not allowed; use an integer >= 0")
+
+
 def _cost(instance, attribute, value: float) -> None:
     if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
         raise SpecstackError(f"{attribute.name} {value!r} is not allowed; use a finite cost > 0")
@@ -121,7 +127,7 @@ class LevelCost:
     fewer than γ tokens (a forward missing from it is priced as ``verify_cost``, an upper bound)."""
 
     acceptance: float = attrs.field(validator=_acceptance)
-    gamma: int = attrs.field(validator=at_least_one)
+    gamma: int = attrs.field(validator=at_least_zero)  # 0: the level drafts nothing, one forward of one token a round
     verify_cost: float = attrs.field(validator=_cost)  # c(γ + 1), seconds (or any unit, used consistently)
     forward_costs: Mapping[int, float] = attrs.field(factory=dict, converter=dict, eq=False)
 

@@ -34,7 +34,9 @@ from .verify import Verifier, check_verdict, default_verifier
 
 @attrs.define(eq=False, kw_only=True)
 class SpeculativeLevel(ModelLevel):
-    """One verifying level: ``drafter`` below, ``lm`` (a model over its cache view) here."""
+    """One verifying level: ``drafter`` below, ``lm`` (a model over its cache view) here. With γ 0
+    (below the top only) it drafts nothing: each round is one forward of its own, one token sampled
+    from it, and the drafter below idles (a middle level whose drafter costs more than it saves)."""
 
     name = "speculative-level"
 
@@ -66,7 +68,10 @@ class SpeculativeLevel(ModelLevel):
         """One round: draft ``k`` tokens below (a chain, or a tree of depth ``k``), verify them here.
         Returns the emitted tokens and this level's distribution at each of them ([m+1, V])."""
         prefix = as_tokens(prefix)
-        draft = self.drafter.propose(prefix, k).head(k).stop_at(self.stop_tokens)  # a lower level may overshoot by one
+        if k == 0:  # γ 0: nothing drafted, the drafter not asked; the round samples one token from this level's forward
+            draft = Draft.empty(self.vocab_size, self.lm.device)
+        else:
+            draft = self.drafter.propose(prefix, k).head(k).stop_at(self.stop_tokens)  # a lower level may overshoot by one
         draft = draft.to(self.lm.device)  # the level below may sit on another device
         if draft.is_tree:
             logits = self.lm.tree_logits(prefix, draft)  # [k+1, V]
@@ -80,7 +85,8 @@ class SpeculativeLevel(ModelLevel):
             self.lm.accept_path(verdict.accepted)
         m = verdict.num_accepted
         self._count(len(draft), m)
-        self.drafter.observe(len(draft), m)
+        if k:
+            self.drafter.observe(len(draft), m)
         return [*draft.tokens[list(verdict.accepted)].tolist(), verdict.next_token], p[verdict.rows()]
 
     def _count(self, drafted: int, accepted: int) -> None:
@@ -110,8 +116,8 @@ def row_positions(start: int, draft: Draft) -> torch.Tensor:
 
 
 def _gamma(instance, attribute, value: int | None) -> None:
-    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-        raise SpecstackError(f"gamma {value!r} is not allowed; use an integer >= 1")
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+        raise SpecstackError(f"gamma {value!r} is not allowed; use an integer >= 1 (or 0 below the top level: that level drafts nothing and decodes alone)")
 
 
 @attrs.frozen(kw_only=True, eq=False)
@@ -346,6 +352,8 @@ def _check_levels(levels: Sequence[Level]) -> None:
             raise SpecstackError(f"level {index} has a drafter; only level 0 may be a model-free drafter")
         if index > 0 and level.gamma is None:
             raise SpecstackError(f"level {index} needs gamma (tokens drafted per round), an integer >= 1")
+        if index == len(levels) - 1 and level.gamma == 0:
+            raise SpecstackError(f"gamma 0 is not allowed at the top level {index}; use an integer >= 1 (a top level that drafts nothing is autoregressive decoding)")
         if level.vocab_size != levels[-1].vocab_size:
             raise SpecstackError(f"level {index} has vocabulary size {level.vocab_size} but the target has {levels[-1].vocab_size}; all levels must share one vocabulary")
         if level.model is not None:

@@ -49,7 +49,7 @@ def stack_cases(draw, *, temperatures=(0.0, 0.5, 1.0, 1.5), depths=(2, 3, 4)) ->
     return StackCase(
         vocab=vocab,
         depth=depth,
-        gammas=tuple(draw(st.integers(1, 6)) for _ in range(depth - 1)),
+        gammas=(*(draw(st.integers(0, 6)) for _ in range(depth - 2)), draw(st.integers(1, 6))),  # γ 0 below the top: that level decodes alone
         noises=tuple(draw(st.sampled_from([0.0, 0.3, 1.0, 3.0])) for _ in range(depth - 1)),
         lookup_base=draw(st.booleans()),
         streaming_base=draw(st.booleans()),

@@ -411,3 +411,47 @@ def test_a_priced_prompt_lookup_samples_from_the_target() -> None:
     drawn = [stack.generate(prompt, 3, reuse_cache=True).tokens for _ in range(SAMPLES)]
     assert lookup.stats.drafted > 0
     assert chi_square_pvalue(drawn, sequence_probabilities(target, prompt, 3, sampling)) > ALPHA
+
+
+def _idle_draft_stack(sampling=None, gamma1: int = 0) -> tuple[SpeculationStack, SyntheticLM]:
+    """Three levels whose middle one drafts nothing (γ1 = 0, unless asked otherwise): it decodes alone."""
+    from specstack import SamplingConfig
+
+    target = SyntheticLM(vocab_size=5, seed=4, sharpness=1.5)
+    middle = SyntheticLM(vocab_size=5, seed=5, base=target, noise=0.5)
+    small = SyntheticLM(vocab_size=5, seed=6, base=target, noise=1.0)
+    stack = SpeculationStack.build([Level(model=small, name="draft"), Level(model=middle, gamma=gamma1, name="middle"),
+                                    Level(model=target, gamma=3, name="target")], sampling=sampling or SamplingConfig(), seed=2)
+    return stack, target
+
+
+def test_a_middle_level_with_gamma_zero_decodes_alone_and_the_stack_stays_greedy() -> None:
+    stack, target = _idle_draft_stack()
+    result = stack.generate([1, 2, 3], 30)
+    assert list(result.tokens) == greedy_decode(target, [1, 2, 3], 30)
+    draft, middle, top = result.levels
+    assert draft.forward_calls == 0 and middle.drafted == 0  # the draft never ran, the middle level verified nothing
+    assert middle.rounds == middle.emitted == middle.forward_calls  # one forward, one token a round
+    assert top.drafted == middle.emitted  # rounds of one token leave no surplus: every token it emitted went up
+
+
+def test_a_middle_level_with_gamma_zero_samples_from_the_target() -> None:
+    """T = 1: chi-square against the exact distribution of 3-token continuations (test_distribution.py's method)."""
+    from specstack import SamplingConfig
+    from specstack.testing import ALPHA, stack_pvalue
+
+    sampling = SamplingConfig(temperature=1.0)
+    stack, target = _idle_draft_stack(sampling)
+    assert stack_pvalue(stack, target, sampling, [1, 2], length=3) > ALPHA
+
+
+def test_a_dear_draft_is_left_idle() -> None:
+    """The middle level's one-token forward costs 10, the draft 6 a token and it is accepted 0.3: a round of one
+    drafted token supplies one token for 6 + 10.5 = 16.5 against 10 alone, so γ1 = 0 (predicted by hand: a top
+    round of γ2 = 1 is 10 + 22 over E(0.8, 1) = 1.8 tokens, 20 / 17.78 = 1.125). A cheap draft is used."""
+    middle = {t: 10.0 + 0.5 * (t - 1) for t in range(1, 10)}
+    top = {t: 20.0 + 2.0 * (t - 1) for t in range(1, 10)}
+    gammas, speedup = autotune.best_gammas(6.0, [middle, top], [0.3, 0.8], 20.0, max_gamma=8)
+    assert gammas == (0, 1) and speedup == pytest.approx(20.0 / ((10.0 + 22.0) / 1.8))
+    assert autotune.best_gammas(0.1, [middle, top], [0.9, 0.8], 20.0, max_gamma=8)[0][0] >= 1
+    assert "; γ1=0: level 1 decodes alone, level 0 idles; predicted" in attrs.evolve(_tuning(2, acceptances=(0.3, 0.8)), gammas=(0, 1)).describe()

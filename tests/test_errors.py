@@ -17,7 +17,8 @@ target = SyntheticLM(vocab_size=6, seed=1, max_length=64)
     ("build", "message"),
     [
         (lambda: SpeculationStack.build([]), "a stack needs at least one level; got an empty list"),
-        (lambda: Level(model=target, gamma=0), "gamma 0 is not allowed; use an integer >= 1"),
+        (lambda: Level(model=target, gamma=-1), r"gamma -1 is not allowed; use an integer >= 1 \(or 0 below the top level"),
+        (lambda: SpeculationStack.build([Level(model=target), Level(model=target, gamma=0)]), "gamma 0 is not allowed at the top level 1"),
         (lambda: SpeculationStack.build([Level(model=target), Level(model=target)]), "level 1 needs gamma"),
         (lambda: SpeculationStack.build([Level(model=SyntheticLM(vocab_size=7)), Level(model=target, gamma=2)]),
          "level 0 has vocabulary size 7 but the target has 6"),

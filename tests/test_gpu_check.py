@@ -52,7 +52,7 @@ def test_more_acceptance_never_predicts_less(a: float, b: float, gamma: int) -> 
     assert s[0] <= s[1] * (1 + 1e-12)
 
 
-@pytest.mark.parametrize("bad", [dict(acceptance=1.5), dict(acceptance=-0.1), dict(gamma=0), dict(gamma=True), dict(gamma=2.0),
+@pytest.mark.parametrize("bad", [dict(acceptance=1.5), dict(acceptance=-0.1), dict(gamma=-1), dict(gamma=True), dict(gamma=2.0),
                                  dict(verify_cost=0.0), dict(verify_cost=-1.0), dict(verify_cost=math.nan), dict(verify_cost=math.inf)])
 def test_bad_level_costs_are_refused(bad: dict) -> None:
     with pytest.raises(SpecstackError, match="is not allowed"):
