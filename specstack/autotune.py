@@ -187,6 +187,7 @@ def tune(stack: SpeculationStack, prompt: Sequence[int], *, calibration_tokens: 
     if not levels:
         raise SpecstackError("gamma=auto needs a stack with at least one verifying level; 'autoregressive' has none")
     before = tuple(level.gamma for level in levels)
+    _set_gammas(levels, [max(gamma, 1) for gamma in before])  # a level at γ 0 drafts nothing: calibrate it at 1, so its acceptance is measured
     calibration = stack.generate(prompt, calibration_tokens, seed=seed, prefill_progress=prefill_progress, reuse_cache=reuse_cache)
     stats = calibration.levels  # bottom first: level 0, then one per verifying level
     acceptances = tuple(s.token_acceptance_rate for s in stats[1:])

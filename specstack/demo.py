@@ -56,7 +56,7 @@ class DemoRow:
     stack: str
     speedup: float
     ms_per_token: float
-    acceptance: dict[str, float]  # level name -> accepted / drafted tokens
+    acceptance: dict[str, float | None]  # level name -> accepted / drafted tokens (None: it drafted nothing)
     tokens_per_target_forward: float
     exactness: str
     identical: bool | None  # greedy runs only
@@ -129,7 +129,7 @@ def triforce_demo(args) -> int:
     print(f"prompt: {source}, {len(prompt)} tokens; {len(reference.tokens)} new tokens; temperature {sampling.temperature}{coupled}; {session.dtype}")
     print(f"autoregressive: {1e3 * reference.seconds / max(len(reference.tokens), 1):.1f} ms/token; {drift.describe()}")
     for row in rows:
-        accept = ", ".join(f"{name} {rate:.2f}" for name, rate in row.acceptance.items())
+        accept = ", ".join(f"{name} {rate:.2f}" if rate is not None else f"{name} none drafted" for name, rate in row.acceptance.items())
         gammas = f"; {row.tuning['description']}" if row.tuning else ""
         print(f"{row.stack}: {row.speedup:.2f}x ({row.ms_per_token:.1f} ms/token), {row.tokens_per_target_forward:.2f} tokens per target forward; acceptance {accept}{gammas}")
         print(f"  exactness: {row.exactness}")
@@ -192,7 +192,7 @@ def _demo_row(session, name: str, stack, tuning_mode: str | None, args, prompt: 
     return DemoRow(
         stack=name, speedup=measured_speedup(reference.seconds, len(reference.tokens), result.seconds, len(result.tokens)),
         ms_per_token=1e3 * result.seconds / max(len(result.tokens), 1),
-        acceptance={level.name: level.acceptance_rate for level in result.levels[1:]},
+        acceptance={level.name: level.as_dict()["acceptance_rate"] for level in result.levels[1:]},  # None: drafted nothing
         tokens_per_target_forward=len(result.tokens) / max(target.forward_calls, 1),
         exactness=_exactness(session, result, identical, replay), identical=identical,
         tuning=None if tuning is None else _tuning_record(tuning, retuner),

@@ -229,7 +229,7 @@ def summary(result: GenerationResult) -> str:
     lines = [f"{len(result.tokens)} tokens in {result.seconds:.2f} s ({result.tokens_per_second:.2f} tokens/s), prompt {result.prompt_length} tokens processed in {result.prefill_seconds:.2f} s"]
     for level in result.levels:
         ms = 1000 * level.forward_seconds / max(level.forward_calls, 1)
-        accept = f"acceptance {level.acceptance_rate:.3f} ({level.accepted}/{level.drafted})" if level.rounds else f"drafted {level.drafted}"
+        accept = f"acceptance {level.acceptance_rate:.3f} ({level.accepted}/{level.drafted})" if level.drafted else f"drafted {level.drafted}"
         cache = f", KV cache {level.cache_bytes / 2**20:.1f} MiB" if level.cache_bytes else ""
         lines.append(f"  {level.name:<20} {accept:<28} {level.forward_calls:>5} forwards, {ms:6.1f} ms each{cache}")
     return "\n".join(lines)

@@ -224,10 +224,12 @@ class LevelStats:
         return self.accepted / self.rounds if self.rounds else 0.0
 
     def as_dict(self) -> dict:
+        """The counters and rates; a level that drafted nothing (γ 0, or a lookup that never matched) has no
+        acceptance (None), not an acceptance of 0."""
         return {
             **attrs.asdict(self),
-            "acceptance_rate": self.acceptance_rate,
-            "token_acceptance_rate": self.token_acceptance_rate,
+            "acceptance_rate": self.acceptance_rate if self.drafted else None,
+            "token_acceptance_rate": self.token_acceptance_rate if self.examined else None,
             "mean_accepted_per_round": self.mean_accepted_per_round,
         }
 

@@ -455,3 +455,11 @@ def test_a_dear_draft_is_left_idle() -> None:
     assert gammas == (0, 1) and speedup == pytest.approx(20.0 / ((10.0 + 22.0) / 1.8))
     assert autotune.best_gammas(0.1, [middle, top], [0.9, 0.8], 20.0, max_gamma=8)[0][0] >= 1
     assert "; γ1=0: level 1 decodes alone, level 0 idles; predicted" in attrs.evolve(_tuning(2, acceptances=(0.3, 0.8)), gammas=(0, 1)).describe()
+
+
+def test_a_level_at_gamma_zero_is_calibrated_drafting(monkeypatch) -> None:
+    """With γ1 = 0 the middle level drafts nothing, so the calibration runs it at γ1 = 1 to measure its acceptance."""
+    stack, _ = _idle_draft_stack()
+    monkeypatch.setattr(autotune, "_verify_costs", lambda level, context, widths, repeats, seed: {t: 1.0 + 0.1 * t for t in widths})
+    tuning = autotune.tune(stack, [1, 2, 3], calibration_tokens=16, max_gamma=3)
+    assert tuning.before == (0, 3) and tuning.acceptances[0] > 0

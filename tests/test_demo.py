@@ -31,7 +31,9 @@ def test_demo_compares_triforce_and_the_fastest_stack_with_tuned_gammas(capsys, 
         assert row["speedup"] > 0 and row["tokens_per_target_forward"] >= 1
     triforce, merged = record["stacks"]
     assert set(triforce["acceptance"]) == {"target+retrieval", "target"}
-    assert len(triforce["tuning"]["gammas"]) == 2 and all(1 <= g <= 8 for g in triforce["tuning"]["gammas"])
+    gamma1, gamma2 = triforce["tuning"]["gammas"]
+    assert 0 <= gamma1 <= 8 and 1 <= gamma2 <= 8  # γ1 = 0: the retrieval level decodes alone
+    assert (triforce["acceptance"]["target+retrieval"] is None) == (gamma1 == 0)  # it drafted nothing: no acceptance
     assert set(merged["acceptance"]) == {"target"}
     assert merged["tuning"]["gammas"] == [6]  # a tree's depth (the chained head's five steps and the LM head) is kept
     assert record["text"].strip()
