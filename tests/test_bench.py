@@ -166,11 +166,19 @@ def test_a_yaml_grid_file(tmp_path) -> None:
     assert load_grid(path).context_lengths == (512,)
 
 
+def test_a_grid_may_give_a_middle_level_gamma_zero(tmp_path) -> None:
+    path = tmp_path / "grid.toml"
+    path.write_text('stacks = ["triforce"]\ngamma1s = [0, 2]\n')
+    assert load_grid(path).gamma1s == (0, 2)  # 0: the middle level drafts nothing and decodes alone
+
+
 @pytest.mark.parametrize(
     ("text", "message"),
     [
         ('stacks = ["naive"]\nbudget = [256]\n', "unknown grid key 'budget'"),
         ('stacks = ["naive"]\nbudgets = ["big"]\n', "grid key 'budgets' must be a non-empty list of integers >= 1"),
+        ('stacks = ["triforce"]\ngamma2s = [0, 6]\n', "grid key 'gamma2s' must be a non-empty list of integers >= 1"),
+        ('stacks = ["triforce"]\ngamma1s = [-1]\n', "grid key 'gamma1s' must be a non-empty list of integers >= 0"),
         ('stacks = ["naive"]\nmax_new_tokens = "lots"\n', "grid key 'max_new_tokens' must be an integer >= 1"),
         ('stacks = ["naive"]\ntasks = ["summaries"]\n', "unknown task 'summaries'; available: prose, needle"),
         ('stacks = ["naive"]\ntasks = ["needle:depth=2"]\n', "task option depth 2 is not allowed"),

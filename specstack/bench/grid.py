@@ -143,9 +143,9 @@ def _floats(value: Any) -> Any:
     return tuple(float(v) if _is_temperature(v) else v for v in value) if isinstance(value, tuple) else value
 
 
-def _option_axis():
-    """An option axis: unset (``None``, the recipes' defaults) or a non-empty list of integers >= 1."""
-    return attrs.field(default=None, converter=_as_tuple, validator=_axis("integers >= 1", _is_int(1)))
+def _option_axis(minimum: int = 1):
+    """An option axis: unset (``None``, the recipes' defaults) or a non-empty list of integers >= ``minimum``."""
+    return attrs.field(default=None, converter=_as_tuple, validator=_axis(f"integers >= {minimum}", _is_int(minimum)))
 
 
 @attrs.frozen(kw_only=True)
@@ -156,7 +156,7 @@ class Grid:
     budgets: tuple[int, ...] | None = _option_axis()
     chunk_sizes: tuple[int, ...] | None = _option_axis()
     gammas: tuple[int, ...] | None = _option_axis()
-    gamma1s: tuple[int, ...] | None = _option_axis()
+    gamma1s: tuple[int, ...] | None = _option_axis(minimum=0)  # a middle level's γ; 0: it drafts nothing and decodes alone
     gamma2s: tuple[int, ...] | None = _option_axis()
     trees: tuple[str, ...] | None = attrs.field(  # token-tree specs such as binary:3 (the sequoia plugin's stacks)
         default=None, converter=_as_tuple, validator=_axis("tree specs such as \"binary:3\"", lambda v: isinstance(v, str) and bool(v.strip())))
