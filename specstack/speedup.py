@@ -47,16 +47,18 @@ def _acceptance(instance, attribute, value: float) -> None:
         raise SpecstackError(f"{attribute.name} {value!r} is not allowed; use a rate in [0, 1]")
 
 
-def at_least_one(instance, attribute, value: int) -> None:
-    """attrs validator: an integer >= 1 (γ, a count)."""
-    if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
-        raise SpecstackError(f"{attribute.name} {value!r} is not allowed; use an integer >= 1")
+def _at_least(minimum: int):
+    """An attrs validator: an integer (not a bool) >= ``minimum``."""
+
+    def check(instance, attribute, value: int) -> None:
+        if not (isinstance(value, int) and not isinstance(value, bool) and value >= minimum):
+            raise SpecstackError(f"{attribute.name} {value!r} is not allowed; use an integer >= {minimum}")
+
+    return check
 
 
-def at_least_zero(instance, attribute, value: int) -> None:
-    """attrs validator: an integer >= 0 (a level's γ, 0 where it drafts nothing)."""
-    if not (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
-        raise SpecstackError(f"{attribute.name} {value!r} is not allowed; use an integer >= 0")
+at_least_one = _at_least(1)  # γ, a count
+at_least_zero = _at_least(0)  # a level's γ, 0 where it drafts nothing
 
 
 def _cost(instance, attribute, value: float) -> None:

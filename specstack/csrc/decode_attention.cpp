@@ -905,6 +905,7 @@ struct Own {
     int64_t past;
     int t;
 };
+constexpr Own NO_OWN_KEYS{INT64_MAX, 1};  // a range without the new tokens' keys: fold_range never masks it
 
 // Each row's scores of the own keys it does not see, among a block's len keys from key b, become -inf: as if the keys
 // were not there (they weigh exactly nothing, and a block or range a row sees nothing of leaves its sums as they were).
@@ -1052,7 +1053,7 @@ void fold_path(const float *q, int rows, int t, int u, int d, const char *k, con
                 mu[j] = ms[j * t + u], lu[j] = ls[j * t + u], memcpy(au + (size_t)j * d, as + (size_t)(j * t + u) * d, sizeof(float) * d);
         }
         // the gathered keys counted from `from`, a multiple of BLOCK: the blocks fall where the step's do
-        fold_range(qu, g, d, keys, values, bf16, lo - from, hi - from, scratch, mu, lu, au, Columns{}, false, 0, Own{INT64_MAX, 1});
+        fold_range(qu, g, d, keys, values, bf16, lo - from, hi - from, scratch, mu, lu, au, Columns{}, false, 0, NO_OWN_KEYS);
         for (int j = 0; j < g; ++j)
             ms[j * t + u] = mu[j], ls[j * t + u] = lu[j], memcpy(as + (size_t)(j * t + u) * d, au + (size_t)j * d, sizeof(float) * d);
     }
