@@ -5,7 +5,9 @@ hierarchy; Sequoia (Chen et al., 2024) does the same for tree sizes against a ha
 :func:`tune` does it for chains of any depth:
 
 1. a short calibration generation with the stack's current γ measures each verifying level's
-   per-token acceptance α_i (``LevelStats.token_acceptance_rate``) and the drafter's cost per token;
+   per-token acceptance α_i (``LevelStats.token_acceptance_rate``), its rounds' time outside forwards
+   (``LevelStats.bookkeeping_seconds``: sampling, verification), a gathering level's re-gathers per emitted
+   token (``LevelStats.gather_seconds``) and the drafter's cost per token;
 2. each verifying level's forward is timed at T = 1 … γ_max + 1 tokens over a cache as long as the
    one it will hold (random keys and values: the cost does not depend on them), and level 0's drafter is
    told the first level's costs (``Drafter.price``): one that then chooses each draft's length itself
@@ -63,8 +65,8 @@ class TreeRound:
             return cls(depth=depth, emitted=1.0, width=depth + 1)
         return cls(depth=depth, emitted=stats.emitted / stats.rounds, width=round(stats.forward_tokens / stats.forward_calls))  # every forward feeds a token at least
 
-    def cost(self, verify_costs: dict[int, float]) -> MeasuredLevelCost:
-        return MeasuredLevelCost(emitted=self.emitted, drafts=self.depth, verify_cost=verify_costs[self.width])
+    def cost(self, verify_costs: dict[int, float], round_overhead: float = 0.0) -> MeasuredLevelCost:
+        return MeasuredLevelCost(emitted=self.emitted, drafts=self.depth, verify_cost=verify_costs[self.width], round_overhead=round_overhead)
 
 
 @attrs.frozen(kw_only=True)
@@ -81,11 +83,14 @@ class Tuning:
     max_gamma: int  # the longest chain γ priced (verify_costs hold forwards up to max_gamma + 1 tokens)
     fixed: tuple[TreeRound | None, ...]  # per verifying level: a tree, kept and priced as measured; None: a chain, tuned
     priced: bool = False  # level 0 was told the first level's costs and chooses each draft's length (Drafter.price)
+    overheads: tuple[float, ...] = ()  # per verifying level: seconds a round spends outside forwards (LevelStats.bookkeeping_seconds a round); () none
+    gather_cost: float = 0.0  # seconds of re-gathers per emitted token (LevelStats.gather_seconds over the tokens)
 
     def choose(self, acceptances: Sequence[float]) -> tuple[tuple[int, ...], float]:
         """The best γ per level for ``acceptances`` at the measured costs, and its predicted speedup (for drafts
         of the full γ). Where level 0 chooses each chain's length itself, the first level's γ is max_gamma, a cap."""
-        gammas, speedup = best_gammas(self.draft_cost, self.verify_costs, acceptances, self.verify_costs[-1][1], self.max_gamma, self.fixed)
+        gammas, speedup = best_gammas(self.draft_cost, self.verify_costs, acceptances, self.verify_costs[-1][1], self.max_gamma, self.fixed,
+                                      self.overheads, self.gather_cost)
         return ((self.max_gamma, *gammas[1:]) if self.priced and self.fixed[0] is None else gammas), speedup
 
     def describe(self) -> str:
@@ -100,7 +105,9 @@ class Tuning:
         unpriced = " from the calibration's unpriced rounds" if tree else " had every draft been the formula's best γ1"
         predicted = f"{self.predicted_speedup:.2f}x" + (unpriced if self.priced else "")
         idle = "".join(f"; γ{i + 1}=0: level {i + 1} decodes alone, level {i} idles" for i, g in enumerate(self.gammas) if g == 0)
-        chosen = f"gamma=auto chose {gammas} (acceptance {accept} over {self.calibration_tokens} calibration tokens{trees}{priced}{idle}; predicted {predicted})"
+        bookkeeping = f", a round's bookkeeping {', '.join(f'{1e3 * o:.1f}' for o in self.overheads)} ms" if self.overheads else ""
+        bookkeeping += f", re-gathers {1e3 * self.gather_cost:.2f} ms a token" if self.gather_cost else ""
+        chosen = f"gamma=auto chose {gammas} (acceptance {accept} over {self.calibration_tokens} calibration tokens{bookkeeping}{trees}{priced}{idle}; predicted {predicted})"
         if self.predicted_speedup >= 1.0 or self.priced:  # a priced drafter drafts only what pays: the formula does not bound it
             return chosen
         return f"{chosen}; no γ up to {self.max_gamma} is predicted to beat autoregressive decoding at this acceptance and these forward costs"
@@ -158,21 +165,24 @@ def verifying_levels(stack: SpeculationStack) -> list[SpeculativeLevel]:
     return levels[::-1]
 
 
-def best_gammas(draft_cost: float, verify_costs: Sequence[dict[int, float]], acceptances: Sequence[float],
-                autoregressive_cost: float, max_gamma: int, fixed: Sequence[TreeRound | None] = ()) -> tuple[tuple[int, ...], float]:
+def best_gammas(draft_cost: float, verify_costs: Sequence[dict[int, float]], acceptances: Sequence[float], autoregressive_cost: float,
+                max_gamma: int, fixed: Sequence[TreeRound | None] = (), overheads: Sequence[float] = (), gather_cost: float = 0.0) -> tuple[tuple[int, ...], float]:
     """The γ per level (each 1 … ``max_gamma``, 0 too below the top; a tree's depth where ``fixed[i]`` gives its measured
     rounds) that maximises the predicted speedup, and that speedup. A level below the top is priced by
     what it supplies the level above (:meth:`specstack.speedup.LevelCost.supply`), so a γ longer than
     the one above it predicts the same as that one (it is never drafted as such) and the shorter wins;
-    it may also get γ 0, drafting nothing and decoding alone, where its drafter costs more than it saves."""
+    it may also get γ 0, drafting nothing and decoding alone, where its drafter costs more than it saves.
+    ``overheads[i]``: seconds each round of level i spends outside forwards (none where not given); ``gather_cost``:
+    seconds each emitted token costs in re-gathers."""
     fixed = tuple(fixed) or (None,) * len(verify_costs)
+    overheads = tuple(overheads) or (0.0,) * len(verify_costs)
     lowest = [0] * (len(fixed) - 1) + [1]  # below the top a level may draft nothing and decode alone (γ 0)
     choices = [range(low, max_gamma + 1) if tree is None else (tree.depth,) for low, tree in zip(lowest, fixed)]
     best: tuple[tuple[int, ...], float] | None = None
     for gammas in itertools.product(*choices):
-        levels = [LevelCost(acceptance=a, gamma=g, verify_cost=costs[g + 1], forward_costs=costs) if tree is None else tree.cost(costs)
-                  for a, g, costs, tree in zip(acceptances, gammas, verify_costs, fixed)]
-        speedup = StackCost(draft_cost=draft_cost, levels=levels, autoregressive_cost=autoregressive_cost).speedup
+        levels = [LevelCost(acceptance=a, gamma=g, verify_cost=costs[g + 1], forward_costs=costs, round_overhead=o) if tree is None else tree.cost(costs, o)
+                  for a, g, costs, tree, o in zip(acceptances, gammas, verify_costs, fixed, overheads)]
+        speedup = StackCost(draft_cost=draft_cost, levels=levels, autoregressive_cost=autoregressive_cost, token_overhead=gather_cost).speedup
         if best is None or speedup > best[1] + 1e-12:
             best = (gammas, speedup)
     return best
@@ -188,20 +198,53 @@ def tune(stack: SpeculationStack, prompt: Sequence[int], *, calibration_tokens: 
         raise SpecstackError("gamma=auto needs a stack with at least one verifying level; 'autoregressive' has none")
     before = tuple(level.gamma for level in levels)
     _set_gammas(levels, [max(gamma, 1) for gamma in before])  # a level at γ 0 drafts nothing: calibrate it at 1, so its acceptance is measured
-    calibration = stack.generate(prompt, calibration_tokens, seed=seed, prefill_progress=prefill_progress, reuse_cache=reuse_cache)
+    first_round = _Snapshot(stack)
+    calibration = stack.generate(prompt, calibration_tokens, seed=seed, prefill_progress=prefill_progress, reuse_cache=reuse_cache, after_round=first_round)
     stats = calibration.levels  # bottom first: level 0, then one per verifying level
     acceptances = tuple(s.token_acceptance_rate for s in stats[1:])
     draft_cost = _draft_cost(levels[0].drafter, stats[0])
     fixed = tuple(TreeRound.measured(s, level.gamma) if _verifies_trees(level) else None  # a tree's shape stays
                   for level, s in zip(levels, stats[1:]))
+    overheads, gather_cost = first_round.bookkeeping_since()[1:], first_round.gathers_since(len(calibration.tokens))
     costs = tuple(_verify_costs(level, len(prompt), _widths(tree, max_gamma, priced=i == 0), repeats, seed)
                   for i, (level, tree) in enumerate(zip(levels, fixed)))
-    priced = levels[0].drafter.price([costs[0][t] for t in range(1, max_gamma + 2)])
-    tuning = Tuning(gammas=before, before=before, acceptances=acceptances, draft_cost=draft_cost, verify_costs=costs,
-                    predicted_speedup=0.0, calibration_tokens=len(calibration.tokens), max_gamma=max_gamma, fixed=fixed, priced=priced)
+    priced = levels[0].drafter.price([costs[0][t] + overheads[0] for t in range(1, max_gamma + 2)])  # a round's: its forward and its bookkeeping
+    tuning = Tuning(gammas=before, before=before, acceptances=acceptances, draft_cost=draft_cost, verify_costs=costs, predicted_speedup=0.0,
+                    calibration_tokens=len(calibration.tokens), max_gamma=max_gamma, fixed=fixed, priced=priced, overheads=overheads,
+                    gather_cost=gather_cost)
     gammas, speedup = tuning.choose(acceptances)
     _set_gammas(levels, gammas)
     return attrs.evolve(tuning, gammas=gammas, predicted_speedup=speedup)
+
+
+@attrs.define(eq=False)
+class _Snapshot:
+    """An ``after_round`` callback that keeps every level's counters after the stack's first step (the top level's
+    first γ tokens), so that the bookkeeping a round is measured over the rounds after it: a new stack's first step pays one-time work
+    (its first gather computes the mean key of every chunk of the context), 4.1 and 8.0 ms a round over a
+    32-token calibration where the runs that followed measured 2.0 and 3.1."""
+
+    stack: SpeculationStack
+    first: list[LevelStats] | None = None
+    emitted: int = 0  # tokens emitted by the first step
+
+    def __call__(self, emitted: int) -> None:
+        if self.first is None:
+            self.first, self.emitted = [attrs.evolve(stats) for stats in self.stack.top.level_stats()], emitted
+
+    def gathers_since(self, emitted: int) -> float:
+        """Seconds of re-gathers (every level's) per token emitted since the first step, of ``emitted`` in all; 0 where none followed it."""
+        if self.first is None or emitted <= self.emitted:
+            return 0.0
+        now = self.stack.top.level_stats()
+        return sum(after.gather_seconds - before.gather_seconds for after, before in zip(now, self.first)) / (emitted - self.emitted)
+
+    def bookkeeping_since(self) -> tuple[float, ...]:
+        """Per level (bottom first): seconds of bookkeeping a round since the first step, 0 where no round followed it."""
+        now = self.stack.top.level_stats()
+        first = self.first or now
+        return tuple((after.bookkeeping_seconds - before.bookkeeping_seconds) / (after.rounds - before.rounds) if after.rounds > before.rounds else 0.0
+                     for after, before in zip(now, first))
 
 
 def _set_gammas(levels: Sequence[SpeculativeLevel], gammas: Sequence[int]) -> None:

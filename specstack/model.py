@@ -255,11 +255,13 @@ class CachedModel:
         refresh = self.policy.needs_refresh(appended, self._acceptance) and self.channel.caught_up(context)
         if not (stale or out_of_room or refresh):
             return
-        horizon = self.channel.horizon(context)
+        horizon = self.channel.horizon(context)  # may run the full-cache level's forward (counted there) at the prompt
+        began = time.perf_counter()
         slots = self.channel.gather(self.policy, horizon)
         self.channel.copy_into(self.cache, slots, horizon)
         self._fed.become(context[:horizon])
         self.stats.gathers += 1
+        self.stats.gather_seconds += time.perf_counter() - began
 
     def _chunk(self, remaining: int) -> int:
         if len(self.cache) + remaining <= self.capacity:

@@ -27,6 +27,13 @@ at (γ t_0 + c) / E per token instead, as if everything it emitted were used, ov
 level with γ = 1 each middle round supplies one token whatever its acceptance. For TriForce that is
 L0 the draft, L1 the target over the retrieval view (acceptance β of the draft, γ1), L2 the target
 over the full cache (acceptance α of L1, γ2).
+
+A round also costs its level time outside forwards: sampling and verifying its rows, level 0's
+drafting beyond its forwards. Given as ``round_overhead`` o (the tuner measures it,
+``LevelStats.bookkeeping_seconds`` a round), it is added to c(k + 1) wherever a round is priced. A
+gathering level (TriForce's retrieval view) re-gathers every ``stride`` tokens the stack emits, whatever
+γ: that is ``token_overhead`` g, added to every emitted token, t = t_n + g. Both are 0 by default. The
+autoregressive token c_ar is its forward alone.
 """
 
 from __future__ import annotations
@@ -64,6 +71,11 @@ at_least_zero = _at_least(0)  # a level's γ, 0 where it drafts nothing
 def _cost(instance, attribute, value: float) -> None:
     if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
         raise SpecstackError(f"{attribute.name} {value!r} is not allowed; use a finite cost > 0")
+
+
+def _overhead(instance, attribute, value: float) -> None:
+    if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+        raise SpecstackError(f"{attribute.name} {value!r} is not allowed; use a finite number of seconds >= 0")
 
 
 def expected_emitted(acceptance: float, gamma: int) -> float:
@@ -132,16 +144,17 @@ class LevelCost:
     gamma: int = attrs.field(validator=at_least_zero)  # 0: the level drafts nothing, one forward of one token a round
     verify_cost: float = attrs.field(validator=_cost)  # c(γ + 1), seconds (or any unit, used consistently)
     forward_costs: Mapping[int, float] = attrs.field(factory=dict, converter=dict, eq=False)
+    round_overhead: float = attrs.field(default=0.0, validator=_overhead)  # o: a round's seconds outside forwards
 
     def forward_cost(self, tokens: int) -> float:
         return self.verify_cost if tokens == self.gamma + 1 else self.forward_costs.get(tokens, self.verify_cost)
 
     def round_seconds(self, k: int, below: Supply) -> float:
-        """D(k) + c(k + 1): k tokens drafted below, then verified in one forward."""
-        return below(k) + self.forward_cost(k + 1)
+        """D(k) + c(k + 1) + o: k tokens drafted below, verified in one forward, and the round's bookkeeping."""
+        return below(k) + self.forward_cost(k + 1) + self.round_overhead
 
     def time_per_token(self, below: Supply) -> float:
-        """t = (D(γ) + c(γ + 1)) / E(α, γ): the top level's seconds per emitted token."""
+        """t = (D(γ) + c(γ + 1) + o) / E(α, γ): the top level's seconds per emitted token."""
         return self.round_seconds(self.gamma, below) / expected_emitted(self.acceptance, self.gamma)
 
     def supply(self, wanted: int, below: Supply) -> float:
@@ -167,7 +180,7 @@ class MeasuredLevelCost:
     ``emitted`` tokens on average (measured), costs ``drafts`` tokens' worth of its drafter's time
     (the tree's depth: one draft step per layer of the tree) and one forward of the tree, ``verify_cost``:
 
-        t = (D(drafts) + c_v) / emitted.
+        t = (D(drafts) + c_v + o) / emitted.
 
     Below another level it supplies ``wanted`` tokens in about wanted / emitted rounds, at least one
     (the calibration measured the mean a round emits, not its distribution)."""
@@ -175,9 +188,10 @@ class MeasuredLevelCost:
     emitted: float = attrs.field(validator=_emitted)
     drafts: int = attrs.field(validator=at_least_one)
     verify_cost: float = attrs.field(validator=_cost)
+    round_overhead: float = attrs.field(default=0.0, validator=_overhead)  # o: a round's seconds outside forwards
 
     def round_seconds(self, below: Supply) -> float:
-        return below(self.drafts) + self.verify_cost
+        return below(self.drafts) + self.verify_cost + self.round_overhead
 
     def time_per_token(self, below: Supply) -> float:
         return self.round_seconds(below) / self.emitted
@@ -193,6 +207,7 @@ class StackCost:
     draft_cost: float = attrs.field(validator=_cost)  # t_0
     levels: tuple[LevelCost | MeasuredLevelCost, ...] = attrs.field(converter=tuple)
     autoregressive_cost: float = attrs.field(validator=_cost)  # c_ar
+    token_overhead: float = attrs.field(default=0.0, validator=_overhead)  # g: seconds an emitted token costs beyond its rounds (re-gathers)
 
     @levels.validator
     def _levels(self, attribute, value: tuple[LevelCost | MeasuredLevelCost, ...]) -> None:
@@ -200,11 +215,12 @@ class StackCost:
             raise SpecstackError(f"levels {value!r} is not allowed; give at least one LevelCost or MeasuredLevelCost, bottom first")
 
     def time_per_token(self) -> float:
-        """t_n: the top level's time per emitted token, each level below supplying what the one above drafts."""
+        """t_n + g: the top level's time per emitted token, each level below supplying what the one above drafts,
+        and what every emitted token costs beyond its rounds."""
         below = drafted_at(self.draft_cost)
         for level in self.levels[:-1]:
             below = functools.partial(level.supply, below=below)
-        return self.levels[-1].time_per_token(below)
+        return self.levels[-1].time_per_token(below) + self.token_overhead
 
     @property
     def speedup(self) -> float:

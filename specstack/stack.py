@@ -68,6 +68,7 @@ class SpeculativeLevel(ModelLevel):
         """One round: draft ``k`` tokens below (a chain, or a tree of depth ``k``), verify them here.
         Returns the emitted tokens and this level's distribution at each of them ([m+1, V])."""
         prefix = as_tokens(prefix)
+        began, accounted = time.perf_counter(), self._accounted()
         if k == 0:  # γ 0: nothing drafted, the drafter not asked; the round samples one token from this level's forward
             draft = Draft.empty(self.vocab_size, self.lm.device)
         else:
@@ -84,13 +85,19 @@ class SpeculativeLevel(ModelLevel):
         if draft.is_tree:
             self.lm.accept_path(verdict.accepted)
         m = verdict.num_accepted
-        self._count(len(draft), m)
         if k:
             self.drafter.observe(len(draft), m)
-        return [*draft.tokens[list(verdict.accepted)].tolist(), verdict.next_token], p[verdict.rows()]
+        emitted, rows = [*draft.tokens[list(verdict.accepted)].tolist(), verdict.next_token], p[verdict.rows()]
+        self._count(len(draft), m, bookkeeping=time.perf_counter() - began - (self._accounted() - accounted))
+        return emitted, rows
 
-    def _count(self, drafted: int, accepted: int) -> None:
+    def _accounted(self) -> float:
+        """Seconds already counted at or below this level: every forward and gather, and the bookkeeping of the verifying levels below."""
+        return sum(stats.forward_seconds + stats.gather_seconds + stats.bookkeeping_seconds for stats in self.level_stats())
+
+    def _count(self, drafted: int, accepted: int, bookkeeping: float) -> None:
         stats = self.lm.stats
+        stats.bookkeeping_seconds += bookkeeping
         stats.rounds += 1
         stats.drafted += drafted
         stats.accepted += accepted

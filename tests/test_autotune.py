@@ -116,7 +116,8 @@ def test_tune_sets_the_chosen_gammas_on_the_levels_and_stays_lossless(monkeypatc
     assert tuning.gammas == tuple(level.gamma for level in levels)
     assert all(1 <= g <= 5 for g in tuning.gammas)
     assert 0 < tuning.acceptances[0] <= 1 and 0 < tuning.acceptances[1] <= 1
-    expected, speedup = autotune.best_gammas(tuning.draft_cost, tuning.verify_costs, tuning.acceptances, 1.0, 5)
+    assert len(tuning.overheads) == 2 and all(o > 0 for o in tuning.overheads)  # each round's sampling and verification, measured
+    expected, speedup = autotune.best_gammas(tuning.draft_cost, tuning.verify_costs, tuning.acceptances, 1.0, 5, overheads=tuning.overheads)
     assert tuning.gammas == expected and tuning.predicted_speedup == pytest.approx(speedup)
     assert "gamma=auto chose" in tuning.describe()
     result = stack.generate(prompt, 30)
@@ -178,7 +179,9 @@ def test_a_tree_level_is_priced_by_what_its_calibration_rounds_emitted_and_fed(m
     assert tree.emitted == pytest.approx(stats.emitted / stats.rounds) and tree.emitted > 1
     assert tree.width == round(stats.forward_tokens / stats.forward_calls) > tree.depth + 1  # its nodes and the token before them
     assert timed == [tuple(sorted({1, 2, 3, tree.width}))]  # 1 … max_gamma + 1 tokens for the drafter's prices, and the tree's width
-    round_seconds = tree.depth * tuning.draft_cost + (1.0 + 0.1 * tree.width)
+    (overhead,) = tuning.overheads
+    assert 0 < overhead < 3 * stats.bookkeeping_seconds / stats.rounds
+    round_seconds = tree.depth * tuning.draft_cost + (1.0 + 0.1 * tree.width) + overhead
     assert tuning.predicted_speedup == pytest.approx(1.1 / (round_seconds / tree.emitted))
 
 
@@ -202,6 +205,7 @@ def test_the_description_says_when_no_gamma_is_predicted_to_win() -> None:
     assert losing.describe().endswith("predicted 0.42x); no γ up to 6 is predicted to beat autoregressive decoding at this acceptance and these forward costs")
     tree = attrs.evolve(winning, fixed=(autotune.TreeRound(depth=6, emitted=3.25, width=9),))
     assert tree.describe().endswith("calibration tokens; γ1 kept: a tree emitting 3.25 tokens a round, forwards of 9 tokens; predicted 1.00x)")
+    assert "over 8 calibration tokens, a round's bookkeeping 1.5 ms; predicted" in attrs.evolve(winning, overheads=(0.0015,)).describe()
 
 
 def _tuning(levels: int, *, acceptances: tuple[float, ...], max_gamma: int = 6) -> autotune.Tuning:
@@ -463,3 +467,132 @@ def test_a_level_at_gamma_zero_is_calibrated_drafting(monkeypatch) -> None:
     monkeypatch.setattr(autotune, "_verify_costs", lambda level, context, widths, repeats, seed: {t: 1.0 + 0.1 * t for t in widths})
     tuning = autotune.tune(stack, [1, 2, 3], calibration_tokens=16, max_gamma=3)
     assert tuning.before == (0, 3) and tuning.acceptances[0] > 0
+
+
+def _slowed(monkeypatch, obj, name: str, seconds: float) -> None:
+    """Make ``obj.name`` (a method; ``obj``'s alone, though set on its class) sleep ``seconds`` before doing its work."""
+    import time
+
+    original = getattr(type(obj), name)
+
+    def slowed(self, *args, **kw):
+        if self is obj:
+            time.sleep(seconds)
+        return original(self, *args, **kw)
+
+    monkeypatch.setattr(type(obj), name, slowed)
+
+
+def test_each_level_counts_its_own_bookkeeping(monkeypatch) -> None:
+    """A round's time outside forwards is its level's alone: the middle level's slow verification shows in the
+    middle level's bookkeeping, not the target's; the draft's slow forwards in its forward seconds, in no level's
+    bookkeeping. Forwards and bookkeeping are disjoint parts of the generation's time. (Counting the level below
+    as this level's bookkeeping, or a level's own forwards, fails it.)"""
+    stack, _ = _three_levels()
+    middle, _ = autotune.verifying_levels(stack)
+    draft = middle.drafter
+    _slowed(monkeypatch, middle.verifier, "verify", 0.004)
+    _slowed(monkeypatch, draft.lm.model, "forward", 0.003)
+    result = stack.generate(list(range(1, 12)), 24)
+    low, mid, top = result.levels
+    assert low.bookkeeping_seconds == 0 and low.forward_seconds >= 0.003 * low.forward_calls
+    assert mid.bookkeeping_seconds >= 0.004 * mid.rounds > 0
+    assert top.bookkeeping_seconds < 0.004 * mid.rounds / 2  # the target's own sampling and verification only
+    spent = sum(level.forward_seconds + level.bookkeeping_seconds for level in result.levels)
+    assert spent <= result.seconds
+
+
+def test_a_rounds_bookkeeping_is_priced_with_its_forward() -> None:
+    """o is added to every round: by hand, t = (D(γ) + c(γ+1) + o) / E and S(1) = D(1) + c(2) + o + (1 − β) S(0)."""
+    from specstack.speedup import drafted_at, expected_emitted
+
+    top = LevelCost(acceptance=0.5, gamma=2, verify_cost=1.0, round_overhead=0.5)
+    assert top.time_per_token(drafted_at(0.1)) == pytest.approx((0.2 + 1.0 + 0.5) / expected_emitted(0.5, 2))
+    middle = LevelCost(acceptance=0.4, gamma=1, verify_cost=2.0, round_overhead=0.25)
+    assert middle.supply(1, drafted_at(0.1)) == pytest.approx(0.1 + 2.0 + 0.25)
+    with pytest.raises(SpecstackError, match=r"round_overhead -0.1 is not allowed; use a finite number of seconds >= 0"):
+        LevelCost(acceptance=0.5, gamma=2, verify_cost=1.0, round_overhead=-0.1)
+
+
+def test_a_dear_round_chooses_a_longer_draft() -> None:
+    """Bookkeeping paid once a round makes rounds dear, so the tuner drafts more a round. By hand, forwards of
+    1 + 0.3 T, α = 0.6, t_d = 0.05: with o = 0, t(1) = 1.65 / 1.6 = 1.031, t(2) = 2.0 / 1.96 = 1.020 (best),
+    t(3) = 2.35 / 2.176 = 1.080; with o = 3, t(2) = 5.0 / 1.96 = 2.551, t(3) = 5.35 / 2.176 = 2.459 (best),
+    t(4) = 5.7 / 2.3056 = 2.472."""
+    costs = {t: 1.0 + 0.3 * t for t in range(1, 10)}
+    assert autotune.best_gammas(0.05, [costs], [0.6], 1.3, max_gamma=8)[0] == (2,)
+    gammas, speedup = autotune.best_gammas(0.05, [costs], [0.6], 1.3, max_gamma=8, overheads=[3.0])
+    assert gammas == (3,) and speedup == pytest.approx(1.3 / (5.35 / 2.176))
+
+
+def test_a_rounds_bookkeeping_is_measured_after_the_first_step(monkeypatch) -> None:
+    """One-time work in the calibration's first step (a new stack's first gather computes every chunk's mean key)
+    is not a round's cost: a verifier whose first call sleeps 0.2 s leaves the measured bookkeeping a round well
+    below it (averaged over every round, 24 tokens in at most 24 rounds, it would be at least 8 ms)."""
+    import time
+
+    stack, _ = _two_levels()
+    (level,) = autotune.verifying_levels(stack)
+    calls = []
+    original = type(level.verifier).verify
+
+    def first_slow(self, *args, **kw):
+        if self is level.verifier and not calls:
+            time.sleep(0.2)
+        calls.append(1)
+        return original(self, *args, **kw)
+
+    monkeypatch.setattr(type(level.verifier), "verify", first_slow)
+    monkeypatch.setattr(autotune, "_verify_costs", lambda level, context, widths, repeats, seed: {t: 1.0 + 0.1 * t for t in widths})
+    tuning = autotune.tune(stack, [1, 2, 3], calibration_tokens=24, max_gamma=3)
+    assert len(calls) > 2 and level.lm.stats.bookkeeping_seconds >= 0.2
+    assert 0 < tuning.overheads[0] < 0.004
+
+
+def _retrieval_stack() -> tuple[SpeculationStack, SyntheticLM]:
+    """TriForce's shape on synthetic models: a draft, the target over a retrieval view, the target over its full cache."""
+    from specstack.retrieval import Retrieval
+
+    target = SyntheticLM(vocab_size=16, seed=1, sharpness=3.0)
+    small = SyntheticLM(vocab_size=16, seed=3, base=target, noise=0.8)
+    stack = SpeculationStack.build([
+        Level(model=small, policy=StreamingLLM(sinks=2, window=8), name="draft"),
+        Level(model=target, policy=Retrieval(budget=32, chunk_size=8, stride=4, reserve=8), gamma=1, name="view"),
+        Level(model=target, gamma=2, name="target"),
+    ])
+    return stack, target
+
+
+def test_gathers_are_timed_apart_and_priced_per_token(monkeypatch) -> None:
+    """A gathering level's re-gathers are timed as its own (``gather_seconds``), in no level's bookkeeping, and the
+    tuner prices them per emitted token: they come every ``stride`` tokens whatever γ. With each gather slowed by
+    30 ms, the calibration's gather cost a token is at least 30 ms over 8 tokens: a gather comes at the first full-cache
+    round after ``stride`` (4) appended tokens, and a round of the calibration's γ2 = 2 emits at most 3."""
+    from specstack.retrieval import Retrieval
+
+    stack, target = _retrieval_stack()
+    _slowed(monkeypatch, stack.top.drafter.lm.policy, "gather_chunks", 0.03)
+    prompt = list(range(1, 15)) * 4
+    result = stack.generate(prompt, 24)
+    _, view, top = result.levels
+    assert view.gathers > 2 and view.gather_seconds >= 0.03 * view.gathers
+    assert view.bookkeeping_seconds + top.bookkeeping_seconds < 0.03 * view.gathers / 2
+    assert sum(level.forward_seconds + level.gather_seconds + level.bookkeeping_seconds for level in result.levels) <= result.seconds
+    assert list(result.tokens) == greedy_decode(target, prompt, 24)
+    monkeypatch.setattr(autotune, "_verify_costs", lambda level, context, widths, repeats, seed: {t: 0.01 for t in widths})
+    tuning = autotune.tune(stack, prompt, calibration_tokens=24, max_gamma=3)
+    assert 0.03 / 8 <= tuning.gather_cost < 0.03 * 2 and f"re-gathers {1e3 * tuning.gather_cost:.2f} ms a token" in tuning.describe()
+    assert isinstance(stack.top.drafter.lm.policy, Retrieval)
+
+
+def test_a_tokens_gathers_are_priced_by_hand() -> None:
+    """t = t_n + g: one level, t_d = 0.1, forwards of 1, α = 0.5, γ = 2: t_n = 1.2 / 1.75; g = 0.25 a token."""
+    from specstack.speedup import StackCost
+
+    level = LevelCost(acceptance=0.5, gamma=2, verify_cost=1.0)
+    cost = StackCost(draft_cost=0.1, levels=[level], autoregressive_cost=1.0, token_overhead=0.25)
+    assert cost.speedup == pytest.approx(1.0 / (1.2 / 1.75 + 0.25))
+    gammas, speedup = autotune.best_gammas(0.1, [{t: 1.0 for t in range(1, 10)}], [0.5], 1.0, max_gamma=8, gather_cost=0.25)
+    assert gammas == (2,) and speedup == pytest.approx(cost.speedup)
+    with pytest.raises(SpecstackError, match="token_overhead -1 is not allowed"):
+        StackCost(draft_cost=0.1, levels=[level], autoregressive_cost=1.0, token_overhead=-1)

@@ -28,7 +28,7 @@ SCALARS = (
 )
 LEGEND_ROWS = 24  # legend entries per column under a plot
 LEVEL_FIELDS = ("name", "rounds", "drafted", "accepted", "rejected", "acceptance_rate", "token_acceptance_rate", "mean_accepted_per_round",
-                "forward_calls", "forward_seconds", "gathers")
+                "forward_calls", "forward_seconds", "bookkeeping_seconds", "gathers", "gather_seconds")
 
 
 # -- records ------------------------------------------------------------------------------------
