@@ -198,14 +198,16 @@ def tune(stack: SpeculationStack, prompt: Sequence[int], *, calibration_tokens: 
         raise SpecstackError("gamma=auto needs a stack with at least one verifying level; 'autoregressive' has none")
     before = tuple(level.gamma for level in levels)
     _set_gammas(levels, [max(gamma, 1) for gamma in before])  # a level at γ 0 drafts nothing: calibrate it at 1, so its acceptance is measured
-    first_round = _Snapshot(stack)
-    calibration = stack.generate(prompt, calibration_tokens, seed=seed, prefill_progress=prefill_progress, reuse_cache=reuse_cache, after_round=first_round)
+    first_step = _FirstStep(stack)
+    calibration = stack.generate(prompt, calibration_tokens, seed=seed, prefill_progress=prefill_progress, reuse_cache=reuse_cache, after_round=first_step)
     stats = calibration.levels  # bottom first: level 0, then one per verifying level
     acceptances = tuple(s.token_acceptance_rate for s in stats[1:])
     draft_cost = _draft_cost(levels[0].drafter, stats[0])
     fixed = tuple(TreeRound.measured(s, level.gamma) if _verifies_trees(level) else None  # a tree's shape stays
                   for level, s in zip(levels, stats[1:]))
-    overheads, gather_cost = first_round.bookkeeping_since()[1:], first_round.gathers_since(len(calibration.tokens))
+    since, tokens = first_step.counters_since(), len(calibration.tokens) - first_step.emitted  # the rounds after the first step
+    overheads = tuple(s.bookkeeping_seconds / s.rounds if s.rounds else 0.0 for s in since[1:])
+    gather_cost = sum(s.gather_seconds for s in since) / tokens if tokens > 0 else 0.0
     costs = tuple(_verify_costs(level, len(prompt), _widths(tree, max_gamma, priced=i == 0), repeats, seed)
                   for i, (level, tree) in enumerate(zip(levels, fixed)))
     priced = levels[0].drafter.price([costs[0][t] + overheads[0] for t in range(1, max_gamma + 2)])  # a round's: its forward and its bookkeeping
@@ -218,11 +220,13 @@ def tune(stack: SpeculationStack, prompt: Sequence[int], *, calibration_tokens: 
 
 
 @attrs.define(eq=False)
-class _Snapshot:
+class _FirstStep:
     """An ``after_round`` callback that keeps every level's counters after the stack's first step (the top level's
-    first γ tokens), so that the bookkeeping a round is measured over the rounds after it: a new stack's first step pays one-time work
-    (its first gather computes the mean key of every chunk of the context), 4.1 and 8.0 ms a round over a
-    32-token calibration where the runs that followed measured 2.0 and 3.1."""
+    first γ tokens), so that a round's bookkeeping and the re-gathers are measured without one-time work there (a new
+    stack's first gather computes the mean key of every chunk of the context). At 7,500 tokens that made no
+    measurable difference (retrieval-flat, a new stack's first 32 tokens: 9.1 ms a round after the first step, 8.0 over
+    all its rounds, re-gathers then counted in);
+    the guard is for one-time work that is large against a short calibration (test_autotune.py)."""
 
     stack: SpeculationStack
     first: list[LevelStats] | None = None
@@ -232,19 +236,10 @@ class _Snapshot:
         if self.first is None:
             self.first, self.emitted = [attrs.evolve(stats) for stats in self.stack.top.level_stats()], emitted
 
-    def gathers_since(self, emitted: int) -> float:
-        """Seconds of re-gathers (every level's) per token emitted since the first step, of ``emitted`` in all; 0 where none followed it."""
-        if self.first is None or emitted <= self.emitted:
-            return 0.0
+    def counters_since(self) -> list[LevelStats]:
+        """Each level's counts (bottom first) since the first step; none where no step was taken."""
         now = self.stack.top.level_stats()
-        return sum(after.gather_seconds - before.gather_seconds for after, before in zip(now, self.first)) / (emitted - self.emitted)
-
-    def bookkeeping_since(self) -> tuple[float, ...]:
-        """Per level (bottom first): seconds of bookkeeping a round since the first step, 0 where no round followed it."""
-        now = self.stack.top.level_stats()
-        first = self.first or now
-        return tuple((after.bookkeeping_seconds - before.bookkeeping_seconds) / (after.rounds - before.rounds) if after.rounds > before.rounds else 0.0
-                     for after, before in zip(now, first))
+        return [after.since(before) for after, before in zip(now, self.first or now)]
 
 
 def _set_gammas(levels: Sequence[SpeculativeLevel], gammas: Sequence[int]) -> None:

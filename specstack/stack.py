@@ -289,7 +289,7 @@ class SpeculationStack:
         seconds = time.perf_counter() - began
         tokens = tokens[:max_new_tokens]
         stopped = "eos" if tokens and tokens[-1] in self.stop_tokens else "max_new_tokens"
-        stats = tuple(_delta(after, b) for after, b in zip(self.top.level_stats(), before))
+        stats = tuple(after.since(b) for after, b in zip(self.top.level_stats(), before))
         return GenerationResult(
             prompt_length=len(prompt), tokens=tuple(tokens), levels=stats, seconds=seconds,
             prefill_seconds=prefill_seconds, stopped_by=stopped,
@@ -440,6 +440,3 @@ def _check_seed(seed: int | None) -> None:
         raise SpecstackError(f"seed {seed!r} is not allowed; use an integer, or None to continue the generators")
 
 
-def _delta(after: LevelStats, before: LevelStats) -> LevelStats:
-    counters = {f.name: getattr(after, f.name) - getattr(before, f.name) for f in attrs.fields(LevelStats) if f.name not in ("name", "cache_bytes")}
-    return LevelStats(name=after.name, cache_bytes=after.cache_bytes, **counters)

@@ -225,6 +225,11 @@ class LevelStats:
     def mean_accepted_per_round(self) -> float:
         return self.accepted / self.rounds if self.rounds else 0.0
 
+    def since(self, before: "LevelStats") -> "LevelStats":
+        """The counts added since ``before`` (this level's counters at an earlier point); the gauge as it is now."""
+        counters = {f.name: getattr(self, f.name) - getattr(before, f.name) for f in attrs.fields(LevelStats) if f.name not in ("name", "cache_bytes")}
+        return LevelStats(name=self.name, cache_bytes=self.cache_bytes, **counters)
+
     def as_dict(self) -> dict:
         """The counters and rates; a level that drafted nothing (γ 0, or a lookup that never matched) has no
         acceptance (None), not an acceptance of 0."""
