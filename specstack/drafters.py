@@ -17,7 +17,7 @@ import torch
 from .channels import HiddenStateChannel
 from .errors import SpecstackError
 from .model import CachedModel
-from .sampling import SamplingConfig, sample, warp
+from .sampling import SamplingConfig, first_argmax, sample, warp
 from .speedup import best_length
 from .types import Capability, Draft, DraftKind, LevelStats, SeenTokens, TokenView, as_tokens
 
@@ -115,7 +115,7 @@ class ModelDrafter(ModelLevel):
         for _ in range(n):
             coupled = {"seed": self.generator.initial_seed(), "positions": torch.tensor([len(context)], device="cpu")} if self.sampling.coupled else {}
             probs = warp(self.lm.logits(context, 1), self.sampling, **coupled)[0]  # [V]; coupled: the draw at position len(context)
-            tokens.append(sample(probs, self.generator))
+            tokens.append(int(first_argmax(probs)) if self.sampling.deterministic else sample(probs, self.generator))  # a one-hot warp's draw is its argmax
             rows.append(probs)
             context = context.sequence.write(len(context), tokens[-1:])  # behind the prefix: this call's own positions
             if tokens[-1] in self.stop_tokens:

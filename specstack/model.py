@@ -174,7 +174,7 @@ class CachedModel:
         self._fed.mark(tokens)
         if not rows:  # nothing left to feed and no logits wanted
             return torch.empty(0, self.model.vocab_size, device=self.device)  # [0, V]
-        return torch.cat(rows)  # [num_logits, V]
+        return rows[0] if len(rows) == 1 else torch.cat(rows)  # [num_logits, V]; one forward's rows need no copy
 
     def can_adopt(self, source: "CachedModel") -> bool:
         """Whether :meth:`adopt` may copy ``source``'s cache: the same model, both caches complete."""

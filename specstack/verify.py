@@ -20,7 +20,7 @@ import attrs
 import torch
 
 from .errors import SpecstackError
-from .sampling import SamplingConfig, draw, sample
+from .sampling import SamplingConfig, draw, first_argmax, sample
 from .types import Capability, Draft, DraftKind, Verdict
 
 
@@ -75,7 +75,7 @@ class GreedyVerifier(Verifier):
             )
 
     def verify(self, draft: Draft, p: torch.Tensor, generator: torch.Generator) -> Verdict:
-        best = p.argmax(dim=-1)  # [k+1]
+        best = first_argmax(p)  # [k+1]
         if draft.parents is None:
             agree = (draft.tokens == best[: len(draft)]).long()  # [k]
             m = agree.cumprod(dim=0).sum()  # []

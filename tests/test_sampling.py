@@ -43,6 +43,20 @@ def test_temperature_zero_is_one_hot_on_the_first_argmax(logits) -> None:
     assert probs.sum() == 1 and probs[logits.argmax()] == 1
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_first_argmax_is_torchs_argmax_ties_and_nan_included(dtype) -> None:
+    rows = torch.randint(0, 4, (6, 300), generator=torch.Generator().manual_seed(1)).to(dtype)  # [6, 300]: many ties at the maximum
+    rows[2, 7] = rows[2, 250] = float("nan")  # NaN counts as the largest, its first one wins
+    rows[3] = float("-inf")
+    rows[4, [5, 90]] = float("inf")
+    want = rows.argmax(dim=-1)  # [6]
+    assert sampling.first_argmax(rows).tolist() == want.tolist() and want[2] == 7 and want[4] == 5
+    assert sampling.first_argmax(rows, keepdim=True).tolist() == rows.argmax(dim=-1, keepdim=True).tolist()
+    assert sampling.first_argmax(rows[1]).tolist() == int(want[1])  # one row: a 0-d index
+    assert sampling.first_argmax(rows.t().contiguous().t()).tolist() == want.tolist()  # strided rows
+    assert sampling.first_argmax(rows.view(2, 3, 300)).tolist() == want.view(2, 3).tolist()
+
+
 def test_warp_works_on_batches() -> None:
     logits = torch.randn(3, 4, 7, generator=torch.Generator().manual_seed(0))
     cfg = SamplingConfig(temperature=0.7, top_p=0.8, top_k=4)
