@@ -17,7 +17,7 @@ import torch
 from .channels import HiddenStateChannel
 from .errors import SpecstackError
 from .model import CachedModel
-from .sampling import SamplingConfig, first_argmax, sample, warp
+from .sampling import SamplingConfig, first_argmax, one_hot, sample, warp
 from .speedup import best_length
 from .types import Capability, Draft, DraftKind, LevelStats, SeenTokens, TokenView, as_tokens
 
@@ -113,16 +113,20 @@ class ModelDrafter(ModelLevel):
         context = as_tokens(prefix)
         tokens, rows = [], []
         for _ in range(n):
-            coupled = {"seed": self.generator.initial_seed(), "positions": torch.tensor([len(context)], device="cpu")} if self.sampling.coupled else {}
-            probs = warp(self.lm.logits(context, 1), self.sampling, **coupled)[0]  # [V]; coupled: the draw at position len(context)
-            tokens.append(int(first_argmax(probs)) if self.sampling.deterministic else sample(probs, self.generator))  # a one-hot warp's draw is its argmax
-            rows.append(probs)
+            logits = self.lm.logits(context, 1)  # [1, V]
+            if self.sampling.greedy:  # warp's one-hot row marks the first argmax: the rows are made at once below
+                tokens.append(int(first_argmax(logits[0])))
+            else:
+                coupled = {"seed": self.generator.initial_seed(), "positions": torch.tensor([len(context)], device="cpu")} if self.sampling.coupled else {}
+                rows.append(warp(logits, self.sampling, **coupled)[0])  # [V]; coupled: the draw at position len(context)
+                tokens.append(int(first_argmax(rows[-1])) if self.sampling.deterministic else sample(rows[-1], self.generator))  # a one-hot warp's draw is its argmax
             context = context.sequence.write(len(context), tokens[-1:])  # behind the prefix: this call's own positions
             if tokens[-1] in self.stop_tokens:
                 break
-        self.lm.stats.drafted += len(rows)
-        probs = torch.stack(rows)  # [k, V] on this level's device
-        return Draft(tokens=torch.tensor(tokens, dtype=torch.long, device=probs.device), probs=probs)
+        self.lm.stats.drafted += len(tokens)
+        drafted = torch.tensor(tokens, dtype=torch.long, device=self.lm.device)  # [k]
+        probs = one_hot(drafted, self.vocab_size) if self.sampling.greedy else torch.stack(rows)  # [k, V] on this level's device
+        return Draft(tokens=drafted, probs=probs)
 
 
 @attrs.define(eq=False, kw_only=True)

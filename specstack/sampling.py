@@ -100,8 +100,14 @@ def warp(logits: torch.Tensor, config: SamplingConfig, *, seed: int | None = Non
 
 
 def _one_hot_argmax(logits: torch.Tensor) -> torch.Tensor:
-    probs = torch.zeros_like(logits)  # [..., V]
-    return probs.scatter_(-1, first_argmax(logits, keepdim=True), 1.0)
+    return one_hot(first_argmax(logits), logits.shape[-1])  # [..., V]
+
+
+def one_hot(tokens: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Token ids [...] -> [..., V] float32 rows, 1 at each token and 0 elsewhere, on the tokens' device: the greedy warp's
+    distribution where ``tokens`` are the argmaxes."""
+    rows = torch.zeros(*tokens.shape, vocab_size, device=tokens.device)  # [..., V]
+    return rows.scatter_(-1, tokens[..., None], 1.0)
 
 
 def first_argmax(x: torch.Tensor, *, keepdim: bool = False) -> torch.Tensor:

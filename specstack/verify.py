@@ -117,9 +117,8 @@ class SpeculativeSamplingVerifier(Verifier):
         u = torch.rand(k, generator=generator, device=p.device)  # [k]
         accept = (u * q_x < p_x).long()  # [k]; u < p/q without dividing
         m = accept.cumprod(dim=0).sum().reshape(1)  # [1] accepted tokens
-        q = torch.cat([draft.probs, torch.zeros_like(p[:1])])  # [k+1, V]; past the draft q = 0, so the residual is p: the bonus
-        residual = recovery_distribution(p.index_select(0, m)[0], q.index_select(0, m)[0])  # [V]
-        token = draw(residual, generator)  # [1]
+        q_m = draft.probs.index_select(0, m.clamp(max=k - 1))[0] * (m < k) if k else torch.zeros_like(p[0])  # [V]; past the draft q = 0, the residual p: the bonus
+        token = draw(recovery_weights(p.index_select(0, m)[0], q_m), generator)  # [1]
         m, token = torch.cat([m, token]).tolist()  # the round's one host synchronisation
         return Verdict(accepted=tuple(range(m)), next_token=token, bonus=m == k)
 
@@ -130,9 +129,15 @@ def recovery_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     A rejection implies p(x) < q(x) for the drafted x, so the residual has positive mass in exact
     arithmetic; if rounding leaves none, p and q agree to float precision and p itself is returned.
     """
-    residual = (p - q).clamp_min(0.0)  # [V]
-    total = residual.sum()  # []
-    return torch.where(total > 0, residual / total, p)  # [V]; decided on the device, no synchronisation
+    weights = recovery_weights(p, q)  # [V]
+    return weights / weights.sum()  # [V]
+
+
+def recovery_weights(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """max(p - q, 0) for one position ([V], [V] -> [V]), or p where rounding leaves it no mass: the residual
+    unnormalised, as :func:`~specstack.sampling.draw` takes it (one pass over the vocabulary fewer)."""
+    residual = (p - q).clamp_min_(0.0)  # [V]
+    return torch.where(residual.sum() > 0, residual, p)  # [V]; decided on the device, no synchronisation
 
 
 # -- trees -----------------------------------------------------------------------------------------
