@@ -7,13 +7,17 @@ hierarchy; Sequoia (Chen et al., 2024) does the same for tree sizes against a ha
 1. a short calibration generation with the stack's current γ measures each verifying level's
    per-token acceptance α_i (``LevelStats.token_acceptance_rate``), its rounds' time outside forwards
    (``LevelStats.bookkeeping_seconds``: sampling, verification), a gathering level's re-gathers per emitted
-   token (``LevelStats.gather_seconds``) and the drafter's cost per token;
-2. each verifying level's forward is timed at T = 1 … γ_max + 1 tokens over a cache as long as the
+   token (``LevelStats.gather_seconds``) and the drafter's cost per token (a drafting model's forward and its own
+   sampling, its ``bookkeeping_seconds`` a drafted token);
+2. after it, the target decodes a few tokens autoregressively in place (:func:`_autoregressive_overhead`): the
+   time such a step spends outside its forward (sampling) is added to autoregressive decoding's
+   cost, as a round's bookkeeping is to the stack's;
+3. each verifying level's forward is timed at T = 1 … γ_max + 1 tokens over a cache as long as the
    one it will hold (random keys and values: the cost does not depend on them), and level 0's drafter is
    told the first level's costs (``Drafter.price``): one that then chooses each draft's length itself
    (prompt lookup) gets γ_max as the first level's γ, a cap; one drafting trees (Medusa heads) chooses
    each draft's nodes, and its tree keeps its depth;
-3. every γ combination is scored with :class:`specstack.speedup.StackCost` (the one place the
+4. every γ combination is scored with :class:`specstack.speedup.StackCost` (the one place the
    predicted speedup is computed) and the best one is set on the stack's levels.
 
 Acceptance is assumed independent of γ (the i.i.d. model behind Leviathan et al.'s Eq. 1). Token
@@ -38,13 +42,14 @@ from typing import Any, Mapping, Sequence
 import attrs
 import torch
 
-from .drafters import ModelLevel
+from .drafters import ModelDrafter, ModelLevel
 from .errors import SpecstackError
 from .speedup import LevelCost, MeasuredLevelCost, StackCost, at_least_one
 from .stack import SpeculationStack, SpeculativeLevel
-from .types import DraftKind, LevelStats
+from .types import DraftKind, LevelStats, TokenSequence
 
 MODEL_FREE_DRAFT_COST = 1e-6  # seconds per drafted token of a drafter without a model (n-gram lookup)
+AUTOREGRESSIVE_STEPS = 8  # autoregressive steps timed after the calibration, for the time a step spends outside its forward
 
 
 @attrs.frozen(kw_only=True)
@@ -85,11 +90,17 @@ class Tuning:
     priced: bool = False  # level 0 was told the first level's costs and chooses each draft's length (Drafter.price)
     overheads: tuple[float, ...] = ()  # per verifying level: seconds a round spends outside forwards (LevelStats.bookkeeping_seconds a round); () none
     gather_cost: float = 0.0  # seconds of re-gathers per emitted token (LevelStats.gather_seconds over the tokens)
+    autoregressive_overhead: float = 0.0  # seconds an autoregressive step spends outside its forward (_autoregressive_overhead)
+
+    @property
+    def autoregressive_cost(self) -> float:
+        """Seconds of an autoregressive step: the target's one-token forward and its step's own work."""
+        return self.verify_costs[-1][1] + self.autoregressive_overhead
 
     def choose(self, acceptances: Sequence[float]) -> tuple[tuple[int, ...], float]:
         """The best γ per level for ``acceptances`` at the measured costs, and its predicted speedup (for drafts
         of the full γ). Where level 0 chooses each chain's length itself, the first level's γ is max_gamma, a cap."""
-        gammas, speedup = best_gammas(self.draft_cost, self.verify_costs, acceptances, self.verify_costs[-1][1], self.max_gamma, self.fixed,
+        gammas, speedup = best_gammas(self.draft_cost, self.verify_costs, acceptances, self.autoregressive_cost, self.max_gamma, self.fixed,
                                       self.overheads, self.gather_cost)
         return ((self.max_gamma, *gammas[1:]) if self.priced and self.fixed[0] is None else gammas), speedup
 
@@ -107,6 +118,7 @@ class Tuning:
         idle = "".join(f"; γ{i + 1}=0: level {i + 1} decodes alone, level {i} idles" for i, g in enumerate(self.gammas) if g == 0)
         bookkeeping = f", a round's bookkeeping {', '.join(f'{1e3 * o:.1f}' for o in self.overheads)} ms" if self.overheads else ""
         bookkeeping += f", re-gathers {1e3 * self.gather_cost:.2f} ms a token" if self.gather_cost else ""
+        bookkeeping += f", an autoregressive step's own {1e3 * self.autoregressive_overhead:.2f} ms" if self.autoregressive_overhead else ""
         chosen = f"gamma=auto chose {gammas} (acceptance {accept} over {self.calibration_tokens} calibration tokens{bookkeeping}{trees}{priced}{idle}; predicted {predicted})"
         if self.predicted_speedup >= 1.0 or self.priced:  # a priced drafter drafts only what pays: the formula does not bound it
             return chosen
@@ -208,12 +220,13 @@ def tune(stack: SpeculationStack, prompt: Sequence[int], *, calibration_tokens: 
     since, tokens = first_step.counters_since(), len(calibration.tokens) - first_step.emitted  # the rounds after the first step
     overheads = tuple(s.bookkeeping_seconds / s.rounds if s.rounds else 0.0 for s in since[1:])
     gather_cost = sum(s.gather_seconds for s in since) / tokens if tokens > 0 else 0.0
+    autoregressive_overhead = _autoregressive_overhead(stack, [*prompt, *calibration.tokens], AUTOREGRESSIVE_STEPS)
     costs = tuple(_verify_costs(level, len(prompt), _widths(tree, max_gamma, priced=i == 0), repeats, seed)
                   for i, (level, tree) in enumerate(zip(levels, fixed)))
     priced = levels[0].drafter.price([costs[0][t] + overheads[0] for t in range(1, max_gamma + 2)])  # a round's: its forward and its bookkeeping
     tuning = Tuning(gammas=before, before=before, acceptances=acceptances, draft_cost=draft_cost, verify_costs=costs, predicted_speedup=0.0,
                     calibration_tokens=len(calibration.tokens), max_gamma=max_gamma, fixed=fixed, priced=priced, overheads=overheads,
-                    gather_cost=gather_cost)
+                    gather_cost=gather_cost, autoregressive_overhead=autoregressive_overhead)
     gammas, speedup = tuning.choose(acceptances)
     _set_gammas(levels, gammas)
     return attrs.evolve(tuning, gammas=gammas, predicted_speedup=speedup)
@@ -240,6 +253,22 @@ class _FirstStep:
         """Each level's counts (bottom first) since the first step; none where no step was taken."""
         now = self.stack.top.level_stats()
         return [after.since(before) for after, before in zip(now, self.first or now)]
+
+
+def _autoregressive_overhead(stack: SpeculationStack, text: Sequence[int], steps: int) -> float:
+    """Seconds an autoregressive step spends outside its forward, measured in place after ``text`` (the prompt and
+    the calibration's tokens): the top level's model drafting ``steps`` tokens for itself over its cache, which is
+    autoregressive decoding's own path (:class:`~specstack.drafters.ModelDrafter`, the whole of the autoregressive
+    stack). The top level's counters are left as they were; the next generation rolls its cache back."""
+    top = stack.top
+    saved = attrs.evolve(top.lm.stats)
+    decoder = ModelDrafter(lm=top.lm, sampling=top.sampling, generator=top.generator)  # no stop tokens: every step is taken
+    sequence = TokenSequence(text)
+    decoder.propose(sequence.view(len(sequence)), steps)
+    spent = top.lm.stats.since(saved)  # the decoder counts its time outside forwards as bookkeeping
+    for field in attrs.fields(LevelStats):
+        setattr(top.lm.stats, field.name, getattr(saved, field.name))
+    return spent.bookkeeping_seconds / steps
 
 
 def _set_gammas(levels: Sequence[SpeculativeLevel], gammas: Sequence[int]) -> None:
@@ -318,10 +347,10 @@ def _examined(level: SpeculativeLevel) -> tuple[int, int]:
 
 
 def _draft_cost(drafter, stats) -> float:
-    """Seconds per drafted token of level 0: its mean forward time, or a token's worth of bookkeeping
-    for a drafter without a model."""
+    """Seconds per drafted token of level 0: its mean forward time and its sampling a token, or a token's worth of
+    bookkeeping for a drafter without a model (whose drafting the level above counts, a round at a time)."""
     if isinstance(drafter, ModelLevel) and stats.forward_calls:
-        return stats.forward_seconds / stats.forward_calls
+        return stats.forward_seconds / stats.forward_calls + (stats.bookkeeping_seconds / stats.drafted if stats.drafted else 0.0)
     return MODEL_FREE_DRAFT_COST
 
 

@@ -8,6 +8,7 @@ contexts). A stack level that verifies a drafter is itself a drafter (:class:`sp
 from __future__ import annotations
 
 import abc
+import time
 from typing import ClassVar, Iterator, Sequence
 
 import attrs
@@ -110,7 +111,13 @@ class ModelDrafter(ModelLevel):
     name: ClassVar[str] = "model"
 
     def propose(self, prefix: Sequence[int], n: int) -> Draft:
-        context = as_tokens(prefix)
+        began, stats = time.perf_counter(), self.lm.stats
+        accounted = stats.forward_seconds + stats.gather_seconds
+        draft = self._draft(as_tokens(prefix), n)
+        stats.bookkeeping_seconds += time.perf_counter() - began - (stats.forward_seconds + stats.gather_seconds - accounted)  # its sampling, this level's own
+        return draft
+
+    def _draft(self, context: TokenView, n: int) -> Draft:
         tokens, rows = [], []
         for _ in range(n):
             logits = self.lm.logits(context, 1)  # [1, V]

@@ -113,7 +113,7 @@ def one_hot(tokens: torch.Tensor, vocab_size: int) -> torch.Tensor:
 def first_argmax(x: torch.Tensor, *, keepdim: bool = False) -> torch.Tensor:
     """The index of each row's largest value, the first one on ties and NaN counting as largest: ``torch.argmax``'s
     rule ([..., V] -> [...] int64, or [..., 1] with ``keepdim``). On the CPU numpy's vectorised argmax computes it,
-    about 15x faster than torch's reduction over a vocabulary-wide row (docs/benchmarks.md, "Sampling and gathering")."""
+    about 15x faster than torch's reduction over a vocabulary-wide row (docs/benchmarks.md, "A step's sampling in place")."""
     if x.device.type != "cpu" or x.dtype != torch.float32 or x.requires_grad:
         return x.argmax(dim=-1, keepdim=keepdim)
     return torch.from_numpy(np.asarray(np.argmax(x.numpy(), axis=-1, keepdims=keepdim)))  # [...] or [..., 1]

@@ -199,7 +199,7 @@ class LevelStats:
     forward_calls: int = 0
     forward_tokens: int = 0
     forward_seconds: float = 0.0
-    bookkeeping_seconds: float = 0.0  # a verifying level's rounds outside forwards and gathers: sampling, verification, level 0's drafting outside its forwards
+    bookkeeping_seconds: float = 0.0  # time outside forwards and gathers: a verifying level's rounds (sampling, verification, a model-free drafter's drafting below it), a drafting model's steps (sampling)
     gathers: int = 0
     gather_seconds: float = 0.0  # a gathering level's re-gathers of its view (scoring, copying)
     cache_bytes: int = 0  # a gauge, not a counter: the level's preallocated KV cache (its memory, whatever it holds)

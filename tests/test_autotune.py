@@ -117,7 +117,8 @@ def test_tune_sets_the_chosen_gammas_on_the_levels_and_stays_lossless(monkeypatc
     assert all(1 <= g <= 5 for g in tuning.gammas)
     assert 0 < tuning.acceptances[0] <= 1 and 0 < tuning.acceptances[1] <= 1
     assert len(tuning.overheads) == 2 and all(o > 0 for o in tuning.overheads)  # each round's sampling and verification, measured
-    expected, speedup = autotune.best_gammas(tuning.draft_cost, tuning.verify_costs, tuning.acceptances, 1.0, 5, overheads=tuning.overheads)
+    assert tuning.autoregressive_overhead > 0 and tuning.autoregressive_cost == 1.0 + tuning.autoregressive_overhead  # its forward, and its step's sampling
+    expected, speedup = autotune.best_gammas(tuning.draft_cost, tuning.verify_costs, tuning.acceptances, tuning.autoregressive_cost, 5, overheads=tuning.overheads)
     assert tuning.gammas == expected and tuning.predicted_speedup == pytest.approx(speedup)
     assert "gamma=auto chose" in tuning.describe()
     result = stack.generate(prompt, 30)
@@ -182,7 +183,7 @@ def test_a_tree_level_is_priced_by_what_its_calibration_rounds_emitted_and_fed(m
     (overhead,) = tuning.overheads
     assert 0 < overhead < 3 * stats.bookkeeping_seconds / stats.rounds
     round_seconds = tree.depth * tuning.draft_cost + (1.0 + 0.1 * tree.width) + overhead
-    assert tuning.predicted_speedup == pytest.approx(1.1 / (round_seconds / tree.emitted))
+    assert tuning.predicted_speedup == pytest.approx((1.1 + tuning.autoregressive_overhead) / (round_seconds / tree.emitted))
 
 
 def test_measured_level_cost_prices_a_round_from_its_measured_output() -> None:
@@ -484,19 +485,27 @@ def _slowed(monkeypatch, obj, name: str, seconds: float) -> None:
 
 
 def test_each_level_counts_its_own_bookkeeping(monkeypatch) -> None:
-    """A round's time outside forwards is its level's alone: the middle level's slow verification shows in the
-    middle level's bookkeeping, not the target's; the draft's slow forwards in its forward seconds, in no level's
-    bookkeeping. Forwards and bookkeeping are disjoint parts of the generation's time. (Counting the level below
-    as this level's bookkeeping, or a level's own forwards, fails it.)"""
+    """A level's time outside forwards is its own: the middle level's slow verification shows in the middle level's
+    bookkeeping, not the target's; the draft's slow sampling in the draft's bookkeeping, not the middle level's; the
+    draft's slow forwards in its forward seconds, in no level's bookkeeping. Forwards and bookkeeping are disjoint
+    parts of the generation's time. (Counting the level below as this level's bookkeeping, or a level's own
+    forwards, fails it.)"""
+    import time
+
+    from specstack import drafters
+
     stack, _ = _three_levels()
     middle, _ = autotune.verifying_levels(stack)
     draft = middle.drafter
     _slowed(monkeypatch, middle.verifier, "verify", 0.004)
     _slowed(monkeypatch, draft.lm.model, "forward", 0.003)
+    argmax = drafters.first_argmax
+    monkeypatch.setattr(drafters, "first_argmax", lambda *args, **kw: time.sleep(0.002) or argmax(*args, **kw))  # the draft's greedy sampling
     result = stack.generate(list(range(1, 12)), 24)
     low, mid, top = result.levels
-    assert low.bookkeeping_seconds == 0 and low.forward_seconds >= 0.003 * low.forward_calls
-    assert mid.bookkeeping_seconds >= 0.004 * mid.rounds > 0
+    assert low.forward_seconds >= 0.003 * low.forward_calls
+    assert 0.002 * low.drafted <= low.bookkeeping_seconds < 0.002 * low.drafted + 0.003 * low.forward_calls / 2
+    assert 0.004 * mid.rounds <= mid.bookkeeping_seconds < 0.004 * mid.rounds + 0.002 * low.drafted / 2
     assert top.bookkeeping_seconds < 0.004 * mid.rounds / 2  # the target's own sampling and verification only
     spent = sum(level.forward_seconds + level.bookkeeping_seconds for level in result.levels)
     assert spent <= result.seconds
@@ -596,3 +605,43 @@ def test_a_tokens_gathers_are_priced_by_hand() -> None:
     assert gammas == (2,) and speedup == pytest.approx(cost.speedup)
     with pytest.raises(SpecstackError, match="token_overhead -1 is not allowed"):
         StackCost(draft_cost=0.1, levels=[level], autoregressive_cost=1.0, token_overhead=-1)
+
+
+def test_an_autoregressive_steps_own_time_is_measured_in_place_and_priced(monkeypatch) -> None:
+    """An autoregressive step costs its forward and its own work (sampling, the decoding loop): the tuner decodes a
+    few tokens in place after the calibration and adds the time outside the forward to c_ar. With the target's
+    logits() slowed by 20 ms outside its forward, that overhead is at least 20 ms and the prediction is
+    (c(1) + o_ar) / t (fails when o_ar is left out of c_ar); the target's counters are left as the calibration
+    left them (fails when those steps stay in them); the stack still decodes as the target."""
+    stack, target = _two_levels()
+    _slowed(monkeypatch, stack.top.lm, "logits", 0.02)
+    monkeypatch.setattr(autotune, "_verify_costs", lambda level, context, widths, repeats, seed: {t: 0.05 + 0.01 * t for t in widths})
+    after_calibration = []
+    generate = SpeculationStack.generate
+    monkeypatch.setattr(SpeculationStack, "generate",
+                        lambda *args, **kw: (result := generate(*args, **kw), after_calibration.append(attrs.evolve(stack.top.lm.stats)))[0])
+    prompt = [1, 2, 3, 0, 1]
+    tuning = autotune.tune(stack, prompt, calibration_tokens=12, max_gamma=3)
+    assert 0.02 <= tuning.autoregressive_overhead < 0.06
+    assert stack.top.lm.stats == after_calibration[0]
+    _, speedup = autotune.best_gammas(tuning.draft_cost, tuning.verify_costs, tuning.acceptances, 0.06 + tuning.autoregressive_overhead, 3,
+                                      overheads=tuning.overheads, gather_cost=tuning.gather_cost)
+    assert tuning.predicted_speedup == pytest.approx(speedup)
+    assert f"an autoregressive step's own {1e3 * tuning.autoregressive_overhead:.2f} ms" in tuning.describe()
+    assert list(stack.generate(prompt, 16).tokens) == greedy_decode(target, prompt, 16)
+
+
+def test_a_drafting_models_sampling_is_priced_with_its_forward(monkeypatch) -> None:
+    """t_d, a drafted token's cost, is the draft's forward and its own sampling (its bookkeeping a drafted token):
+    with the draft's sampling slowed by 10 ms, t_d is at least that (its synthetic forward takes microseconds; fails
+    when only the forward is priced)."""
+    import time
+
+    from specstack import drafters
+
+    stack, _ = _two_levels()
+    argmax = drafters.first_argmax
+    monkeypatch.setattr(drafters, "first_argmax", lambda *args, **kw: time.sleep(0.01) or argmax(*args, **kw))
+    monkeypatch.setattr(autotune, "_verify_costs", lambda level, context, widths, repeats, seed: {t: 0.05 + 0.01 * t for t in widths})
+    tuning = autotune.tune(stack, [1, 2, 3, 0, 1], calibration_tokens=12, max_gamma=3)
+    assert 0.01 <= tuning.draft_cost < 0.02
