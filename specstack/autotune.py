@@ -259,8 +259,12 @@ def _autoregressive_overhead(stack: SpeculationStack, text: Sequence[int], steps
     """Seconds an autoregressive step spends outside its forward, measured in place after ``text`` (the prompt and
     the calibration's tokens): the top level's model drafting ``steps`` tokens for itself over its cache, which is
     autoregressive decoding's own path (:class:`~specstack.drafters.ModelDrafter`, the whole of the autoregressive
-    stack). The top level's counters are left as they were; the next generation rolls its cache back."""
+    stack), as many as fit the model's window (none: 0). The top level's counters are left as they were; the next
+    generation rolls its cache back."""
     top = stack.top
+    steps = min(steps, top.lm.model.max_length - len(text))  # inside the model's window
+    if steps < 1:
+        return 0.0
     saved = attrs.evolve(top.lm.stats)
     decoder = ModelDrafter(lm=top.lm, sampling=top.sampling, generator=top.generator)  # no stop tokens: every step is taken
     sequence = TokenSequence(text)

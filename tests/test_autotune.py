@@ -645,3 +645,18 @@ def test_a_drafting_models_sampling_is_priced_with_its_forward(monkeypatch) -> N
     monkeypatch.setattr(autotune, "_verify_costs", lambda level, context, widths, repeats, seed: {t: 0.05 + 0.01 * t for t in widths})
     tuning = autotune.tune(stack, [1, 2, 3, 0, 1], calibration_tokens=12, max_gamma=3)
     assert 0.01 <= tuning.draft_cost < 0.02
+
+
+def test_the_autoregressive_steps_stay_inside_the_window(monkeypatch) -> None:
+    """A calibration that ends at the target's window leaves no room for the in-place autoregressive steps: the tuner
+    takes none (its overhead 0) instead of failing at the window; with three positions left it takes three."""
+    from specstack import SamplingConfig
+
+    monkeypatch.setattr(autotune, "_verify_costs", lambda level, context, widths, repeats, seed: {t: 0.05 + 0.01 * t for t in widths})
+    for room, measured in ((0, False), (3, True)):
+        target = SyntheticLM(vocab_size=4, seed=1, sharpness=1.5, max_length=40)
+        draft = SyntheticLM(vocab_size=4, seed=2, base=target, noise=1.0, max_length=40)
+        stack = SpeculationStack.build([Level(model=draft), Level(model=target, gamma=1)], sampling=SamplingConfig(), seed=1)
+        prompt = [1, 2, 3, 0] * 7  # 28 tokens
+        tuning = autotune.tune(stack, prompt, calibration_tokens=40 - len(prompt) - room, max_gamma=2)
+        assert (tuning.autoregressive_overhead > 0) == measured
