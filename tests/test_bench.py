@@ -269,7 +269,9 @@ def test_numbers_are_in_their_ranges(finished) -> None:
         assert "peak_cuda_mb" in record and record["peak_cuda_mb"] is None  # on the CPU
         assert (record["device"], record["draft_device"], record["cuda_graphs"]) == ("cpu", "cpu", True)
         assert (record["environment"]["device"], record["environment"]["draft_device"]) == ("cpu", "cpu")
-        assert all(v >= 0 for v in record["time_split"].values())
+        split = record["time_split"]  # its parts are disjoint and add up to the decoding time
+        assert all(v >= 0 for v in split.values()) and sum(split.values()) == pytest.approx(record["decode_seconds"], rel=1e-9)
+        assert split["bookkeeping_seconds"] > 0 and set(split) == {"drafting_seconds", "verifying_seconds", "bookkeeping_seconds", "gathering_seconds", "rest_seconds"}
         for level in record["levels"]:
             assert 0 <= level["acceptance_rate"] <= 1 and level["accepted"] <= level["drafted"] or not level["drafted"] and level["acceptance_rate"] is None
         if record["temperature"] == 0:

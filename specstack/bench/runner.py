@@ -224,14 +224,17 @@ def _identical(run: Measurement, reference: Measurement | Failure | None) -> boo
 
 
 def _time_split(run: Measurement) -> dict[str, float] | None:
-    """Decode seconds spent drafting (forwards of every level below the top), verifying (the top
-    level's forwards) and on the rest: cache maintenance (gathers, rollback, eviction) and overhead."""
+    """Decode seconds spent drafting (forwards of every level below the top), verifying (the top level's forwards),
+    in the levels' bookkeeping (sampling, verification, a model-free drafter's drafting: ``LevelStats.bookkeeping_seconds``),
+    re-gathering retrieval views (``LevelStats.gather_seconds``) and on the rest (the decoding loop around the levels)."""
     if not run.levels or run.decode_seconds is None:
         return None
     drafting = sum(level.forward_seconds for level in run.levels[:-1])
     verifying = run.levels[-1].forward_seconds
-    return {"drafting_seconds": drafting, "verifying_seconds": verifying,
-            "cache_maintenance_seconds": max(0.0, run.decode_seconds - drafting - verifying)}
+    bookkeeping = sum(level.bookkeeping_seconds for level in run.levels)
+    gathering = sum(level.gather_seconds for level in run.levels)
+    return {"drafting_seconds": drafting, "verifying_seconds": verifying, "bookkeeping_seconds": bookkeeping, "gathering_seconds": gathering,
+            "rest_seconds": max(0.0, run.decode_seconds - drafting - verifying - bookkeeping - gathering)}
 
 
 def peak_rss_mb() -> float | None:
