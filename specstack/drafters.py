@@ -111,6 +111,8 @@ class ModelDrafter(ModelLevel):
     name: ClassVar[str] = "model"
 
     def propose(self, prefix: Sequence[int], n: int) -> Draft:
+        """Draw up to ``n`` tokens one forward at a time; the time spent outside the forwards (sampling, the loop) is
+        this level's bookkeeping (``LevelStats.bookkeeping_seconds``), which the tuner prices with each drafted token."""
         began, stats = time.perf_counter(), self.lm.stats
         accounted = stats.forward_seconds + stats.gather_seconds
         draft = self._draft(as_tokens(prefix), n)
