@@ -125,8 +125,13 @@ class Tuning:
         return f"{chosen}; no γ up to {self.max_gamma} is predicted to beat autoregressive decoding at this acceptance and these forward costs"
 
     def as_dict(self) -> dict:
+        """The choice and every measured term it was priced from, in seconds (``forward_costs``: per verifying level,
+        [T, seconds of a T-token forward] pairs), so that a record's prediction can be recomputed."""
         return {"gammas": list(self.gammas), "before": list(self.before), "acceptances": list(self.acceptances),
-                "predicted_speedup": self.predicted_speedup, "calibration_tokens": self.calibration_tokens}
+                "predicted_speedup": self.predicted_speedup, "calibration_tokens": self.calibration_tokens,
+                "draft_cost": self.draft_cost, "round_overheads": list(self.overheads), "gather_cost": self.gather_cost,
+                "autoregressive_cost": self.autoregressive_cost, "autoregressive_overhead": self.autoregressive_overhead,
+                "forward_costs": [sorted(costs.items()) for costs in self.verify_costs]}
 
 
 TUNINGS = ("auto", "adaptive")  # gamma=auto: tuned once before decoding; gamma=adaptive: then re-tuned during it

@@ -660,3 +660,18 @@ def test_the_autoregressive_steps_stay_inside_the_window(monkeypatch) -> None:
         prompt = [1, 2, 3, 0] * 7  # 28 tokens
         tuning = autotune.tune(stack, prompt, calibration_tokens=40 - len(prompt) - room, max_gamma=2)
         assert (tuning.autoregressive_overhead > 0) == measured
+
+
+def test_a_tunings_record_holds_what_its_prediction_is_priced_from() -> None:
+    """``Tuning.as_dict`` (the demo's and bench's JSON) holds every measured term: the prediction recomputed from the
+    record alone is the tuner's (fails when a term is left out of the record or the record's c_ar is not the one used)."""
+    import json
+
+    stack, _ = _three_levels()
+    tuning = autotune.tune(stack, list(range(1, 12)), calibration_tokens=12, max_gamma=3, repeats=1)
+    record = json.loads(json.dumps(tuning.as_dict()))
+    costs = [{t: seconds for t, seconds in pairs} for pairs in record["forward_costs"]]
+    assert record["autoregressive_cost"] == pytest.approx(costs[-1][1] + record["autoregressive_overhead"])
+    gammas, speedup = autotune.best_gammas(record["draft_cost"], costs, record["acceptances"], record["autoregressive_cost"], 3,
+                                           overheads=record["round_overheads"], gather_cost=record["gather_cost"])
+    assert list(gammas) == record["gammas"] and speedup == pytest.approx(record["predicted_speedup"])
