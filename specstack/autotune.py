@@ -243,8 +243,8 @@ class _FirstStep:
     first γ tokens), so that a round's bookkeeping and the re-gathers are measured without one-time work there (a new
     stack's first gather computes the mean key of every chunk of the context). At 7,500 tokens that made no
     measurable difference (retrieval-flat, a new stack's first 32 tokens: 9.1 ms a round after the first step, 8.0 over
-    all its rounds, re-gathers then counted in);
-    the guard is for one-time work that is large against a short calibration (test_autotune.py)."""
+    all its rounds, re-gathers then counted in); the guard is for one-time work that is large against a short
+    calibration (test_autotune.py)."""
 
     stack: SpeculationStack
     first: list[LevelStats] | None = None
@@ -270,14 +270,14 @@ def _autoregressive_overhead(stack: SpeculationStack, text: Sequence[int], steps
     steps = min(steps, top.lm.model.max_length - len(text))  # inside the model's window
     if steps < 1:
         return 0.0
-    saved = attrs.evolve(top.lm.stats)
-    decoder = ModelDrafter(lm=top.lm, sampling=top.sampling, generator=top.generator)  # no stop tokens: every step is taken
-    sequence = TokenSequence(text)
-    decoder.propose(sequence.view(len(sequence)), steps)
-    spent = top.lm.stats.since(saved)  # the decoder counts its time outside forwards as bookkeeping
-    for field in attrs.fields(LevelStats):
-        setattr(top.lm.stats, field.name, getattr(saved, field.name))
-    return spent.bookkeeping_seconds / steps
+    saved, top.lm.stats = top.lm.stats, LevelStats(name=top.lm.stats.name)  # the steps count apart from the level's counters
+    try:
+        decoder = ModelDrafter(lm=top.lm, sampling=top.sampling, generator=top.generator)  # no stop tokens: every step is taken
+        sequence = TokenSequence(text)
+        decoder.propose(sequence.view(len(sequence)), steps)
+        return top.lm.stats.bookkeeping_seconds / steps  # the decoder counts its time outside forwards as bookkeeping
+    finally:
+        top.lm.stats = saved
 
 
 def _set_gammas(levels: Sequence[SpeculativeLevel], gammas: Sequence[int]) -> None:

@@ -96,6 +96,11 @@ class ModelLevel(Drafter):
     def level_stats(self) -> list[LevelStats]:
         return [self.lm.stats]  # a level with levels below it adds theirs
 
+    def _accounted(self) -> float:
+        """Seconds already counted at or below this level: every forward, gather and bookkeeping (what a call's time
+        outside them, its own bookkeeping, is measured against)."""
+        return sum(stats.forward_seconds + stats.gather_seconds + stats.bookkeeping_seconds for stats in self.level_stats())
+
     def reset(self) -> None:
         self.lm.reset()
 
@@ -113,10 +118,9 @@ class ModelDrafter(ModelLevel):
     def propose(self, prefix: Sequence[int], n: int) -> Draft:
         """Draw up to ``n`` tokens one forward at a time; the time spent outside the forwards (sampling, the loop) is
         this level's bookkeeping (``LevelStats.bookkeeping_seconds``), which the tuner prices with each drafted token."""
-        began, stats = time.perf_counter(), self.lm.stats
-        accounted = stats.forward_seconds + stats.gather_seconds
+        began, accounted = time.perf_counter(), self._accounted()
         draft = self._draft(as_tokens(prefix), n)
-        stats.bookkeeping_seconds += time.perf_counter() - began - (stats.forward_seconds + stats.gather_seconds - accounted)  # its sampling, this level's own
+        self.lm.stats.bookkeeping_seconds += time.perf_counter() - began - (self._accounted() - accounted)  # its sampling, this level's own
         return draft
 
     def _draft(self, context: TokenView, n: int) -> Draft:

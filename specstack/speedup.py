@@ -28,12 +28,13 @@ level with γ = 1 each middle round supplies one token whatever its acceptance. 
 L0 the draft, L1 the target over the retrieval view (acceptance β of the draft, γ1), L2 the target
 over the full cache (acceptance α of L1, γ2).
 
-A round also costs its level time outside forwards: sampling and verifying its rows, level 0's
-drafting beyond its forwards. Given as ``round_overhead`` o (the tuner measures it,
+A round also costs its level time outside forwards: sampling and verifying its rows, a model-free
+drafter's drafting below it. Given as ``round_overhead`` o (the tuner measures it,
 ``LevelStats.bookkeeping_seconds`` a round), it is added to c(k + 1) wherever a round is priced. A
 gathering level (TriForce's retrieval view) re-gathers every ``stride`` tokens the stack emits, whatever
-γ: that is ``token_overhead`` g, added to every emitted token, t = t_n + g. Both are 0 by default. The
-autoregressive token c_ar is its forward alone.
+γ: that is ``token_overhead`` g, added to every emitted token, t = t_n + g. Both are 0 by default. t_0 and
+c_ar are what the caller gives: the tuner's t_0 is a drafted token's forward and its sampling, its c_ar the
+target's one-token forward and an autoregressive step's own sampling.
 """
 
 from __future__ import annotations

@@ -91,10 +91,6 @@ class SpeculativeLevel(ModelLevel):
         self._count(len(draft), m, bookkeeping=time.perf_counter() - began - (self._accounted() - accounted))
         return emitted, rows
 
-    def _accounted(self) -> float:
-        """Seconds already counted at or below this level: every forward and gather, and the bookkeeping of the verifying levels below."""
-        return sum(stats.forward_seconds + stats.gather_seconds + stats.bookkeeping_seconds for stats in self.level_stats())
-
     def _count(self, drafted: int, accepted: int, bookkeeping: float) -> None:
         stats = self.lm.stats
         stats.bookkeeping_seconds += bookkeeping

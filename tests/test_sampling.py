@@ -43,9 +43,9 @@ def test_temperature_zero_is_one_hot_on_the_first_argmax(logits) -> None:
     assert probs.sum() == 1 and probs[logits.argmax()] == 1
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
-def test_first_argmax_is_torchs_argmax_ties_and_nan_included(dtype) -> None:
-    rows = torch.randint(0, 4, (6, 300), generator=torch.Generator().manual_seed(1)).to(dtype)  # [6, 300]: many ties at the maximum
+def test_first_argmax_is_torchs_argmax_ties_and_nan_included() -> None:
+    """On float32 CPU rows, the numpy path (other dtypes and devices take torch's own argmax)."""
+    rows = torch.randint(0, 4, (6, 300), generator=torch.Generator().manual_seed(1)).float()  # [6, 300]: many ties at the maximum
     rows[2, 7] = rows[2, 250] = float("nan")  # NaN counts as the largest, its first one wins
     rows[3] = float("-inf")
     rows[4, [5, 90]] = float("inf")
