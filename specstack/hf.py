@@ -26,10 +26,11 @@ from .attention import attention_weights
 from .errors import SpecstackError
 from .batch import TokenBatch
 from .decode_attention import DecodeKernel, load_decode_kernel
+from .gather_ops import load_gather_ops
 from .decoder import LeanDecoder
 from .decoder_ops import rotate_half
 from .graphs import ForwardGraphs, StaticView
-from .kvstore import KVStore
+from .kvstore import GatherOps, KVStore
 from .gguf_weights import attach_gguf_blocks
 from .packed_linear import PackedLinear, pack_linears, read_bf16_numbers
 from .weight_formats import blocks_of, grouped
@@ -204,6 +205,7 @@ class HFCausalLM:
     max_length: int = attrs.field(init=False)
     graphs: ForwardGraphs = attrs.field(init=False)
     attention_kernel: DecodeKernel | None = attrs.field(init=False)  # None: not asked for, or no compiler here
+    gather_ops: GatherOps = attrs.field(init=False)  # copies a retrieval view's entries out of the full cache (specstack.gather_ops)
     decoder: LeanDecoder | None = attrs.field(init=False)  # None: not asked for, or a decoder it does not fit
     token_rank: torch.Tensor | None = attrs.field(init=False, default=None)  # [V] a draft's token ids, most frequent first (draft_vocabulary)
     vocabulary: tuple | None = attrs.field(init=False, default=None)  # (rows [R], their head [n, H] -> [n, R]): logits of those tokens only
@@ -220,6 +222,7 @@ class HFCausalLM:
         self.vocab_size = config.vocab_size
         self.max_length = config.max_position_embeddings
         self.attention_kernel = load_decode_kernel() if self.decode_kernel else None
+        self.gather_ops = load_gather_ops()
         self.decoder = LeanDecoder.build(self.module) if self.lean_decoder else None
         self.graphs = ForwardGraphs(self._static_forward, config.num_attention_heads // config.num_key_value_heads)
 
@@ -332,7 +335,7 @@ class HFCausalLM:
         return KVStore(
             layers=config.num_hidden_layers, kv_heads=config.num_key_value_heads, head_dim=head_dim,
             capacity=capacity, dtype=self.dtype, device=self.device,
-            relative_positions=relative_positions, rerotate=self._rerotate,
+            relative_positions=relative_positions, rerotate=self._rerotate, gather_ops=self.gather_ops,
         )
 
     @torch.inference_mode()

@@ -20,7 +20,9 @@ import torch
 
 from . import host_memory
 from .errors import SpecstackError
+from .gather_ops import TORCH_GATHER, CompiledGather, TorchGather
 
+GatherOps = CompiledGather | TorchGather
 Rerotate = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (keys [L, H, n, D], delta [n]) -> keys
 
 
@@ -42,7 +44,8 @@ class KVStore:
     """
 
     def __init__(self, *, layers: int, kv_heads: int, head_dim: int, capacity: int, dtype: torch.dtype,
-                 device: torch.device | str = "cpu", relative_positions: bool = False, rerotate: Rerotate | None = None) -> None:
+                 device: torch.device | str = "cpu", relative_positions: bool = False, rerotate: Rerotate | None = None,
+                 gather_ops: GatherOps = TORCH_GATHER) -> None:
         shape = (layers, kv_heads, capacity, head_dim)
         self.keys = host_memory.zeros(shape, dtype=dtype, device=device)  # [L, H, C, D]; on 2 MB pages where it can
         self.values = host_memory.zeros(shape, dtype=dtype, device=device)  # [L, H, C, D]
@@ -56,6 +59,7 @@ class KVStore:
         self.written_for = torch.zeros(capacity if keeps_written else 0, dtype=torch.long, device="cpu")  # [C]; host bookkeeping
         self._incoming = torch.empty(0, dtype=torch.long, device="cpu")  # positions of the tokens being written
         self.horizon = 0  # positions below this were gathered from another store (per-head slots)
+        self.gather_ops = gather_ops  # copies a view's entries out of another store (specstack.gather_ops)
         self.gathered = 0  # how many leading slots hold gathered entries
         self.attention: torch.Tensor | None = None  # [L, H, C] attention mass received by each slot (H2O)
         self.columns: torch.Tensor | None = None  # [L, H, C / 16, words, 16] the keys by groups of 16 slots (key_columns)
@@ -110,26 +114,14 @@ class KVStore:
         if slots.dim() == 1:  # the same entries for every layer and head
             self.keys[:, :, :k] = source.keys[:, :, slots]
             self.values[:, :, :k] = source.values[:, :, slots]
-        else:  # each (layer, head)'s own slots, as rows of the source's buffers seen as [L * H * C, D]
-            rows = source.entry_rows(slots)  # [L * H * K]
-            shape = (*slots.shape, self.keys.shape[-1])  # [L, H, K, D]
-            self.keys[:, :, :k] = source.keys.view(-1, shape[-1]).index_select(0, rows).view(shape)
-            self.values[:, :, :k] = source.values.view(-1, shape[-1]).index_select(0, rows).view(shape)
+        else:  # each (layer, head)'s own slots
+            self.gather_ops.rows((source.keys, source.values), (self.keys, self.values), slots)
         if self.attention is not None:
             self.attention[:, :, :k] = 0.0
         self.slot_positions[:k] = -1  # per-head positions differ; all lie below the horizon
         self.length = self.gathered = k
         self.horizon = horizon
         self._keys_change_from(0)
-
-    def entry_rows(self, slots: torch.Tensor) -> torch.Tensor:
-        """Slots [L, H, K] of each layer and KV head -> [L * H * K] the rows they are in the buffers seen as
-        [L * H * C, D]: one row gather copies every head's entries (a ``gather`` along the slots, with an index
-        expanded over D, took 22.9 ms for the default target's 512-slot view of a 7,500-slot cache in fp32, this
-        4.9; docs/benchmarks.md, "Sampling and gathering")."""
-        layers, heads, _ = slots.shape
-        first = torch.arange(layers * heads, device=slots.device).view(layers, heads, 1) * self.capacity  # [L, H, 1]
-        return (slots + first).flatten()  # [L * H * K]
 
     def keep(self, slots: torch.Tensor) -> None:
         """Keep ``slots``, moving them to the front: [K] for every layer and head alike, or [L, H, K]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import pickle
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ from hypothesis import strategies as st
 
 from specstack import (CachedModel, CacheState, EvictionPolicy, FullCache, GatheringPolicy, Level, LevelStats, SpecstackError,
                        SpeculationStack, StreamingLLM)
+from specstack.gather_ops import TORCH_GATHER, CompiledGather, load_gather_ops
 from specstack.kvstore import KVStore
 from specstack.policies import check_selection
 from specstack.synthetic import SyntheticLM, greedy_decode
@@ -183,20 +185,53 @@ def test_logits_of_nothing_more_to_feed_or_of_no_tokens() -> None:
     assert "\n" not in str(error.value)
 
 
-def test_a_per_head_gather_copies_each_heads_own_entries() -> None:
+GATHERS = [pytest.param(TORCH_GATHER, id="torch"),
+           pytest.param(load_gather_ops(), id="compiled", marks=pytest.mark.skipif(not isinstance(load_gather_ops(), CompiledGather), reason="no compiler here"))]
+
+
+def chunked_slots(generator: torch.Generator, layers: int, heads: int, chunks: int, chosen: int, size: int) -> torch.Tensor:
+    """[L, H, chosen * size] ascending slots: each (layer, head) its own ``chosen`` of ``chunks`` runs of ``size``."""
+    rows = [torch.randperm(chunks, generator=generator)[:chosen].sort().values for _ in range(layers * heads)]  # each [chosen]
+    return (torch.stack(rows)[..., None] * size + torch.arange(size)).view(layers, heads, chosen * size)  # [L, H, K]
+
+
+@pytest.mark.parametrize("gather", GATHERS)
+@pytest.mark.parametrize("dtype, runs", [(torch.float32, 1), (torch.float32, 4), (torch.bfloat16, 4)])
+def test_a_per_head_gather_copies_each_heads_own_entries(gather, dtype, runs) -> None:
     """gather_from with slots [L, H, K]: entry (l, h, j) of the view is the source's (l, h, slots[l, h, j]), for
-    keys and values, checked one by one against the source's buffers."""
-    source = KVStore(layers=3, kv_heads=2, head_dim=8, capacity=40, dtype=torch.float32)
-    source.begin(torch.arange(30))
-    source.keys[:, :, :30] = torch.randn(3, 2, 30, 8, generator=torch.Generator().manual_seed(0))
-    source.values[:, :, :30] = torch.randn(3, 2, 30, 8, generator=torch.Generator().manual_seed(1))
+    keys and values, checked one by one against the source's buffers: single slots, and chunks of four (runs of
+    consecutive slots, which the compiled copy moves as one block), with torch's gather and the compiled one."""
+    source = KVStore(layers=3, kv_heads=2, head_dim=8, capacity=40, dtype=dtype, gather_ops=gather)
+    source.begin(torch.arange(32))
+    source.keys[:, :, :32] = torch.randn(3, 2, 32, 8, generator=torch.Generator().manual_seed(0))
+    source.values[:, :, :32] = torch.randn(3, 2, 32, 8, generator=torch.Generator().manual_seed(1))
     source.commit()
-    generator = torch.Generator().manual_seed(2)
-    slots = torch.stack([torch.stack([torch.randperm(25, generator=generator)[:6].sort().values for _ in range(2)]) for _ in range(3)])  # [L, H, K]
-    view = KVStore(layers=3, kv_heads=2, head_dim=8, capacity=10, dtype=torch.float32)
-    view.gather_from(source, slots, horizon=25)
-    assert len(view) == 6 and view.horizon == 25
-    for layer, head, j in itertools.product(range(3), range(2), range(6)):
+    slots = chunked_slots(torch.Generator().manual_seed(2), 3, 2, 28 // runs, 6 if runs == 1 else 2, runs)  # [L, H, K]: 6 slots, or 2 chunks of 4
+    count = slots.shape[-1]
+    view = KVStore(layers=3, kv_heads=2, head_dim=8, capacity=10, dtype=dtype, gather_ops=gather)
+    view.gather_from(source, slots, horizon=28)
+    assert len(view) == count and view.horizon == 28
+    for layer, head, j in itertools.product(range(3), range(2), range(count)):
         slot = int(slots[layer, head, j])
         assert torch.equal(view.keys[layer, head, j], source.keys[layer, head, slot])
         assert torch.equal(view.values[layer, head, j], source.values[layer, head, slot])
+
+
+@pytest.mark.parametrize("gather", GATHERS)
+def test_a_gather_of_a_slot_outside_the_source_raises(gather) -> None:
+    """A slot past the source's buffers is an index error, not a read of another head's (or no one's) memory."""
+    source = KVStore(layers=2, kv_heads=1, head_dim=4, capacity=16, dtype=torch.float32, gather_ops=gather)
+    view = KVStore(layers=2, kv_heads=1, head_dim=4, capacity=8, dtype=torch.float32, gather_ops=gather)
+    for bad in (16, -1):
+        slots = torch.tensor([0, 1, 2, bad]).expand(2, 1, 4)  # [L, H, K]
+        with pytest.raises(IndexError):
+            view.gather_from(source, slots, horizon=16)
+
+
+def test_the_compiled_gather_is_loaded_again_where_a_model_is_unpickled() -> None:
+    """A store's copy of the compiled gather pickles as a request to load it (a bench's worker gets its own)."""
+    gather = load_gather_ops()
+    if not isinstance(gather, CompiledGather):
+        pytest.skip("no compiler here")
+    again = pickle.loads(pickle.dumps(gather))
+    assert isinstance(again, CompiledGather) and again.path == gather.path

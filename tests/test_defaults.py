@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 from specstack import FullCache, Level, Registry, Retrieval, SpecstackError, SpeculationStack, StreamingLLM
 from specstack.channels import FullCacheChannel, chunk_means
 from specstack.cli import main
+from specstack.retrieval import best_sorted
 from specstack.model import CachedModel
 from specstack.run import parse_options
 from specstack.synthetic import SyntheticLM, greedy_decode
@@ -300,3 +301,25 @@ def test_generate_coupled_samples_the_autoregressive_text_of_its_seed(capsys) ->
     lookup = tokens("--stack", "prompt-lookup", "--seed", "4")
     assert lookup == tokens("--stack", "autoregressive", "--seed", "4")
     assert lookup != tokens("--stack", "autoregressive", "--seed", "5")
+
+
+@given(chunks=st.integers(1, 300), share=st.floats(0, 1), seed=st.integers(0, 99), nans=st.integers(0, 3), ties=st.booleans())
+def test_the_best_chunks_are_the_highest_scores_in_ascending_order(chunks, share, seed, nans, ties) -> None:
+    """best_sorted: each row's ``count`` indices ascending and distinct, and no score left out above one kept (NaN
+    counting as highest, as torch.topk has it), with many equal scores too."""
+    generator = torch.Generator().manual_seed(seed)
+    scores = torch.randn(2, 3, chunks, generator=generator)  # [L, H, C]
+    if ties:
+        scores = scores.round()  # a few distinct values
+    scores.view(-1)[torch.randperm(scores.numel(), generator=generator)[:nans]] = float("nan")
+    count = max(1, round(share * chunks))
+    best = best_sorted(scores, count)  # [L, H, count]
+    assert best.shape == (2, 3, count) and best.dtype == torch.long
+    assert (best[..., 1:] > best[..., :-1]).all()
+    ranked = scores.nan_to_num(nan=float("inf"))  # [L, H, C]
+    kept = torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, best, True)  # [L, H, C]
+    lowest_kept = ranked.masked_fill(~kept, float("inf")).amin(-1)  # [L, H]
+    highest_left = ranked.masked_fill(kept, float("-inf")).amax(-1)  # [L, H]
+    assert (highest_left <= lowest_kept).all()
+    if not (ties or nans):  # distinct scores: torch's way (any dtype but float32) chooses the same
+        assert torch.equal(best, best_sorted(scores.to(torch.float64), count))
