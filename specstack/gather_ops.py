@@ -1,4 +1,5 @@
-"""A retrieval view's copy out of the full cache, one compiled call (``csrc/gather_ops.cpp``).
+"""A retrieval view's copy out of the full cache, one compiled call (``csrc/gather_ops.cpp``); the same call moves a
+store's per-head survivors of an eviction (H2O's) to its front in place.
 
 Gathering a view copies each layer's and KV head's chosen entries (their keys and values) from the full cache
 into the leading slots of the view's buffers. torch's way, one row gather over the cache seen as
@@ -30,7 +31,8 @@ class TorchGather:
 
     def rows(self, sources: tuple[torch.Tensor, torch.Tensor], dests: tuple[torch.Tensor, torch.Tensor], slots: torch.Tensor) -> None:
         """For keys and values alike: ``dest[l, h, :K] = source[l, h, slots[l, h]]``; sources [L, H, C, D],
-        dests [L, H, C', D] (C' >= K), slots [L, H, K] on their device, each below C."""
+        dests [L, H, C', D] (C' >= K), slots [L, H, K] on their device, each below C. The dests may be the sources
+        where each row of slots ascends (a store keeping some of its own entries)."""
         layers, heads, count = slots.shape
         first = torch.arange(layers * heads, device=slots.device).view(layers, heads, 1) * sources[0].shape[2]  # [L, H, 1]
         rows = (slots + first).flatten()  # [L * H * K]: the rows of the sources seen as [L * H * C, D]

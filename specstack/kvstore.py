@@ -165,9 +165,7 @@ class KVStore:
             self.keys[:, :, stay:n] = self._rerotate(self.written[:, :, stay:n], delta)  # [L, H, m, D]; one rotation from the key as written
             return
         self._keys_change_from(0)
-        index = slots[..., None].expand(-1, -1, -1, self.keys.shape[-1])  # [L, H, n, D]
-        self.keys[:, :, :n] = self.keys.gather(2, index)
-        self.values[:, :, :n] = self.values.gather(2, index)
+        self.gather_ops.rows((self.keys, self.values), (self.keys, self.values), slots)  # in place: each row ascending
         if self.attention is not None:
             self.attention[:, :, :n] = self.attention.gather(2, slots)
 

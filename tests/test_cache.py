@@ -19,6 +19,9 @@ from specstack.kvstore import KVStore
 from specstack.policies import check_selection
 from specstack.synthetic import SyntheticLM, greedy_decode
 
+GATHERS = [pytest.param(TORCH_GATHER, id="torch"),
+           pytest.param(load_gather_ops(), id="compiled", marks=pytest.mark.skipif(not isinstance(load_gather_ops(), CompiledGather), reason="no compiler here"))]
+
 
 @settings(max_examples=300)
 @given(st.integers(0, 8), st.integers(2, 32), st.integers(0, 64), st.integers(1, 8), st.integers(0, 31))
@@ -121,9 +124,9 @@ def test_a_policy_breaking_its_budget_is_named() -> None:
         lm.logits([0, 1, 2, 3, 4], 1)
 
 
-def _filled_store(length: int) -> KVStore:
+def _filled_store(length: int, gather=TORCH_GATHER) -> KVStore:
     """Two layers, three KV heads; every key and value encodes (layer, head, position)."""
-    store = KVStore(layers=2, kv_heads=3, head_dim=1, capacity=16, dtype=torch.float32)
+    store = KVStore(layers=2, kv_heads=3, head_dim=1, capacity=16, dtype=torch.float32, gather_ops=gather)
     store.begin(torch.arange(length))
     for layer in range(2):
         code = 100 * layer + 10 * torch.arange(3)[:, None] + torch.arange(length)  # [H, T]
@@ -133,8 +136,9 @@ def _filled_store(length: int) -> KVStore:
     return store
 
 
-def test_per_head_eviction_keeps_each_heads_slots_and_rolls_back_over_the_shared_tail() -> None:
-    store = _filled_store(10)
+@pytest.mark.parametrize("gather", GATHERS)
+def test_per_head_eviction_keeps_each_heads_slots_and_rolls_back_over_the_shared_tail(gather) -> None:
+    store = _filled_store(10, gather)
     heavy = torch.tensor([[[0, 2], [1, 3], [0, 4]], [[5, 6], [0, 1], [2, 6]]])  # [L, H, 2]: differs per head
     slots = torch.cat([heavy, torch.tensor([7, 8, 9]).expand(2, 3, 3)], dim=-1)  # [L, H, 5]
     store.keep(slots)
@@ -146,6 +150,19 @@ def test_per_head_eviction_keeps_each_heads_slots_and_rolls_back_over_the_shared
     assert len(store) == 4
     store.truncate(5)  # inside the per-head part: the view must start over
     assert len(store) == 0
+
+
+@pytest.mark.parametrize("gather", GATHERS)
+def test_per_head_eviction_moves_runs_onto_their_own_slots(gather) -> None:
+    """Entries moved to the front of their own store, in place: runs of consecutive survivors that overlap where they
+    land (slots 1-12 to 0-11), or land where they are (0-12), or jump (a head keeping slots 4-15)."""
+    store = _filled_store(16, gather)
+    heads = [list(range(1, 11)), list(range(10)), [0, *range(4, 13)], list(range(2, 12)), [0, 1, 2, *range(6, 13)], [0, 2, 3, 5, *range(7, 13)]]
+    slots = torch.cat([torch.tensor(heads).view(2, 3, 10), torch.tensor([13, 14, 15]).expand(2, 3, 3)], dim=-1)  # [L, H, 13]
+    store.keep(slots)
+    expected = 100 * torch.arange(2)[:, None, None] + 10 * torch.arange(3)[None, :, None] + slots  # [L, H, 13]
+    assert torch.equal(store.keys[:, :, :13, 0], expected.float()) and torch.equal(store.values[:, :, :13, 0], expected.float())
+    assert torch.equal(store.attention_mass(), expected.float())
 
 
 def test_per_head_selections_are_checked_row_by_row() -> None:
@@ -183,10 +200,6 @@ def test_logits_of_nothing_more_to_feed_or_of_no_tokens() -> None:
     with pytest.raises(SpecstackError, match=r"asked for the logits of the last 1 of 0 tokens") as error:
         lm.logits([], 1)
     assert "\n" not in str(error.value)
-
-
-GATHERS = [pytest.param(TORCH_GATHER, id="torch"),
-           pytest.param(load_gather_ops(), id="compiled", marks=pytest.mark.skipif(not isinstance(load_gather_ops(), CompiledGather), reason="no compiler here"))]
 
 
 def chunked_slots(generator: torch.Generator, layers: int, heads: int, chunks: int, chosen: int, size: int) -> torch.Tensor:

@@ -1,4 +1,5 @@
-// Copying a retrieval view's entries out of a full KV cache (specstack/gather_ops.py).
+// Copying chosen entries of a KV cache into the leading slots of a store (specstack/gather_ops.py): a retrieval
+// view's out of the full cache, or a store's own per-head survivors of an eviction, moved to its front in place.
 //
 // Keys and values are [groups, rows, width] buffers (a group: one layer's KV head), of any element type:
 // a row is row_bytes bytes. For each group g, the source rows at slots[g, 0..count) go to the destination's
@@ -6,7 +7,9 @@
 // block, and the copy lands in place: torch's row gather wrote a temporary that was then copied again
 // into the view's strided leading rows, twice the bytes and a fresh buffer each time.
 //
-// The caller checks every slot lies in [0, source_rows); the groups are split over the threads.
+// The caller checks every slot lies in [0, source_rows); the groups are split over the threads. Source and destination
+// may be the same buffers when each group's slots ascend: row i then comes from slots[i] >= i, which no earlier run
+// has written over (runs go in order, and a run overlapping its own source is moved with memmove).
 
 #include <cstdint>
 #include <cstring>
@@ -17,7 +20,7 @@ void gather_group(const char *source, char *dest, const int64_t *slots, int64_t 
     for (int64_t i = 0; i < count;) {
         int64_t end = i + 1;
         while (end < count && slots[end] == slots[end - 1] + 1) ++end;  // a run of consecutive slots
-        std::memcpy(dest + i * row_bytes, source + slots[i] * row_bytes, (end - i) * row_bytes);
+        std::memmove(dest + i * row_bytes, source + slots[i] * row_bytes, (end - i) * row_bytes);
         i = end;
     }
 }
