@@ -205,7 +205,7 @@ class HFCausalLM:
     max_length: int = attrs.field(init=False)
     graphs: ForwardGraphs = attrs.field(init=False)
     attention_kernel: DecodeKernel | None = attrs.field(init=False)  # None: not asked for, or no compiler here
-    gather_ops: GatherOps = attrs.field(init=False)  # copies a retrieval view's entries out of the full cache (specstack.gather_ops)
+    gather_ops: GatherOps = attrs.field(init=False)  # its stores' copy of chosen entries: a retrieval view's, a per-head eviction's (specstack.gather_ops)
     decoder: LeanDecoder | None = attrs.field(init=False)  # None: not asked for, or a decoder it does not fit
     token_rank: torch.Tensor | None = attrs.field(init=False, default=None)  # [V] a draft's token ids, most frequent first (draft_vocabulary)
     vocabulary: tuple | None = attrs.field(init=False, default=None)  # (rows [R], their head [n, H] -> [n, R]): logits of those tokens only

@@ -59,7 +59,7 @@ class KVStore:
         self.written_for = torch.zeros(capacity if keeps_written else 0, dtype=torch.long, device="cpu")  # [C]; host bookkeeping
         self._incoming = torch.empty(0, dtype=torch.long, device="cpu")  # positions of the tokens being written
         self.horizon = 0  # positions below this were gathered from another store (per-head slots)
-        self.gather_ops = gather_ops  # copies a view's entries out of another store (specstack.gather_ops)
+        self.gather_ops = gather_ops  # copies chosen entries to the front: a view's out of another store, a per-head eviction's in place (specstack.gather_ops)
         self.gathered = 0  # how many leading slots hold gathered entries
         self.attention: torch.Tensor | None = None  # [L, H, C] attention mass received by each slot (H2O)
         self.columns: torch.Tensor | None = None  # [L, H, C / 16, words, 16] the keys by groups of 16 slots (key_columns)
