@@ -33,6 +33,7 @@ class TorchGather:
         """For keys and values alike: ``dest[l, h, :K] = source[l, h, slots[l, h]]``; sources [L, H, C, D],
         dests [L, H, C', D] (C' >= K), slots [L, H, K] on their device, each below C. The dests may be the sources
         where each row of slots ascends (a store keeping some of its own entries)."""
+        check_slots(slots, sources[0].shape[2])
         layers, heads, count = slots.shape
         first = torch.arange(layers * heads, device=slots.device).view(layers, heads, 1) * sources[0].shape[2]  # [L, H, 1]
         rows = (slots + first).flatten()  # [L * H * K]: the rows of the sources seen as [L * H * C, D]
@@ -56,19 +57,27 @@ class CompiledGather:
         return load_gather_ops, ()
 
     def rows(self, sources: tuple[torch.Tensor, torch.Tensor], dests: tuple[torch.Tensor, torch.Tensor], slots: torch.Tensor) -> None:
-        """:meth:`TorchGather.rows`, copied in place. Slots outside the sources raise, as torch's gather does."""
+        """:meth:`TorchGather.rows`, copied in place."""
         if not _ours(sources, dests, slots):
             return TORCH_GATHER.rows(sources, dests, slots)
         layers, heads, count = slots.shape
         capacity = sources[0].shape[2]
-        if slots.numel() and (int(slots.min()) < 0 or int(slots.max()) >= capacity):
-            raise IndexError(f"gather slots span [{int(slots.min())}, {int(slots.max())}]; a store of capacity {capacity} holds [0, {capacity})")
+        check_slots(slots, capacity)
         slots = slots.contiguous()  # [L, H, K]
         status = self.library.specstack_gather_rows(
             sources[0].data_ptr(), sources[1].data_ptr(), dests[0].data_ptr(), dests[1].data_ptr(), slots.data_ptr(),
             layers * heads, count, capacity, dests[0].shape[2], sources[0].shape[-1] * sources[0].element_size(), torch.get_num_threads())
         if status != 0:
             raise ValueError(f"gather kernel refused {count} slots into a store of capacity {dests[0].shape[2]}")
+
+
+def check_slots(slots: torch.Tensor, capacity: int) -> None:
+    """Raise IndexError where a slot lies outside a store of ``capacity`` slots: seen as rows of all heads' buffers, an
+    out-of-range slot of one head would otherwise name another head's entry, or memory outside the buffers."""
+    if slots.numel():
+        low, high = (int(x) for x in torch.aminmax(slots))
+        if low < 0 or high >= capacity:
+            raise IndexError(f"gather slots span [{low}, {high}]; a store of capacity {capacity} holds [0, {capacity})")
 
 
 def _ours(sources: tuple[torch.Tensor, ...], dests: tuple[torch.Tensor, ...], slots: torch.Tensor) -> bool:
@@ -81,7 +90,10 @@ def _ours(sources: tuple[torch.Tensor, ...], dests: tuple[torch.Tensor, ...], sl
             and sources[1].shape[2] == first.shape[2] and dests[1].shape[2] == dests[0].shape[2] >= slots.shape[2])
 
 
-def load_gather_ops(cache: Path | None = None) -> CompiledGather | TorchGather:
+GatherOps = CompiledGather | TorchGather  # what a store copies chosen entries with
+
+
+def load_gather_ops(cache: Path | None = None) -> GatherOps:
     """The compiled copy, built into ``cache`` (default: the specstack cache) on first use; :data:`TORCH_GATHER`
     where it cannot be built here."""
     pointer, wide = ctypes.c_void_p, ctypes.c_int64

@@ -26,11 +26,11 @@ from .attention import attention_weights
 from .errors import SpecstackError
 from .batch import TokenBatch
 from .decode_attention import DecodeKernel, load_decode_kernel
-from .gather_ops import load_gather_ops
+from .gather_ops import GatherOps, load_gather_ops
 from .decoder import LeanDecoder
 from .decoder_ops import rotate_half
 from .graphs import ForwardGraphs, StaticView
-from .kvstore import GatherOps, KVStore
+from .kvstore import KVStore
 from .gguf_weights import attach_gguf_blocks
 from .packed_linear import PackedLinear, pack_linears, read_bf16_numbers
 from .weight_formats import blocks_of, grouped

@@ -20,9 +20,8 @@ import torch
 
 from . import host_memory
 from .errors import SpecstackError
-from .gather_ops import TORCH_GATHER, CompiledGather, TorchGather
+from .gather_ops import TORCH_GATHER, GatherOps
 
-GatherOps = CompiledGather | TorchGather
 Rerotate = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (keys [L, H, n, D], delta [n]) -> keys
 
 

@@ -232,11 +232,12 @@ def test_a_per_head_gather_copies_each_heads_own_entries(gather, dtype, runs) ->
 
 @pytest.mark.parametrize("gather", GATHERS)
 def test_a_gather_of_a_slot_outside_the_source_raises(gather) -> None:
-    """A slot past the source's buffers is an index error, not a read of another head's (or no one's) memory."""
+    """A slot past the source's buffers is an index error, not a read of another head's (or no one's) memory: the bad
+    slot lies in layer 0 only, where slot 16 names layer 1's slot 0 of the buffers seen as rows."""
     source = KVStore(layers=2, kv_heads=1, head_dim=4, capacity=16, dtype=torch.float32, gather_ops=gather)
     view = KVStore(layers=2, kv_heads=1, head_dim=4, capacity=8, dtype=torch.float32, gather_ops=gather)
     for bad in (16, -1):
-        slots = torch.tensor([0, 1, 2, bad]).expand(2, 1, 4)  # [L, H, K]
+        slots = torch.tensor([[[0, 1, 2, bad]], [[0, 1, 2, 3]]])  # [L, H, K]
         with pytest.raises(IndexError):
             view.gather_from(source, slots, horizon=16)
 
