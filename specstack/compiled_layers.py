@@ -39,7 +39,7 @@ import attrs
 import torch
 
 from .decoder_ops import DTYPES, RMS_NORMS, DecoderOps
-from .native import SOURCES, load
+from .native import SOURCES, CompiledLibrary, load
 from .packed_linear import PackedLinear
 from .parameter_watch import ParameterWatch
 
@@ -97,18 +97,17 @@ class _Plan:
 
 
 @attrs.define(eq=False)
-class CompiledLayers:
+class CompiledLayers(CompiledLibrary):
     """``csrc/compiled_layers.cpp``, and the plans made for one decoder, one per number of tokens."""
 
-    library: ctypes.CDLL = attrs.field(repr=False)
-    path: Path
     plans: dict[int, _Plan] = attrs.field(factory=dict)
     forwards: int = 0  # forwards run here
     tables: dict = attrs.field(factory=dict)  # id(activation module) -> (the module, its table or None), made once each
 
-    def __reduce__(self):
-        """Pickled and copied (with a model) as a request to load it again where it lands; the plans are remade."""
-        return load_compiled_layers, ()
+    @classmethod
+    def load_again(cls) -> "CompiledLayers | None":
+        """Loaded again with no plans: a copied model remakes its plans on its first forwards."""
+        return load_compiled_layers()
 
     def plan_for(self, decoder, tokens: torch.Tensor, cache, attention: dict) -> _Plan | None:
         """The plan of the lean ``decoder``'s forward over ``tokens`` [1, T] into ``cache`` (a StoreCache), with the

@@ -36,7 +36,7 @@ import attrs
 import torch
 
 from .bf16_products import built_with, dot_products_pay
-from .native import SOURCES, load
+from .native import SOURCES, CompiledLibrary, load
 
 if TYPE_CHECKING:
     from .kvstore import KVStore
@@ -63,11 +63,9 @@ AMX_MIN_KEYS = 2048
 
 
 @attrs.frozen(kw_only=True)
-class DecodeKernel:
+class DecodeKernel(CompiledLibrary):
     """The compiled kernel: query rows of each KV head against a float32 or bfloat16 cache on the CPU."""
 
-    library: ctypes.CDLL = attrs.field(repr=False)
-    path: Path
     max_rows: int
     max_dim: int
     amx: bool = False  # a bfloat16 cache takes AMX tiles (the CPU has them and Linux lends them)
@@ -76,9 +74,9 @@ class DecodeKernel:
     # Chosen at load where they pay (specstack.bf16_products); attrs.evolve turns either way on where both are built.
     dot_products: bool = attrs.field(default=False, validator=built_with("dot_products_built"))
 
-    def __reduce__(self):
-        """Pickled (a model sent to a bench worker) as a request to load it again where it lands."""
-        return load_decode_kernel, ()
+    @classmethod
+    def load_again(cls) -> "DecodeKernel | None":
+        return load_decode_kernel()
 
     def applies(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
         """Whether ``query`` [1, Hq, T, D] over ``key``/``value`` [1, Hkv, n, D] (the last T its own) takes

@@ -25,7 +25,7 @@ from pathlib import Path
 import attrs
 import torch
 
-from .native import SOURCES, load
+from .native import SOURCES, CompiledLibrary, load
 
 SOURCE = SOURCES / "decoder_ops.cpp"
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # the dtypes the compiled ops take, and the flag each passes
@@ -62,15 +62,13 @@ TORCH_OPS = TorchOps()
 
 
 @attrs.frozen(kw_only=True)
-class DecoderOps:
+class DecoderOps(CompiledLibrary):
     """The compiled operations, for float32 and bfloat16 tensors on the CPU; others go to :data:`TORCH_OPS`."""
 
-    library: ctypes.CDLL = attrs.field(repr=False)
-    path: Path
 
-    def __reduce__(self):
-        """Pickled and copied (with a model) as a request to load it again where it lands."""
-        return load_decoder_ops, ()
+    @classmethod
+    def load_again(cls) -> "DecoderOps | None":
+        return load_decoder_ops()
 
     @staticmethod
     def _ours(first: torch.Tensor, second: torch.Tensor, third: torch.Tensor | None = None) -> bool:

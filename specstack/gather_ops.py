@@ -20,7 +20,7 @@ from pathlib import Path
 import attrs
 import torch
 
-from .native import SOURCES, load
+from .native import SOURCES, CompiledLibrary, load
 
 SOURCE = SOURCES / "gather_ops.cpp"
 
@@ -46,15 +46,13 @@ TORCH_GATHER = TorchGather()
 
 
 @attrs.frozen(kw_only=True)
-class CompiledGather:
+class CompiledGather(CompiledLibrary):
     """The compiled copy, for contiguous CPU buffers of one dtype; others go to :data:`TORCH_GATHER`."""
 
-    library: ctypes.CDLL = attrs.field(repr=False)
-    path: Path
 
-    def __reduce__(self):
-        """Pickled and copied (with a model's stores) as a request to load it again where it lands."""
-        return load_gather_ops, ()
+    @classmethod
+    def load_again(cls) -> "CompiledGather | None":
+        return load_gather_ops()
 
     def rows(self, sources: tuple[torch.Tensor, torch.Tensor], dests: tuple[torch.Tensor, torch.Tensor], slots: torch.Tensor) -> None:
         """:meth:`TorchGather.rows`, copied in place."""

@@ -18,8 +18,28 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+import attrs
+
 SOURCES = Path(__file__).parent / "csrc"
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
+
+
+@attrs.define(kw_only=True, eq=False)
+class CompiledLibrary:
+    """A library built from one source of ``csrc`` (:func:`load`) and where it lies: the base of each kernel's wrapper.
+    Pickled or copied (with a model, or a KV store) a wrapper travels as a request to load its kernel again where it
+    lands (the subclass's :meth:`load_again`): a loaded library cannot be copied, and another machine builds its own."""
+
+    library: ctypes.CDLL = attrs.field(repr=False)
+    path: Path
+
+    def __reduce__(self):
+        return type(self).load_again, ()
+
+    @classmethod
+    def load_again(cls) -> "CompiledLibrary | None":
+        """The kernel loaded here (None where it cannot be built)."""
+        raise NotImplementedError(f"{cls.__name__} does not say how it is loaded again")
 
 
 def load(source: Path, entry: str, argtypes: list, cache: Path | None = None) -> tuple[ctypes.CDLL, Path] | None:

@@ -39,7 +39,7 @@ import attrs
 import torch
 
 from .bf16_products import built_with, dot_products_pay
-from .native import SOURCES, load
+from .native import SOURCES, CompiledLibrary, load
 from .weight_formats import BF16, Q4_1, WeightFormat, bf16_rows
 
 ROWS_SOURCE = SOURCES / "linear_rows.cpp"
@@ -91,13 +91,11 @@ def onednn_bf16_available() -> bool:
 
 
 @attrs.frozen(kw_only=True)
-class RowsKernel:
+class RowsKernel(CompiledLibrary):
     """The compiled few-row product ``y_j = W x_j + b`` (``csrc/linear_rows.cpp``) on the CPU, fp32 and
     bf16: bf16 through AVX-512's bf16 dot products where ``bf16_dots``, else widened to fp32. Each output
     is summed in one fixed order, so a row's outputs are the same bits alone or among others."""
 
-    library: ctypes.CDLL = attrs.field(repr=False)
-    path: Path
     bf16_dots_built: bool = False  # built with AVX-512's bf16 dot products (the CPU has them)
     # bf16 products take vdpbf16ps; else they are widened to fp32. Chosen at load where they pay (specstack.bf16_products);
     # attrs.evolve turns either way on where both are built.
@@ -105,9 +103,9 @@ class RowsKernel:
     tiles: bool = False  # bf16 products of up to MAX_TILE_ROWS rows on AMX tiles (the CPU has them and Linux lends them)
     avx512: bool = True  # what the build is: AVX-512 (sixteen-float sums), or False for AVX2 or narrower; no limit depends on it
 
-    def __reduce__(self):
-        """Pickled and copied (with a model) as a request to load it again where it lands."""
-        return load_rows_kernel, ()
+    @classmethod
+    def load_again(cls) -> "RowsKernel | None":
+        return load_rows_kernel()
 
     def bf16_ways(self) -> list["RowsKernel"]:
         """This kernel, and where it was built with bf16 dot products the same kernel taking bf16 the other way (widened,
