@@ -189,6 +189,7 @@ def test_a_grid_may_give_a_middle_level_gamma_zero(tmp_path) -> None:
         ('stacks = ["naive"]\ndevice = "gpu0"\n', "grid key 'device': device 'gpu0' is not allowed; use cpu, cuda or cuda:N"),
         ('stacks = ["naive"]\ndraft_device = 0\n', "grid key 'draft_device' must be cpu, cuda or cuda:N; got 0"),
         ('stacks = ["naive"]\ncuda_graphs = "no"\n', "grid key 'cuda_graphs' must be true or false"),
+        ('stacks = ["naive"]\nrepeats = 0\n', "grid key 'repeats' must be an integer >= 1"),
         ('stacks = ["naive"\n', "is not valid TOML"),
     ],
 )
@@ -367,6 +368,42 @@ def test_a_groups_baseline_is_measured_again_at_its_end_and_its_drift_reported(t
     assert alone.rows[0]["baseline_again"] is None
 
 
+def test_repeats_measure_each_stack_in_turns_and_report_the_median(tmp_path, registry) -> None:
+    """With ``repeats`` 3 a group's stacks run three turns, each after its baselines again: every record keeps its three
+    speedups, its speedup is their median, and the report gives their range; the baselines' records are as without."""
+    table = run_grid(Grid(stacks=["naive", "speculative"], repeats=3, **SMALL), tmp_path, models=SYNTHETIC, registry=registry, progress=False)
+    stacks = [r for r in table.rows if r["stack"] != "autoregressive"]
+    assert len(stacks) == 2 and all("speedups" not in r for r in table.rows if r["stack"] == "autoregressive")
+    for record in stacks:
+        assert len(record["speedups"]) == 3 and all(s > 0 for s in record["speedups"])
+        assert record["speedup"] == sorted(record["speedups"])[1] and record["identical_to_baseline"] is True
+        low, high = min(record["speedups"]), max(record["speedups"])
+        assert f"{record['speedup']:.2f}× ({low:.2f}-{high:.2f})" in (tmp_path / "report.md").read_text()
+
+
+def test_each_turn_is_measured_against_its_own_baseline(tmp_path, registry, monkeypatch) -> None:
+    """The host slows turn by turn (every run of turn t takes t + 1 times as long) and the stack is always twice as fast
+    as the baseline beside it: each turn's speedup is 2, where against the first turn's baseline they would read 2, 1
+    and 2/3. A run whose text leaves the baseline's in one turn is not identical."""
+    from specstack.bench.runner import Runner
+    from specstack.bench.stacks import Measurement
+
+    calls: dict[str, int] = {}
+
+    def measure(self, point, prompt, prefill=None):
+        turn = calls[point.stack] = calls.get(point.stack, -1) + 1
+        seconds = (turn + 1) * (1.0 if point.stack == "autoregressive" else 0.5)
+        tokens = (1, 2, 3) if point.stack == "autoregressive" or turn != 2 else (1, 2, 4)
+        return Measurement(tokens=tokens, levels=(), decode_seconds=seconds, prefill_seconds=0.1, total_seconds=seconds + 0.1, timing="decode")
+
+    monkeypatch.setattr(Runner, "_measure", measure)
+    table = run_grid(Grid(stacks=["naive"], repeats=3, **SMALL), tmp_path, models=SYNTHETIC, registry=registry, progress=False)
+    record = next(r for r in table.rows if r["stack"] == "naive")
+    assert record["speedups"] == pytest.approx([2.0, 2.0, 2.0]) and record["speedup"] == pytest.approx(2.0)
+    assert record["identical_to_baseline"] is False
+    assert calls == {"autoregressive": 3, "naive": 2}  # counted from 0: the baseline ran four times (three turns, then the drift check), the stack three
+
+
 def test_the_drift_section_lists_the_groups_that_moved() -> None:
     from specstack.bench.report import drift_markdown
 
@@ -426,6 +463,7 @@ def test_device_flags_become_grid_keys(tmp_path) -> None:
     args = bench_args(["--stacks", "naive", "--device", "cuda:1", "--draft-device", "cpu", "--no-cuda-graphs"])
     assert {k: v for k, v in grid_overrides(args).items() if k != "stacks"} == {"device": "cuda:1", "draft_device": "cpu", "cuda_graphs": False}
     assert "cuda_graphs" not in grid_overrides(bench_args(["--stacks", "naive"]))  # unset: the grid file's value or the default
+    assert grid_overrides(bench_args(["--stacks", "naive", "--repeats", "3"]))["repeats"] == 3
 
 
 def bench_args(argv: list[str]) -> argparse.Namespace:

@@ -11,7 +11,7 @@ from typing import Any
 GRID_FLAGS = {
     "stacks": "stacks", "budgets": "budgets", "chunk_sizes": "chunk_sizes", "gamma": "gammas", "gamma1": "gamma1s",
     "gamma2": "gamma2s", "trees": "trees", "temperatures": "temperatures", "context_lengths": "context_lengths", "tasks": "tasks",
-    "max_new_tokens": "max_new_tokens", "seeds": "seeds", "dtype": "dtype", "threads": "threads", "top_p": "top_p", "top_k": "top_k", "coupled": "coupled",
+    "max_new_tokens": "max_new_tokens", "seeds": "seeds", "repeats": "repeats", "dtype": "dtype", "threads": "threads", "top_p": "top_p", "top_k": "top_k", "coupled": "coupled",
     "device": "device", "draft_device": "draft_device", "cuda_graphs": "cuda_graphs", "context": "context", "rope_scaling": "rope_scaling",
 }
 
@@ -33,6 +33,9 @@ def add_bench_parser(commands) -> argparse.ArgumentParser:
     bench.add_argument("--tasks", nargs="+", metavar="NAME[:k=v,...]", help="prose, needle (e.g. needle:depth=0.25)")
     bench.add_argument("--max-new-tokens", type=int)
     bench.add_argument("--seeds", nargs="+", type=int)
+    bench.add_argument("--repeats", type=int, metavar="N",
+                       help="turns of each group, each its baselines then its stacks again; a speedup is the median of its turns, each "
+                            "against its own turn's baseline (default: 1)")
     bench.add_argument("--top-p", type=float)
     bench.add_argument("--top-k", type=int)
     bench.add_argument("--coupled", action="store_const", const=True,

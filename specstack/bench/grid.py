@@ -177,6 +177,7 @@ class Grid:
     rope_scaling: str = attrs.field(default="yarn", validator=_scalar("yarn, linear, extrapolate or none", lambda v: v in ("yarn", "linear", "extrapolate", "none")))
     stop_at_eos: bool = attrs.field(default=False, validator=_scalar("true or false", lambda v: isinstance(v, bool)))
     warmup: bool = attrs.field(default=True, validator=_scalar("true or false", lambda v: isinstance(v, bool)))
+    repeats: int = attrs.field(default=1, validator=_scalar("an integer >= 1", _is_int(1)))  # turns of each group (bench/runner.py)
 
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any], source: str = "the grid") -> "Grid":

@@ -146,7 +146,8 @@ def run_grid(grid: Grid | Mapping[str, Any], out: str | Path, *, models: Any = N
         results.append(record)
         bar.advance(record)
 
-    job = Job(models=source, warmup=grid.warmup, threads=grid.threads, cuda_graphs=grid.cuda_graphs, entry_points=registry is None)
+    job = Job(models=source, warmup=grid.warmup, threads=grid.threads, repeats=grid.repeats, cuda_graphs=grid.cuda_graphs,
+              entry_points=registry is None)
     runner.run(job, [g for g in groups if any(p.id in pending for p in g)], pending, sink, registry=registry)
     return Table(rows=write_outputs(results.path.parent), out=results.path.parent, executed=bar.done)
 

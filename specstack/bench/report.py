@@ -133,11 +133,24 @@ def _summary(runs: list[dict]) -> dict:
         "decode_tokens_per_second": _mean(r.get("decode_tokens_per_second") for r in runs),
         "total_seconds": _mean(r.get("total_seconds") for r in runs),
         "speedup": _mean(r.get("speedup") for r in runs),
+        "speedup_range": _spread(s for r in runs for s in r.get("speedups") or ()),
         "accuracy": _mean(r.get("accuracy") for r in runs),
         "peak_cuda_mb": _mean(r.get("peak_cuda_mb") for r in runs),
         "identical": (all(identical) if identical else None) if one_text(first) else None,
         "one_text": one_text(first), "coupled": first.get("coupled", False),
     }
+
+
+def _spread(speedups: Iterable[float | None]) -> tuple[float, float] | None:
+    """The least and the most of a configuration's speedups turn by turn (runs with ``repeats`` > 1); None without turns."""
+    values = [s for s in speedups if s is not None]
+    return (min(values), max(values)) if len(values) > 1 else None
+
+
+def _speedup_cell(row: dict) -> str:
+    """The speedup, and after it the range of its turns where it had several: ``1.21× (1.12-1.30)``."""
+    spread = row["speedup_range"]
+    return _fmt(row["speedup"], 2, "×") + (f" ({spread[0]:.2f}-{spread[1]:.2f})" if spread else "")
 
 
 def _fmt(value: Any, digits: int = 2, suffix: str = "") -> str:
@@ -166,7 +179,7 @@ def summary_markdown(records: Sequence[dict]) -> str:
             f"`{row['stack']}`", row["task"], str(row["context"]), _fmt(row["temperature"], 2) + (" coupled" if row["coupled"] else ""),
             *([row["device"]] * devices), str(row["runs"]),
             _levels(row["acceptance"], 3), _levels(row["accepted_per_round"], 2), _fmt(row["tokens_per_second"]),
-            _fmt(row["decode_tokens_per_second"]), _fmt(row["total_seconds"]), _fmt(row["speedup"], 2, "×"), f"{row['baseline']} ({row['timing']})",
+            _fmt(row["decode_tokens_per_second"]), _fmt(row["total_seconds"]), _speedup_cell(row), f"{row['baseline']} ({row['timing']})",
             _fmt(row["accuracy"]), _fmt(row["identical"]) if row["one_text"] else "(sampled)",
             *([_fmt(row["peak_cuda_mb"], 0)] * cuda),
         ]

@@ -4,12 +4,17 @@ A group shares one prompt, sampling setup and seed. Its baselines (``autoregress
 recipes, ``hf-generate`` for the HF baselines) run first and their measurements are kept for the
 group, so every speedup compares two runs of this process on identical input. A baseline whose
 record already exists is measured again (and not recorded twice) when the group still has work.
+With ``repeats`` N > 1 the group then runs N - 1 more turns, each its baselines and then its other
+points again, and a point's speedup is the median of its N turns, each against the baselines of its own
+turn: the host's drift between turns cancels, where one pass can rank two stacks only as far apart as
+that drift.
 """
 
 from __future__ import annotations
 
 import importlib.metadata
 import platform
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -37,6 +42,7 @@ class Job:
     models: ModelSource
     warmup: bool = True
     threads: int | None = None
+    repeats: int = 1  # turns of each group (module docstring)
     cuda_graphs: bool = True  # HFCausalLM.cuda_graphs of every transformers model
     entry_points: bool = True  # load plugin stack recipes in workers too
 
@@ -74,6 +80,7 @@ class Runner:
     books: Books
     environment: dict[str, Any]
     warmup: bool = True
+    repeats: int = 1  # turns of each group (module docstring)
     _warm: set[str] = attrs.field(factory=set)
 
     @classmethod
@@ -81,7 +88,8 @@ class Runner:
         models = job.models.load()
         use_cuda_graphs([models.target, models.draft], job.cuda_graphs)
         catalog = Catalog(registry=registry or Registry.create(entry_points=job.entry_points))
-        return cls(models=models, catalog=catalog, books=Books(models.tokenizer), environment=environment(models), warmup=job.warmup)
+        return cls(models=models, catalog=catalog, books=Books(models.tokenizer), environment=environment(models), warmup=job.warmup,
+                   repeats=job.repeats)
 
     def run_group(self, points: list[Point], pending: set[str]) -> Iterator[dict]:
         """A record for every pending point of the group, in order (baselines first)."""
@@ -92,7 +100,9 @@ class Runner:
         prefill = None if isinstance(prompt, Failure) else SharedPrefill(prompt=prompt.tokens)
         needed = {p.baseline for p in todo if p.baseline}
         measured: dict[str, Measurement | Failure] = {}
+        baselines: list[Point] = []
         waiting: list[tuple[Point, dict]] = []  # baselines' records: they wait for the check at the group's end
+        turning: list[tuple[Point, dict]] = []  # the others' records, where more turns follow
         for point in points:
             if point.id not in pending and not (point.stack in needed and not point.options):
                 continue
@@ -100,12 +110,20 @@ class Runner:
             is_baseline = point.stack in needed and not point.options
             if is_baseline:
                 measured[point.stack] = outcome
+                baselines.append(point)
             if point.id in pending:
                 record = self._record(point, prompt, outcome, measured.get(point.baseline))
                 if is_baseline:
                     waiting.append((point, record))
+                elif self.repeats > 1 and isinstance(outcome, Measurement):
+                    turning.append((point, {**record, "speedups": [record["speedup"]]}))
                 else:
                     yield record
+        for _ in range(self.repeats - 1 if turning else 0):
+            turn = {point.stack: self._measure(point, prompt, prefill) for point in baselines}
+            for point, record in turning:
+                _add_turn(record, self._measure(point, prompt, prefill), turn.get(point.baseline), greedy=self._one_text(point))
+        yield from (record for _, record in turning)
         for point, record in waiting:
             yield self._with_drift(point, record, prompt, prefill, measured_since=len(todo) > len(waiting))
 
@@ -214,6 +232,18 @@ def _speedup(run: Measurement, reference: Measurement | Failure | None) -> float
     if run.timed_seconds <= 0:
         return None
     return measured_speedup(reference.timed_seconds, len(reference.tokens), run.timed_seconds, len(run.tokens))
+
+
+def _add_turn(record: dict, run: Measurement | Failure, reference: Measurement | Failure | None, *, greedy: bool) -> None:
+    """One more turn of a point (the runner's ``repeats``): its speedup against the baseline of the same turn joins
+    ``speedups`` (None where either run failed), ``speedup`` becomes their median, and a run that must write its
+    baseline's text is identical only if it did so in every turn."""
+    speedup = _speedup(run, reference) if isinstance(run, Measurement) else None
+    record["speedups"].append(speedup)
+    measured = [s for s in record["speedups"] if s is not None]
+    record["speedup"] = statistics.median(measured) if measured else None
+    if greedy and record.get("identical_to_baseline") is not None:
+        record["identical_to_baseline"] = bool(record["identical_to_baseline"] and isinstance(run, Measurement) and _identical(run, reference))
 
 
 def _identical(run: Measurement, reference: Measurement | Failure | None) -> bool | None:
