@@ -124,6 +124,10 @@ class Tuning:
             return chosen
         return f"{chosen}; no γ up to {self.max_gamma} is predicted to beat autoregressive decoding at this acceptance and these forward costs"
 
+    def apply(self, stack: SpeculationStack) -> None:
+        """Set the chosen γ on ``stack``'s verifying levels (a generation after a retuned one starts from the choice again)."""
+        _set_gammas(verifying_levels(stack), self.gammas)
+
     def as_dict(self) -> dict:
         """The choice and every measured term it was priced from, in seconds (``forward_costs``: per verifying level,
         [T, seconds of a T-token forward] pairs), so that a record's prediction can be recomputed."""

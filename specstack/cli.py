@@ -68,6 +68,9 @@ def _parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
     demo.add_argument("--stacks", nargs="+", default=list(DEMO_STACKS), metavar="NAME",
                       help=f"stacks to compare, each NAME or NAME:key=value,... (default: {' '.join(DEMO_STACKS)})")
     demo.add_argument("--no-tune", dest="tune", action="store_false", help="keep each stack's default γ instead of tuning it (gamma=auto; -o gamma=adaptive also re-tunes it during decoding)")
+    demo.add_argument("--repeats", default=1, metavar="N",
+                      help="turns: after the first, N - 1 more of autoregressive decoding and every stack; each speedup is the median of "
+                           "its turns, each against its own turn's autoregressive run (default: 1)")
     demo.add_argument("--json", action="store_true", help="print one JSON record instead of the table")
     demo.add_argument("--synthetic", action="store_true", help="use synthetic models (no weights needed)")
     _add_stack_options(demo, default_stack=None, max_new_tokens=128)

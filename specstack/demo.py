@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import attrs
 import torch
@@ -14,6 +14,9 @@ from .registry import Registry
 from .policies import StreamingLLM
 from .stack import Level, SpeculationStack
 from .synthetic import SyntheticLM
+
+if TYPE_CHECKING:
+    from .autotune import Tuning
 
 
 def synthetic_demo(*, max_new_tokens: int, seed: int, device: str = "cpu", draft_device: str | None = None) -> None:
@@ -61,9 +64,22 @@ class DemoRow:
     exactness: str
     identical: bool | None  # greedy runs only
     tuning: dict | None
+    speedups: tuple[float, ...] = ()  # with --repeats: each turn's, against autoregressive decoding of the same turn; speedup is their median
 
     def as_dict(self) -> dict:
         return attrs.asdict(self)
+
+    def with_turn(self, speedup: float) -> "DemoRow":
+        """This row after one more turn measured ``speedup``: the speedup the median of all its turns'."""
+        from .speedup import median_speedup
+
+        turns = (*(self.speedups or (self.speedup,)), speedup)
+        return attrs.evolve(self, speedups=turns, speedup=median_speedup(turns))
+
+    def describe_speedup(self) -> str:
+        """``1.21x``, with the range of its turns where it had several: ``1.21x (turns 1.12-1.30)``."""
+        turns = f" (turns {min(self.speedups):.2f}-{max(self.speedups):.2f})" if len(self.speedups) > 1 else ""
+        return f"{self.speedup:.2f}x{turns}"
 
 
 def task_prompt(tokenizer, *, book: str, length: int, request: str = QUESTION) -> list[int]:
@@ -94,6 +110,7 @@ def triforce_demo(args) -> int:
     from . import autotune, run
     from .testing.certificate import GreedyReference
 
+    args.repeats = whole_number(args.repeats, "--repeats")  # before any model loads
     session = run.Session.open(args)
     if args.prompt_file is not None:
         prompt, source = session.prompt_tokens(prompt=None, prompt_file=args.prompt_file, book=None, length=args.prompt_tokens), args.prompt_file
@@ -111,11 +128,17 @@ def triforce_demo(args) -> int:
     run.warm_up(session.registry, session.models, prompt)  # no timed run pays for first-call set-up (as specstack bench warms)
     reference = autoregressive.generate(prompt, args.max_new_tokens, seed=args.seed, progress=run.progress_printer("autoregressive"),
                                         prefill_progress=run.progress_printer("autoregressive: prefill", long_only=True))
-    rows = []
+    rows, tunings = [], []
     replay = functools.cache(lambda: GreedyReference(session.target, prompt, list(reference.tokens), decoded_by=autoregressive))  # made once, for every stack's certificate
     for name, stack in stacks.items():
         shared = stack.share_prefill(autoregressive, prompt)  # the target's prefill, paid once
-        rows.append(_demo_row(session, name, stack, modes[name] or ("auto" if args.tune else None), args, prompt, reference, shared, replay))
+        row, tuning = _demo_row(session, name, stack, modes[name] or ("auto" if args.tune else None), args, prompt, reference, shared, replay)
+        rows.append(row)
+        tunings.append(tuning)
+    for turn in range(2, args.repeats + 1):  # each turn: autoregressive decoding, then every stack, against it
+        again = autoregressive.generate(prompt, args.max_new_tokens, seed=args.seed, reuse_cache=True, progress=run.progress_printer(f"autoregressive, turn {turn}"))
+        rows = [row.with_turn(_turn(stack, tuning, modes[name] == "adaptive", args, prompt, again, f"{name}, turn {turn}"))
+                for row, tuning, (name, stack) in zip(rows, tunings, stacks.items())]
     drift = _baseline_drift(autoregressive, prompt, reference, args)
     text = session.tokenizer.decode(list(reference.tokens))
     if args.json:
@@ -127,11 +150,11 @@ def triforce_demo(args) -> int:
         return 0
     coupled = " (coupled)" if sampling.coupled and not sampling.greedy else ""
     print(f"prompt: {source}, {len(prompt)} tokens; {len(reference.tokens)} new tokens; temperature {sampling.temperature}{coupled}; {session.dtype}")
-    print(f"autoregressive: {1e3 * reference.seconds / max(len(reference.tokens), 1):.1f} ms/token; {drift.describe()}")
+    print(f"autoregressive: {1e3 * reference.seconds / max(len(reference.tokens), 1):.1f} ms/token; {drift.describe(args.repeats)}")
     for row in rows:
         accept = ", ".join(f"{name} {rate:.2f}" if rate is not None else f"{name} none drafted" for name, rate in row.acceptance.items())
         gammas = f"; {row.tuning['description']}" if row.tuning else ""
-        print(f"{row.stack}: {row.speedup:.2f}x ({row.ms_per_token:.1f} ms/token), {row.tokens_per_target_forward:.2f} tokens per target forward; acceptance {accept}{gammas}")
+        print(f"{row.stack}: {row.describe_speedup()} ({row.ms_per_token:.1f} ms/token), {row.tokens_per_target_forward:.2f} tokens per target forward; acceptance {accept}{gammas}")
         print(f"  exactness: {row.exactness}")
     print("text:", text[:600].replace("\n", " "))
     return 0
@@ -147,12 +170,14 @@ class BaselineDrift:
     ms_per_token: float
     drift: float
 
-    def describe(self) -> str:
+    def describe(self, turns: int = 1) -> str:
         from .bench.report import DRIFT_NOTED
 
         again = f"{self.ms_per_token:.1f} ms/token measured again after the stacks (drift {self.drift:.2f})"
         if abs(self.drift - 1) <= DRIFT_NOTED:
             return again
+        if turns > 1:
+            return f"{again}: the host changed speed by more than {DRIFT_NOTED:.0%} during the run; each turn's speedups are against its own autoregressive run"
         return f"{again}: the host changed speed by more than {DRIFT_NOTED:.0%} during the run, and the speedups with it"
 
 
@@ -175,7 +200,22 @@ def _spec(text: str, shared: Sequence[str]) -> tuple[str, list[str]]:
     return name, [*shared, *own]
 
 
-def _demo_row(session, name: str, stack, tuning_mode: str | None, args, prompt: list[int], reference, shared: bool, replay) -> DemoRow:
+def _turn(stack, tuning: "Tuning | None", adaptive: bool, args, prompt: list[int], reference, label: str) -> float:
+    """One more turn of a stack (``--repeats``): from its tuned γ again (a retuned generation moved it; and a new
+    retuner where it is re-tuned during decoding), its speedup against ``reference``, this turn's autoregressive run."""
+    from . import autotune, run
+    from .speedup import measured_speedup
+
+    retuner = None
+    if tuning is not None:
+        tuning.apply(stack)
+        retuner = autotune.Retuner.follow(stack, tuning) if adaptive else None
+    result = stack.generate(prompt, args.max_new_tokens, seed=args.seed, reuse_cache=True, progress=run.progress_printer(label), after_round=retuner)
+    return measured_speedup(reference.seconds, len(reference.tokens), result.seconds, len(result.tokens))
+
+
+def _demo_row(session, name: str, stack, tuning_mode: str | None, args, prompt: list[int], reference, shared: bool, replay) -> tuple[DemoRow, "Tuning | None"]:
+    """The stack's first turn (tuned first where ``tuning_mode`` says), and the tuning it ran with."""
     from . import autotune, run
     from .speedup import measured_speedup
 
@@ -196,7 +236,7 @@ def _demo_row(session, name: str, stack, tuning_mode: str | None, args, prompt: 
         tokens_per_target_forward=len(result.tokens) / max(target.forward_calls, 1),
         exactness=_exactness(session, result, identical, replay), identical=identical,
         tuning=None if tuning is None else _tuning_record(tuning, retuner),
-    )
+    ), tuning
 
 
 def _tuning_record(tuning, retuner) -> dict:

@@ -247,6 +247,24 @@ def test_the_retuner_follows_the_acceptance_of_the_last_rounds() -> None:
     assert level.gamma < high and retuner.history[-1] == (8, (level.gamma,))
 
 
+def test_a_tuning_sets_its_choice_again_on_a_stack_a_retuner_moved() -> None:
+    """A generation after a retuned one (``specstack demo --repeats``) starts from the tuner's choice, not from where
+    the retuner left γ."""
+    stack, _ = _two_levels()
+    tuning = attrs.evolve(_tuning(1, acceptances=(0.3,)), gammas=(2,))
+    (level,) = autotune.verifying_levels(stack)
+    level.gamma = 5  # where a retuner left it
+    tuning.apply(stack)
+    assert level.gamma == 2
+
+
+def test_the_median_speedup_over_turns() -> None:
+    from specstack.speedup import median_speedup
+
+    assert median_speedup([1.3, 0.9, 1.1]) == 1.1 and median_speedup([1.0, 2.0]) == 1.5
+    assert median_speedup([None, 1.2, None]) == 1.2 and median_speedup([None]) is None
+
+
 def test_a_retuned_stack_decodes_greedily_as_the_target() -> None:
     """γ changes between the rounds of one generation (every round, no memory) and the output is
     still the target's greedy decoding, over three levels with a StreamingLLM draft."""

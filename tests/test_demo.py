@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import attrs
 import pytest
 
 from specstack.cli import main
@@ -120,6 +121,31 @@ def test_demo_times_the_autoregressive_reference_warm(capsys, threads, monkeypat
     assert calls[first_timed][0] in warmed and len({id(model) for model in warmed}) == 2  # the target and the draft
 
 
+def test_demo_turns_measure_each_stack_against_its_own_turns_autoregressive_run(capsys, threads, monkeypatch) -> None:
+    """``--repeats 3``: autoregressive decoding and every stack run three times in turn; a stack's speedup is the
+    median of its three, each against the autoregressive run of its own turn (the clock is scripted: the host slows
+    turn by turn, the stack always runs at half the time of the autoregressive run before it)."""
+    from specstack.stack import SpeculationStack
+
+    generate, turns = SpeculationStack.generate, {"auto": 0}
+
+    def scripted(self, prompt, max_new_tokens, *args, **kwargs):
+        result = generate(self, prompt, max_new_tokens, *args, **kwargs)
+        if len(prompt) < 500 or max_new_tokens != 12:  # warm-up and calibration runs keep their own time
+            return result
+        autoregressive = self.depth == 1
+        turns["auto"] += autoregressive
+        return attrs.evolve(result, seconds=turns["auto"] * (1.0 if autoregressive else 0.5))
+
+    monkeypatch.setattr(SpeculationStack, "generate", scripted)
+    record = _demo_json(capsys, threads, "--stacks", "prompt-lookup", "--no-tune", "--repeats", "3")
+    (row,) = record["stacks"]
+    assert row["speedups"] == pytest.approx([2.0, 2.0, 2.0]) and row["speedup"] == pytest.approx(2.0) and row["identical"] is True
+    assert turns["auto"] == 4  # three turns, then the drift check
+    assert main(["demo", "--repeats", "0", "--no-tune"]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].endswith("--repeats '0' is not allowed; use an integer >= 1")
+
+
 def test_the_demo_says_when_the_host_changed_speed_under_its_runs() -> None:
     """The baseline measured again: within 10% of its first speed it is reported plainly, beyond it the line says the
     speedups moved with the host."""
@@ -128,3 +154,4 @@ def test_the_demo_says_when_the_host_changed_speed_under_its_runs() -> None:
     assert BaselineDrift(ms_per_token=40.0, drift=1.05).describe() == "40.0 ms/token measured again after the stacks (drift 1.05)"
     assert "changed speed by more than 10%" in BaselineDrift(ms_per_token=40.0, drift=1.28).describe()
     assert "changed speed by more than 10%" in BaselineDrift(ms_per_token=60.0, drift=0.85).describe()
+    assert "each turn's speedups are against its own autoregressive run" in BaselineDrift(ms_per_token=60.0, drift=0.85).describe(turns=3)

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import importlib.metadata
 import platform
-import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -28,7 +27,7 @@ from ..model import check_window
 from ..registry import Registry
 from ..run import use_cuda_graphs
 from ..sampling import SamplingConfig
-from ..speedup import measured_speedup
+from ..speedup import measured_speedup, median_speedup
 from .grid import Point
 from .models import ModelSource, Models, device_of, devices_of
 from .stacks import Catalog, Measurement, RunSetup, SharedPrefill
@@ -240,8 +239,7 @@ def _add_turn(record: dict, run: Measurement | Failure, reference: Measurement |
     baseline's text is identical only if it did so in every turn."""
     speedup = _speedup(run, reference) if isinstance(run, Measurement) else None
     record["speedups"].append(speedup)
-    measured = [s for s in record["speedups"] if s is not None]
-    record["speedup"] = statistics.median(measured) if measured else None
+    record["speedup"] = median_speedup(record["speedups"])
     if greedy and record.get("identical_to_baseline") is not None:
         record["identical_to_baseline"] = bool(record["identical_to_baseline"] and isinstance(run, Measurement) and _identical(run, reference))
 
