@@ -65,7 +65,6 @@ TORCH_OPS = TorchOps()
 class DecoderOps(CompiledLibrary):
     """The compiled operations, for float32 and bfloat16 tensors on the CPU; others go to :data:`TORCH_OPS`."""
 
-
     @classmethod
     def load_again(cls) -> "DecoderOps | None":
         return load_decoder_ops()

@@ -181,14 +181,20 @@ class BaselineDrift:
         return f"{again}: the host changed speed by more than {DRIFT_NOTED:.0%} during the run, and the speedups with it"
 
 
+def _speedup(reference, result) -> float:
+    """``result``'s decoding speed over ``reference``'s, per token (two :class:`~specstack.types.GenerationResult`)."""
+    from .speedup import measured_speedup
+
+    return measured_speedup(reference.seconds, len(reference.tokens), result.seconds, len(result.tokens))
+
+
 def _baseline_drift(autoregressive, prompt: list[int], reference, args) -> BaselineDrift:
     """The reference's decoding once more, from its own cache of the prompt (no second prefill)."""
     from . import run
-    from .speedup import measured_speedup
 
     again = autoregressive.generate(prompt, args.max_new_tokens, seed=args.seed, reuse_cache=True, progress=run.progress_printer("autoregressive again"))
     return BaselineDrift(ms_per_token=1e3 * again.seconds / max(len(again.tokens), 1),
-                         drift=measured_speedup(reference.seconds, len(reference.tokens), again.seconds, len(again.tokens)))
+                         drift=_speedup(reference, again))
 
 
 def _spec(text: str, shared: Sequence[str]) -> tuple[str, list[str]]:
@@ -204,20 +210,18 @@ def _turn(stack, tuning: "Tuning | None", adaptive: bool, args, prompt: list[int
     """One more turn of a stack (``--repeats``): from its tuned γ again (a retuned generation moved it; and a new
     retuner where it is re-tuned during decoding), its speedup against ``reference``, this turn's autoregressive run."""
     from . import autotune, run
-    from .speedup import measured_speedup
 
     retuner = None
     if tuning is not None:
         tuning.apply(stack)
         retuner = autotune.Retuner.follow(stack, tuning) if adaptive else None
     result = stack.generate(prompt, args.max_new_tokens, seed=args.seed, reuse_cache=True, progress=run.progress_printer(label), after_round=retuner)
-    return measured_speedup(reference.seconds, len(reference.tokens), result.seconds, len(result.tokens))
+    return _speedup(reference, result)
 
 
 def _demo_row(session, name: str, stack, tuning_mode: str | None, args, prompt: list[int], reference, shared: bool, replay) -> tuple[DemoRow, "Tuning | None"]:
     """The stack's first turn (tuned first where ``tuning_mode`` says), and the tuning it ran with."""
     from . import autotune, run
-    from .speedup import measured_speedup
 
     tuning = retuner = None
     if tuning_mode:
@@ -230,7 +234,7 @@ def _demo_row(session, name: str, stack, tuning_mode: str | None, args, prompt: 
     target = result.levels[-1]
     identical = list(result.tokens) == list(reference.tokens) if session.sampling.deterministic else None
     return DemoRow(
-        stack=name, speedup=measured_speedup(reference.seconds, len(reference.tokens), result.seconds, len(result.tokens)),
+        stack=name, speedup=_speedup(reference, result),
         ms_per_token=1e3 * result.seconds / max(len(result.tokens), 1),
         acceptance={level.name: level.as_dict()["acceptance_rate"] for level in result.levels[1:]},  # None: drafted nothing
         tokens_per_target_forward=len(result.tokens) / max(target.forward_calls, 1),

@@ -49,7 +49,6 @@ TORCH_GATHER = TorchGather()
 class CompiledGather(CompiledLibrary):
     """The compiled copy, for contiguous CPU buffers of one dtype; others go to :data:`TORCH_GATHER`."""
 
-
     @classmethod
     def load_again(cls) -> "CompiledGather | None":
         return load_gather_ops()

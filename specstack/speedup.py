@@ -43,6 +43,7 @@ import functools
 import itertools
 import math
 import operator
+import statistics
 from typing import Callable, Mapping, Sequence
 
 import attrs
@@ -239,11 +240,8 @@ def measured_speedup(baseline_seconds: float, baseline_tokens: int, seconds: flo
 def median_speedup(speedups: Sequence[float | None]) -> float | None:
     """A stack's speedup over turns (``specstack bench --repeats``, ``specstack demo --repeats``): the median of its
     turns' speedups, each measured against the baseline of its own turn; None where no turn measured one."""
-    measured = sorted(s for s in speedups if s is not None)
-    if not measured:
-        return None
-    middle = len(measured) // 2
-    return measured[middle] if len(measured) % 2 else (measured[middle - 1] + measured[middle]) / 2
+    measured = [s for s in speedups if s is not None]
+    return statistics.median(measured) if measured else None
 
 
 def triforce(*, c_ar: float, c2: float, c1: float, t0: float,
