@@ -7,7 +7,7 @@ import functools
 import attrs
 
 from .draft_vocabulary import with_draft_vocabulary
-from .drafters import LookupFirstDrafter, PromptLookupDrafter
+from .drafters import LOOKBACK, LookupFirstDrafter, PromptLookupDrafter
 from .hookspecs import hookimpl
 from .policies import FullCache, StreamingLLM
 from .retrieval import AUTO, STRIDE, Retrieval
@@ -39,10 +39,11 @@ def _speculative(registry, *, target, draft, gamma: int = 4, draft_vocab: int = 
     return [Level(model=with_draft_vocabulary(draft, draft_vocab), name="draft"), _full(target, gamma)]
 
 
-def _prompt_lookup(registry, *, target, gamma: int = 4, max_ngram: int = 3, min_ngram: int = 1) -> list[Level]:
+def _prompt_lookup(registry, *, target, gamma: int = 4, max_ngram: int = 3, min_ngram: int = 1, lookback: int = LOOKBACK) -> list[Level]:
     """Prompt lookup into the target; ``min_ngram``: the shortest match it drafts from (docs/results.md, "Prompt
-    lookup's shortest match and γ": on prose, drafting only from 3-token matches paid more than from any)."""
-    lookup = registry.drafter("prompt-lookup", vocab=target.vocab_size, max_ngram=max_ngram, min_ngram=min_ngram)
+    lookup's shortest match and γ": on prose, drafting only from 3-token matches paid more than from any); ``lookback``:
+    how far back its occurrences are compared with the text to choose one (0: the latest)."""
+    lookup = registry.drafter("prompt-lookup", vocab=target.vocab_size, max_ngram=max_ngram, min_ngram=min_ngram, lookback=lookback)
     return [Level(drafter=lookup), _full(target, gamma)]
 
 
@@ -76,18 +77,18 @@ def _triforce(registry, *, target, draft, gamma1: int = 2, gamma2: int = 6, budg
 
 def _triforce_hybrid(registry, *, target, draft, gamma1: int = 2, gamma2: int = 6, budget: int | str = AUTO, chunk_size: int = 8,
                      stride: int = STRIDE, draft_window: int = 256, sinks: int = 16, max_ngram: int = 3, min_ngram: int = 3,
-                     draft_vocab: int = 0) -> list[Level]:
+                     draft_vocab: int = 0, lookback: int = LOOKBACK) -> list[Level]:
     """TriForce whose level 0 copies where the text repeats: prompt lookup's chain where the last
     ``min_ngram``+ tokens occurred before, else the draft model's own chain (:class:`LookupFirstDrafter`)."""
-    lookup = registry.drafter("prompt-lookup", vocab=target.vocab_size, max_ngram=max_ngram, min_ngram=min_ngram)
+    lookup = registry.drafter("prompt-lookup", vocab=target.vocab_size, max_ngram=max_ngram, min_ngram=min_ngram, lookback=lookback)
     draft_level, *above = _triforce(registry, target=target, draft=draft, gamma1=gamma1, gamma2=gamma2, budget=budget, chunk_size=chunk_size,
                                     stride=stride, draft_window=draft_window, sinks=sinks, draft_vocab=draft_vocab)
     return [attrs.evolve(draft_level, model_drafter=functools.partial(LookupFirstDrafter, lookup=lookup)), *above]
 
 
 def _triforce_lookup(registry, *, target, gamma1: int = 4, gamma2: int = 6, budget: int | str = AUTO, chunk_size: int = 8,
-                     stride: int = STRIDE, max_ngram: int = 3) -> list[Level]:
-    lookup = registry.drafter("prompt-lookup", vocab=target.vocab_size, max_ngram=max_ngram)
+                     stride: int = STRIDE, max_ngram: int = 3, lookback: int = LOOKBACK) -> list[Level]:
+    lookup = registry.drafter("prompt-lookup", vocab=target.vocab_size, max_ngram=max_ngram, lookback=lookback)
     retrieval = Retrieval(budget=budget, chunk_size=chunk_size, stride=stride)
     return [Level(drafter=lookup), _view(target, retrieval, gamma1), _full(target, gamma2)]
 

@@ -190,12 +190,18 @@ class LookupFirstDrafter(ModelDrafter):
 ACCEPTANCE_PRIOR = 0.5  # where an estimate starts
 ACCEPTANCE_WEIGHT = 0.1  # how far each observed round moves an estimate toward its outcome
 RETRY = 0.02  # how far each round priced out moves its first position toward 1, so that it is tried again
+LOOKBACK = 32  # tokens compared backwards from an earlier occurrence of the matched n-gram (PromptLookupDrafter.lookback)
+CANDIDATES = 16  # the latest occurrences compared, so that a round's lookup costs O(CANDIDATES x lookback), never O(context)
 
 
 @attrs.define(eq=False, kw_only=True)
 class PromptLookupDrafter(Drafter):
-    """Prompt-lookup (n-gram) drafting (Saxena, 2023): find the latest earlier occurrence of the last
-    ``max_ngram`` … ``min_ngram`` tokens and propose what followed it. Deterministic, so the proposal
+    """Prompt-lookup (n-gram) drafting (Saxena, 2023): find an earlier occurrence of the last
+    ``max_ngram`` … ``min_ngram`` tokens and propose what followed it. Of the latest CANDIDATES occurrences
+    of the longest n-gram that occurred, the one whose preceding tokens agree longest with the text's
+    (compared up to ``lookback`` tokens back from the match's end; ties: the latest) is drafted from: where a
+    text copies an earlier passage, that passage's occurrence rather than the latest one of its last three
+    tokens. ``lookback=0`` takes the latest occurrence, Saxena's rule. Deterministic, so the proposal
     distribution is one-hot; when nothing matches the draft is empty and the level above samples on
     its own.
 
@@ -219,6 +225,7 @@ class PromptLookupDrafter(Drafter):
     vocab: int
     max_ngram: int = 3
     min_ngram: int = 1
+    lookback: int = LOOKBACK
     stats: LevelStats = attrs.field(factory=lambda: LevelStats(name="prompt-lookup"))
     _seen: SeenTokens = attrs.field(init=False, factory=SeenTokens)  # the tokens indexed
     _ends: dict[tuple[int, ...], list[int]] = attrs.field(init=False, factory=dict)  # n-gram -> where its occurrences end, ascending
@@ -229,6 +236,8 @@ class PromptLookupDrafter(Drafter):
     def __attrs_post_init__(self) -> None:
         if not 1 <= self.min_ngram <= self.max_ngram:
             raise SpecstackError(f"n-gram range {self.min_ngram}..{self.max_ngram} is not allowed; need 1 <= min_ngram <= max_ngram")
+        if isinstance(self.lookback, bool) or not isinstance(self.lookback, int) or self.lookback < 0:
+            raise SpecstackError(f"prompt lookup's lookback {self.lookback!r} is not allowed; use a whole number >= 0 (0: the latest occurrence)")
 
     @property
     def vocab_size(self) -> int:
@@ -272,14 +281,14 @@ class PromptLookupDrafter(Drafter):
         return Draft(tokens=ids, probs=probs)
 
     def _lookup(self, seq: np.ndarray, n: int) -> tuple[list[int], int]:
-        """What followed the latest earlier occurrence of the longest matching suffix n-gram of ``seq`` (up to ``n``
+        """What followed the chosen earlier occurrence of the longest matching suffix n-gram of ``seq`` (up to ``n``
         tokens), and that n-gram's length (0: none matched)."""
         length = seq.shape[0]
         for size in range(min(self.max_ngram, length - 1), self.min_ngram - 1, -1):
             ends = self._ends.get(tuple(seq[length - size :].tolist()), [])
             if len(ends) > 1:  # the last occurrence is the suffix itself
-                start = ends[-2] + 1
-                return seq[start : start + n].tolist(), size
+                end = longest_agreement(seq, ends[-1 - CANDIDATES : -1], max(self.lookback, size)) if self.lookback else ends[-2]
+                return seq[end + 1 : end + 1 + n].tolist(), size
         return [], 0
 
     def _paying(self, matched: int, found: int) -> int:
@@ -316,6 +325,19 @@ class PromptLookupDrafter(Drafter):
 
     def level_stats(self) -> list[LevelStats]:
         return [self.stats]
+
+
+def longest_agreement(seq: np.ndarray, ends: Sequence[int], lookback: int) -> int:
+    """Of earlier occurrences of ``seq``'s suffix ending at ``ends`` (ascending, each before the last position), the end
+    of the one whose tokens up to there agree longest with ``seq``'s last ones, compared up to ``lookback`` tokens back
+    (ties: the latest): O(len(ends) x lookback)."""
+    last = seq.shape[0] - 1
+    back = np.arange(min(lookback, last + 1))  # [b]
+    at = np.asarray(ends)[:, None] - back[None, :]  # [c, b] positions compared, going back from each end
+    same = (at >= 0) & (seq[np.maximum(at, 0)] == seq[last - back][None, :])  # [c, b]
+    agreement = np.where(same.all(axis=1), back.shape[0], same.argmin(axis=1))  # [c] the first disagreement
+    best = agreement.shape[0] - 1 - int(np.argmax(agreement[::-1]))  # the latest of the longest
+    return int(ends[best])
 
 
 @attrs.define(eq=False, kw_only=True)

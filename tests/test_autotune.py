@@ -512,19 +512,22 @@ def test_each_level_counts_its_own_bookkeeping(monkeypatch) -> None:
 
     from specstack import drafters
 
+    # seconds slept: long enough that each is well above the Python around it on a loaded host (with 2 ms of sampling,
+    # four test workers on two cores once put 48 ms of the middle level's own work over the bound)
+    verify, forward, sampling = 0.010, 0.008, 0.005
     stack, _ = _three_levels()
     middle, _ = autotune.verifying_levels(stack)
     draft = middle.drafter
-    _slowed(monkeypatch, middle.verifier, "verify", 0.004)
-    _slowed(monkeypatch, draft.lm.model, "forward", 0.003)
+    _slowed(monkeypatch, middle.verifier, "verify", verify)
+    _slowed(monkeypatch, draft.lm.model, "forward", forward)
     argmax = drafters.first_argmax
-    monkeypatch.setattr(drafters, "first_argmax", lambda *args, **kw: time.sleep(0.002) or argmax(*args, **kw))  # the draft's greedy sampling
+    monkeypatch.setattr(drafters, "first_argmax", lambda *args, **kw: time.sleep(sampling) or argmax(*args, **kw))  # the draft's greedy sampling
     result = stack.generate(list(range(1, 12)), 24)
     low, mid, top = result.levels
-    assert low.forward_seconds >= 0.003 * low.forward_calls
-    assert 0.002 * low.drafted <= low.bookkeeping_seconds < 0.002 * low.drafted + 0.003 * low.forward_calls / 2
-    assert 0.004 * mid.rounds <= mid.bookkeeping_seconds < 0.004 * mid.rounds + 0.002 * low.drafted / 2
-    assert top.bookkeeping_seconds < 0.004 * mid.rounds / 2  # the target's own sampling and verification only
+    assert low.forward_seconds >= forward * low.forward_calls
+    assert sampling * low.drafted <= low.bookkeeping_seconds < sampling * low.drafted + forward * low.forward_calls / 2
+    assert verify * mid.rounds <= mid.bookkeeping_seconds < verify * mid.rounds + sampling * low.drafted / 2
+    assert top.bookkeeping_seconds < verify * mid.rounds / 2  # the target's own sampling and verification only
     spent = sum(level.forward_seconds + level.bookkeeping_seconds for level in result.levels)
     assert spent <= result.seconds
 

@@ -15,6 +15,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from specstack import Level, PromptLookupDrafter, SamplingConfig, SpeculationStack, StreamingLLM
+from specstack.drafters import CANDIDATES, LOOKBACK
 from specstack.kvstore import KVStore
 from specstack.types import Capability, SeenTokens, TokenSequence, TokenView
 
@@ -160,26 +161,37 @@ def test_a_round_allocates_nothing_that_grows_with_the_context(name) -> None:
 # -- prompt lookup --------------------------------------------------------------------------------
 
 
-def _scan(seq: np.ndarray, n: int, max_ngram: int = 3, min_ngram: int = 1) -> list[int]:
-    """The search prompt lookup did before it kept an index: a scan of the whole context per call."""
+def _scan(seq: np.ndarray, n: int, max_ngram: int = 3, min_ngram: int = 1, lookback: int = 0) -> list[int]:
+    """The search prompt lookup did before it kept an index: a scan of the whole context per call. With ``lookback``,
+    of the latest CANDIDATES occurrences the one whose tokens agree longest with the text's, counted token by token."""
     for size in range(min(max_ngram, len(seq) - 1), min_ngram - 1, -1):
         windows = np.lib.stride_tricks.sliding_window_view(seq[:-1], size)  # [L-size, size]
         hits = np.flatnonzero((windows == seq[-size:]).all(axis=1))
         if hits.size:
-            start = hits[-1] + size
-            return seq[start : start + n].tolist()
+            ends = [int(hit) + size - 1 for hit in hits[-CANDIDATES:]]
+            end = ends[-1] if not lookback else max(ends, key=lambda e: (_agreement(seq, e, max(lookback, size)), e))
+            return seq[end + 1 : end + 1 + n].tolist()
     return []
+
+
+def _agreement(seq: np.ndarray, end: int, most: int) -> int:
+    """How many tokens up to ``end`` equal the text's last ones, at most ``most``."""
+    count = 0
+    while count < most and end - count >= 0 and seq[end - count] == seq[len(seq) - 1 - count]:
+        count += 1
+    return count
 
 
 @pytest.mark.parametrize("kind", ["random", "repetitive"])
 @pytest.mark.parametrize("ngrams", [(3, 1), (2, 2), (4, 2)])
-def test_the_incremental_index_proposes_what_the_scan_did(kind, ngrams) -> None:
+@pytest.mark.parametrize("lookback", [0, 5, LOOKBACK])
+def test_the_incremental_index_proposes_what_the_scan_did(kind, ngrams, lookback) -> None:
     """A sequence that grows, rolls back and is rewritten, as a stack's is, plus plain lists."""
     rng = random.Random(f"{kind} {ngrams}")  # a string seed: the same sequence in every process
     pattern = [rng.randrange(50) for _ in range(23)]
     def token(i: int) -> int:
         return rng.randrange(6) if kind == "random" else (pattern[i % 23] if rng.random() > 0.05 else rng.randrange(50))
-    drafter = PromptLookupDrafter(vocab=50, max_ngram=ngrams[0], min_ngram=ngrams[1])
+    drafter = PromptLookupDrafter(vocab=50, max_ngram=ngrams[0], min_ngram=ngrams[1], lookback=lookback)
     sequence = TokenSequence([token(0)])
     length = 1
     for step in range(400):
@@ -190,6 +202,28 @@ def test_the_incremental_index_proposes_what_the_scan_did(kind, ngrams) -> None:
         length = len(view)
         n = rng.randrange(1, 7)
         prefix = view if step % 10 else view.tolist()
-        assert drafter.propose(prefix, n).tokens.tolist() == _scan(view.array(), n, *ngrams), f"step {step}"
+        assert drafter.propose(prefix, n).tokens.tolist() == _scan(view.array(), n, *ngrams, lookback), f"step {step}"
     drafter.reset()  # a new generation: nothing of the old index survives
-    assert drafter.propose([1, 2, 1, 2], 2).tokens.tolist() == _scan(np.array([1, 2, 1, 2]), 2, *ngrams)
+    assert drafter.propose([1, 2, 1, 2], 2).tokens.tolist() == _scan(np.array([1, 2, 1, 2]), 2, *ngrams, lookback)
+
+
+def test_prompt_lookup_drafts_from_the_occurrence_that_agrees_longest() -> None:
+    """The text copies the passage 7 8 9 1 2 3 4 4 5; its last three tokens 1 2 3 occurred last before 6 0. Prompt lookup
+    drafts what followed the passage it copies (the tokens before that occurrence agree with the text's for six
+    tokens, before the latest one for three); with lookback=0, what followed the latest occurrence (Saxena's rule).
+    Fails where the latest occurrence is taken whatever the agreement."""
+    copied = [7, 8, 9, 1, 2, 3, 4, 4, 5, 1, 2, 3, 6, 0, 7, 8, 9, 1, 2, 3]
+    assert PromptLookupDrafter(vocab=16).propose(copied, 3).tokens.tolist() == [4, 4, 5]
+    assert PromptLookupDrafter(vocab=16, lookback=0).propose(copied, 3).tokens.tolist() == [6, 0, 7]
+    assert PromptLookupDrafter(vocab=16, lookback=2).propose(copied, 3).tokens.tolist() == [6, 0, 7]  # 3 tokens each, the latest
+
+
+def test_prompt_lookup_compares_only_its_latest_occurrences() -> None:
+    """A round compares at most CANDIDATES occurrences (its cost does not grow with the text): an older occurrence that
+    agrees longer is not found beyond them. Fails where every occurrence is compared."""
+    passage = [40, 41, 42, 1, 2, 3, 30]
+    others = [token for i in range(CANDIDATES) for token in (20 + i % 10, 1, 2, 3, 10 + i % 10)]
+    text = [*passage, *others, 40, 41, 42, 1, 2, 3]
+    assert PromptLookupDrafter(vocab=50).propose(text, 1).tokens.tolist() == [10 + (CANDIDATES - 1) % 10]
+    fewer = [*passage, *others[5:], 40, 41, 42, 1, 2, 3]  # CANDIDATES - 1 others: the passage is among the latest
+    assert PromptLookupDrafter(vocab=50).propose(fewer, 1).tokens.tolist() == [30]

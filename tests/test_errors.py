@@ -29,6 +29,8 @@ target = SyntheticLM(vocab_size=6, seed=1, max_length=64)
          "verifier 'greedy' needs temperature 0 or coupled sampling, got temperature 1.0"),
         (lambda: StreamingLLM(window=0), "window 0 is not allowed; use an integer >= 2"),
         (lambda: PromptLookupDrafter(vocab=6, min_ngram=3, max_ngram=2), "n-gram range 3..2 is not allowed"),
+        (lambda: PromptLookupDrafter(vocab=6, lookback=-1), r"prompt lookup's lookback -1 is not allowed; use a whole number >= 0"),
+        (lambda: PromptLookupDrafter(vocab=6, lookback=2.5), r"prompt lookup's lookback 2.5 is not allowed"),
         (lambda: SpeculationStack.build([Level(model=target)]).generate(list(range(6)) * 10, 10),
          "a 60-token prompt plus 10 new tokens needs 70 positions but the model's window is 64"),
         (lambda: SpeculationStack.build([Level(model=target)]).generate([], 10), "the prompt is empty"),

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from specstack import MergedDrafter, Retrieval, StackRecipe
 from specstack.builtins import _full, _view
+from specstack.drafters import LOOKBACK
 from specstack.retrieval import AUTO, STRIDE
 from specstack.stack import Level
 
@@ -44,9 +45,9 @@ def _triforce_medusa(registry, *, target, heads: str | MedusaHeads | None = None
 
 
 def _medusa_lookup(registry, *, target, heads: str | MedusaHeads | None = "chained", tree_size: int = 4, top_k: int = 8, draft_vocab: int | None = None,
-                   min_prob: float = MIN_PROB, max_ngram: int = 3, min_ngram: int = 3, first_only: bool = True) -> list[Level]:
+                   min_prob: float = MIN_PROB, max_ngram: int = 3, min_ngram: int = 3, first_only: bool = True, lookback: int = LOOKBACK) -> list[Level]:
     level0 = _heads(registry, target, heads, tree_size, top_k, draft_vocab, min_prob)
-    lookup = registry.drafter("prompt-lookup", vocab=target.vocab_size, max_ngram=max_ngram, min_ngram=min_ngram)
+    lookup = registry.drafter("prompt-lookup", vocab=target.vocab_size, max_ngram=max_ngram, min_ngram=min_ngram, lookback=lookback)
     merged = MergedDrafter(parts=(lookup, level0.drafter), first_only=first_only)
     return [Level(drafter=merged), _full(target, merged.step)]
 
