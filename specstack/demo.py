@@ -78,8 +78,10 @@ class DemoRow:
 
     def describe_speedup(self) -> str:
         """``1.21x``, with the range of its turns where it had several: ``1.21x (turns 1.12-1.30)``."""
-        turns = f" (turns {min(self.speedups):.2f}-{max(self.speedups):.2f})" if len(self.speedups) > 1 else ""
-        return f"{self.speedup:.2f}x{turns}"
+        from .speedup import turns_range
+
+        spread = turns_range(self.speedups)
+        return f"{self.speedup:.2f}x" + (f" (turns {spread[0]:.2f}-{spread[1]:.2f})" if spread else "")
 
 
 def task_prompt(tokenizer, *, book: str, length: int, request: str = QUESTION) -> list[int]:

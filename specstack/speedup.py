@@ -44,7 +44,7 @@ import itertools
 import math
 import operator
 import statistics
-from typing import Callable, Mapping, Sequence
+from typing import Callable, Iterable, Mapping, Sequence
 
 import attrs
 
@@ -242,6 +242,13 @@ def median_speedup(speedups: Sequence[float | None]) -> float | None:
     turns' speedups, each measured against the baseline of its own turn; None where no turn measured one."""
     measured = [s for s in speedups if s is not None]
     return statistics.median(measured) if measured else None
+
+
+def turns_range(speedups: Iterable[float | None]) -> tuple[float, float] | None:
+    """The least and the most of a stack's measured speedups turn by turn, shown beside their median; None with
+    fewer than two turns measured."""
+    measured = [s for s in speedups if s is not None]
+    return (min(measured), max(measured)) if len(measured) > 1 else None
 
 
 def triforce(*, c_ar: float, c2: float, c1: float, t0: float,

@@ -17,6 +17,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 import attrs
 
+from ..speedup import turns_range
 from .grid import label
 
 SCALARS = (
@@ -133,18 +134,12 @@ def _summary(runs: list[dict]) -> dict:
         "decode_tokens_per_second": _mean(r.get("decode_tokens_per_second") for r in runs),
         "total_seconds": _mean(r.get("total_seconds") for r in runs),
         "speedup": _mean(r.get("speedup") for r in runs),
-        "speedup_range": _spread(s for r in runs for s in r.get("speedups") or ()),
+        "speedup_range": turns_range(s for r in runs for s in r.get("speedups") or ()),
         "accuracy": _mean(r.get("accuracy") for r in runs),
         "peak_cuda_mb": _mean(r.get("peak_cuda_mb") for r in runs),
         "identical": (all(identical) if identical else None) if one_text(first) else None,
         "one_text": one_text(first), "coupled": first.get("coupled", False),
     }
-
-
-def _spread(speedups: Iterable[float | None]) -> tuple[float, float] | None:
-    """The least and the most of a configuration's speedups turn by turn (runs with ``repeats`` > 1); None without turns."""
-    values = [s for s in speedups if s is not None]
-    return (min(values), max(values)) if len(values) > 1 else None
 
 
 def _speedup_cell(row: dict) -> str:
