@@ -7,8 +7,9 @@ import functools
 import attrs
 
 from .draft_vocabulary import with_draft_vocabulary
-from .drafters import LOOKBACK, LookupFirstDrafter, PromptLookupDrafter
+from .drafters import LookupFirstDrafter, PromptLookupDrafter
 from .hookspecs import hookimpl
+from .ngrams import LOOKBACK
 from .policies import FullCache, StreamingLLM
 from .retrieval import AUTO, STRIDE, Retrieval
 from .recipes import StackRecipe

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import abc
 import time
-from typing import ClassVar, Iterator, Sequence
+from typing import ClassVar, Sequence
 
 import attrs
 import numpy as np
@@ -18,9 +18,10 @@ import torch
 from .channels import HiddenStateChannel
 from .errors import SpecstackError
 from .model import CachedModel
+from .ngrams import LOOKBACK, NgramIndex, by_agreement
 from .sampling import SamplingConfig, first_argmax, one_hot, sample, warp
 from .speedup import best_length
-from .types import Capability, Draft, DraftKind, LevelStats, SeenTokens, TokenView, as_tokens
+from .types import Capability, Draft, DraftKind, LevelStats, TokenView, as_tokens
 
 
 class Drafter(abc.ABC):
@@ -190,8 +191,6 @@ class LookupFirstDrafter(ModelDrafter):
 ACCEPTANCE_PRIOR = 0.5  # where an estimate starts
 ACCEPTANCE_WEIGHT = 0.1  # how far each observed round moves an estimate toward its outcome
 RETRY = 0.02  # how far each round priced out moves its first position toward 1, so that it is tried again
-LOOKBACK = 32  # tokens compared backwards from an earlier occurrence of the matched n-gram (PromptLookupDrafter.lookback)
-CANDIDATES = 16  # the latest occurrences compared, so that a round's lookup costs O(CANDIDATES x lookback), never O(context)
 
 
 @attrs.define(eq=False, kw_only=True)
@@ -205,10 +204,9 @@ class PromptLookupDrafter(Drafter):
     distribution is one-hot; when nothing matches the draft is empty and the level above samples on
     its own.
 
-    The search is incremental: an index maps every n-gram of the tokens seen so far to the positions
-    where its occurrences end. Each call indexes only the tokens appended since the last one and
-    unindexes those rolled back (O(γ) per round, :class:`~specstack.types.SeenTokens` finds which),
-    then looks the last n-grams up: no scan of the context.
+    The search is incremental (:class:`~specstack.ngrams.NgramIndex`): each call indexes only the tokens
+    appended since the last one and unindexes those rolled back, then looks the last n-grams up: O(γ)
+    per round, no scan of the context.
 
     Once priced (:meth:`price`: the tuner tells it what the level above's forward of 1, 2, … tokens costs), it
     drafts only as many of the matched tokens as pay: the length :func:`specstack.speedup.best_length` picks from
@@ -227,8 +225,7 @@ class PromptLookupDrafter(Drafter):
     min_ngram: int = 1
     lookback: int = LOOKBACK
     stats: LevelStats = attrs.field(factory=lambda: LevelStats(name="prompt-lookup"))
-    _seen: SeenTokens = attrs.field(init=False, factory=SeenTokens)  # the tokens indexed
-    _ends: dict[tuple[int, ...], list[int]] = attrs.field(init=False, factory=dict)  # n-gram -> where its occurrences end, ascending
+    _index: NgramIndex = attrs.field(init=False)
     _verify_seconds: tuple[float, ...] = attrs.field(init=False, default=())  # the level above's forward of 1, 2, … tokens (price); () drafts all
     _acceptance: dict[int, list[float]] = attrs.field(init=False, factory=dict)  # match length -> acceptance at each position examined
     _matched: int = attrs.field(init=False, default=0)  # the match length of the last draft (0: none drafted)
@@ -238,14 +235,14 @@ class PromptLookupDrafter(Drafter):
             raise SpecstackError(f"n-gram range {self.min_ngram}..{self.max_ngram} is not allowed; need 1 <= min_ngram <= max_ngram")
         if isinstance(self.lookback, bool) or not isinstance(self.lookback, int) or self.lookback < 0:
             raise SpecstackError(f"prompt lookup's lookback {self.lookback!r} is not allowed; use a whole number >= 0 (0: the latest occurrence)")
+        self._index = NgramIndex(max_ngram=self.max_ngram, min_ngram=self.min_ngram)
 
     @property
     def vocab_size(self) -> int:
         return self.vocab
 
     def reset(self) -> None:
-        self._seen.truncate(0)
-        self._ends.clear()
+        self._index.clear()
         self._acceptance.clear()  # equal seeds, equal drafts
         self._matched = 0
 
@@ -266,11 +263,11 @@ class PromptLookupDrafter(Drafter):
             rates[i] += ACCEPTANCE_WEIGHT * ((i < accepted) - rates[i])
 
     def prefill(self, prompt: Sequence[int]) -> None:
-        self._catch_up(as_tokens(prompt))
+        self._index.catch_up(as_tokens(prompt))
 
     def propose(self, prefix: Sequence[int], n: int) -> Draft:
         prefix = as_tokens(prefix)
-        self._catch_up(prefix)
+        self._index.catch_up(prefix)
         tokens, matched = self._lookup(prefix.array(), n)
         if self._verify_seconds and tokens:
             tokens = tokens[: self._paying(matched, len(tokens))]
@@ -285,9 +282,9 @@ class PromptLookupDrafter(Drafter):
         tokens), and that n-gram's length (0: none matched)."""
         length = seq.shape[0]
         for size in range(min(self.max_ngram, length - 1), self.min_ngram - 1, -1):
-            ends = self._ends.get(tuple(seq[length - size :].tolist()), [])
-            if len(ends) > 1:  # the last occurrence is the suffix itself
-                end = longest_agreement(seq, ends[-1 - CANDIDATES : -1], max(self.lookback, size)) if self.lookback else ends[-2]
+            ends = self._index.earlier(seq, size)
+            if ends:
+                end = by_agreement(seq, ends, self.lookback and max(self.lookback, size))[0]
                 return seq[end + 1 : end + 1 + n].tolist(), size
         return [], 0
 
@@ -299,45 +296,8 @@ class PromptLookupDrafter(Drafter):
             rates[0] += RETRY * (1.0 - rates[0])
         return kept
 
-    def _catch_up(self, prefix: TokenView) -> None:
-        """Make the index that of ``prefix``: unindex the seen tokens it does not share, index its new ones."""
-        common = self._seen.common_prefix(prefix)
-        seen = self._seen.array()  # [m]
-        for key, end in self._ngrams(seen, range(seen.shape[0] - 1, common - 1, -1)):  # newest first: the last entry of its list
-            ends = self._ends[key]
-            ends.pop()
-            if not ends:
-                del self._ends[key]
-        tokens = prefix.array()  # [n]
-        for key, end in self._ngrams(tokens, range(common, tokens.shape[0])):
-            self._ends.setdefault(key, []).append(end)
-        self._seen.become(prefix)
-
-    def _ngrams(self, seq: np.ndarray, ends: range) -> Iterator[tuple[tuple[int, ...], int]]:
-        """(n-gram, end) for each n-gram of ``seq`` that ends at a position in ``ends``, in that order."""
-        if not ends:
-            return
-        base = max(0, min(ends) + 1 - self.max_ngram)
-        window = seq[base : max(ends) + 1].tolist()
-        for end in ends:
-            for size in range(self.min_ngram, min(self.max_ngram, end + 1) + 1):
-                yield tuple(window[end + 1 - size - base : end + 1 - base]), end
-
     def level_stats(self) -> list[LevelStats]:
         return [self.stats]
-
-
-def longest_agreement(seq: np.ndarray, ends: Sequence[int], lookback: int) -> int:
-    """Of earlier occurrences of ``seq``'s suffix ending at ``ends`` (ascending, each before the last position), the end
-    of the one whose tokens up to there agree longest with ``seq``'s last ones, compared up to ``lookback`` tokens back
-    (ties: the latest): O(len(ends) x lookback)."""
-    last = seq.shape[0] - 1
-    back = np.arange(min(lookback, last + 1))  # [b]
-    at = np.asarray(ends)[:, None] - back[None, :]  # [c, b] positions compared, going back from each end
-    same = (at >= 0) & (seq[np.maximum(at, 0)] == seq[last - back][None, :])  # [c, b]
-    agreement = np.where(same.all(axis=1), back.shape[0], same.argmin(axis=1))  # [c] the first disagreement
-    best = agreement.shape[0] - 1 - int(np.argmax(agreement[::-1]))  # the latest of the longest
-    return int(ends[best])
 
 
 @attrs.define(eq=False, kw_only=True)

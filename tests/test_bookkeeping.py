@@ -15,9 +15,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from specstack import Level, PromptLookupDrafter, SamplingConfig, SpeculationStack, StreamingLLM
-from specstack.drafters import CANDIDATES, LOOKBACK
+from specstack.ngrams import CANDIDATES, LOOKBACK
 from specstack.kvstore import KVStore
 from specstack.types import Capability, SeenTokens, TokenSequence, TokenView
+from specstack_sequoia import TreeLookupDrafter
 
 VOCAB = 32
 
@@ -128,6 +129,7 @@ def _stacks() -> dict[str, list[Level]]:
         "draft+streaming -> middle -> target": [Level(model=FreeLM(noise=5), policy=StreamingLLM(sinks=4, window=60)),
                                                 Level(model=FreeLM(noise=13), gamma=4), Level(model=FreeLM(), gamma=6)],
         "prompt lookup -> target": [Level(drafter=PromptLookupDrafter(vocab=VOCAB)), Level(model=FreeLM(), gamma=6)],
+        "lookup tree -> target": [Level(drafter=TreeLookupDrafter(vocab=VOCAB, branches=3)), Level(model=FreeLM(), gamma=6)],
     }
 
 

@@ -20,10 +20,11 @@ from hypothesis import strategies as st
 
 from specstack import Level, Registry, SamplingConfig, SpecstackError, SpeculationStack, warp
 from specstack.cli import main
+from specstack.ngrams import CANDIDATES, LOOKBACK
 from specstack.retrieval import Retrieval
 from specstack.synthetic import SyntheticLM, greedy_decode
 from specstack.testing import ALPHA, stack_pvalue
-from specstack.types import DraftKind
+from specstack.types import DraftKind, TokenSequence
 from specstack_sequoia import Costs, SequoiaDrafter, TreeLookupDrafter, TreeShape, TreeTable, best_tree, plan_tree
 from specstack_sequoia import plugin
 from specstack_sequoia.drafters import race
@@ -211,6 +212,63 @@ def test_lookup_tree_merges_matches_into_a_trie(device: str) -> None:
     assert drafter.propose(prefix, 3).tokens.tolist()[:3] == [6, 8, 1]
     with pytest.raises(SpecstackError, match="branches 0"):
         TreeLookupDrafter(vocab=10, branches=0)
+
+
+def _scan_trie(seq: list[int], n: int, max_ngram: int, branches: int, lookback: int) -> tuple[list[int], list[int]]:
+    """(tokens, parents) of the trie a whole-text scan builds: for each n-gram length, longest first, of the latest
+    CANDIDATES occurrences of the text's suffix, those agreeing longest with the text first (counted token by token,
+    ties the latest), each continuation that adds a node, up to ``branches`` of them."""
+    found: list[tuple[int, ...]] = []
+    for size in range(min(max_ngram, len(seq) - 1), 0, -1):
+        ends = [end for end in range(size - 1, len(seq) - 1) if seq[end + 1 - size : end + 1] == seq[len(seq) - size :]][-CANDIDATES:]
+        agree = lambda end: next((k for k in range(max(lookback, size)) if end - k < 0 or seq[end - k] != seq[-1 - k]), max(lookback, size))
+        for end in sorted(ends, key=lambda e: (agree(e) if lookback else 0, e), reverse=True):
+            continuation = tuple(seq[end + 1 : end + 1 + n])
+            if continuation and len(found) < branches and not any(seen[: len(continuation)] == continuation for seen in found):
+                found.append(continuation)
+    tokens, parents, nodes = [], [], {}
+    for continuation in found:
+        node = -1
+        for token in continuation:
+            if (node, token) not in nodes:
+                nodes[node, token] = len(tokens)
+                tokens.append(token)
+                parents.append(node)
+            node = nodes[node, token]
+    return tokens, parents
+
+
+@pytest.mark.parametrize("lookback", [0, 4, LOOKBACK])
+@pytest.mark.parametrize("kind", ["random", "repetitive"])
+def test_lookup_tree_index_proposes_what_a_scan_of_the_text_does(kind, lookback) -> None:
+    """A text that grows, rolls back and is rewritten, as a stack's is: the tree from the incremental index equals the
+    one a scan of the whole text builds. Fails where occurrences are taken in order of recency alone (lookback > 0)."""
+    rng = random.Random(f"{kind} {lookback}")
+    pattern = [rng.randrange(40) for _ in range(19)]
+    def token(i: int) -> int:
+        return rng.randrange(5) if kind == "random" else (pattern[i % 19] if rng.random() > 0.08 else rng.randrange(40))
+    drafter = TreeLookupDrafter(vocab=40, max_ngram=3, branches=4, lookback=lookback)
+    sequence = TokenSequence([token(0)])
+    length = 1
+    for step in range(300):
+        length = max(1, length - rng.choice([0, 0, 1, 3, 7]))
+        view = sequence.write(length, [token(length + i) for i in range(rng.randrange(1, 5))])
+        length = len(view)
+        n = rng.randrange(1, 6)
+        draft = drafter.propose(view if step % 7 else view.tolist(), n)
+        tokens, parents = _scan_trie(view.tolist(), n, 3, 4, lookback)
+        assert (draft.tokens.tolist(), draft.parents.tolist() if tokens else []) == (tokens, parents), f"step {step}"
+
+
+def test_lookup_tree_offers_the_copied_passage_first() -> None:
+    """The text copies the passage 7 8 9 1 2 3 4 4 5; the latest occurrence of its last three tokens 1 2 3 came before
+    6 0. The passage's continuation is the first branch, the latest occurrence's the second; with lookback=0, the other
+    way round. Fails where branches are ordered by recency alone."""
+    copied = [7, 8, 9, 1, 2, 3, 4, 4, 5, 1, 2, 3, 6, 0, 7, 8, 9, 1, 2, 3]
+    assert TreeLookupDrafter(vocab=16, branches=2).propose(copied, 3).tokens.tolist() == [4, 4, 5, 6, 0, 7]
+    assert TreeLookupDrafter(vocab=16, branches=2, lookback=0).propose(copied, 3).tokens.tolist() == [6, 0, 7, 4, 4, 5]
+    with pytest.raises(SpecstackError, match="lookback -1 is not allowed"):
+        TreeLookupDrafter(vocab=16, lookback=-1)
 
 
 # -- greedy losslessness of the stacks -------------------------------------------------------------

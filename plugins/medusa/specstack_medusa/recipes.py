@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from specstack import MergedDrafter, Retrieval, StackRecipe
 from specstack.builtins import _full, _view
-from specstack.drafters import LOOKBACK
+from specstack.ngrams import LOOKBACK
 from specstack.retrieval import AUTO, STRIDE
 from specstack.stack import Level
 

@@ -8,7 +8,7 @@ prefix, row i + 1 after node i), every frontier node draws its children from its
 back next round as part of the prefix). A tree of depth D costs D draft forwards.
 
 :class:`TreeLookupDrafter` is model-free: prompt lookup that offers the continuations of several
-earlier matches at once, merged into one trie.
+earlier matches at once, merged into one trie, found in prompt lookup's n-gram index.
 """
 
 from __future__ import annotations
@@ -21,8 +21,9 @@ import torch
 
 from specstack import Draft, LevelStats, SpecstackError, warp
 from specstack.drafters import Drafter, ModelLevel
+from specstack.ngrams import LOOKBACK, NgramIndex, by_agreement
 from specstack.sampling import draw, race_arrivals
-from specstack.types import DraftKind
+from specstack.types import DraftKind, as_tokens
 
 from .shape import TreeShape
 
@@ -135,13 +136,16 @@ class SequoiaDrafter(ModelLevel):
 
 @attrs.define(eq=False, kw_only=True)
 class TreeLookupDrafter(Drafter):
-    """Prompt lookup with branches: the continuations of up to ``branches`` earlier matches of the
-    last ``max_ngram`` … ``min_ngram`` tokens (longer n-grams first, then the most recent match
-    first), each at most ``n`` tokens, merged into one trie (a shared prefix is proposed once).
+    """Prompt lookup with branches: the continuations of up to ``branches`` earlier occurrences of the
+    last ``max_ngram`` … ``min_ngram`` tokens, each at most ``n`` tokens, merged into one trie (a shared
+    prefix is proposed once). Longer n-grams first; of an n-gram's latest CANDIDATES occurrences, the
+    ones whose preceding tokens agree longest with the text's first (compared up to ``lookback`` tokens
+    back, :func:`specstack.ngrams.by_agreement`; ties, and ``lookback=0``: the latest first).
 
     Deterministic (``TREE_DETERMINISTIC``, one-hot ``probs`` rows); siblings are tried in the order
     of the matches that introduced them. When nothing matches the draft is empty and the level above
-    samples on its own.
+    samples on its own. The search is prompt lookup's incremental index
+    (:class:`~specstack.ngrams.NgramIndex`): O(γ) a round, no scan of the context.
     """
 
     name: ClassVar[str] = "lookup-tree"
@@ -151,21 +155,34 @@ class TreeLookupDrafter(Drafter):
     max_ngram: int = 3
     min_ngram: int = 1
     branches: int = 3
+    lookback: int = LOOKBACK
     stats: LevelStats = attrs.field(factory=lambda: LevelStats(name="lookup-tree"))
+    _index: NgramIndex = attrs.field(init=False)
 
     def __attrs_post_init__(self) -> None:
         if not (_is_int(self.min_ngram) and _is_int(self.max_ngram) and 1 <= self.min_ngram <= self.max_ngram):
             raise SpecstackError(f"n-gram range {self.min_ngram!r}..{self.max_ngram!r} is not allowed; need integers 1 <= min_ngram <= max_ngram")
         if not (_is_int(self.branches) and self.branches >= 1):
             raise SpecstackError(f"lookup-tree branches {self.branches!r} is not allowed; use an integer >= 1")
+        if not (_is_int(self.lookback) and self.lookback >= 0):
+            raise SpecstackError(f"lookup-tree lookback {self.lookback!r} is not allowed; use a whole number >= 0 (0: the latest occurrences first)")
+        self._index = NgramIndex(max_ngram=self.max_ngram, min_ngram=self.min_ngram)
 
     @property
     def vocab_size(self) -> int:
         return self.vocab
 
+    def reset(self) -> None:
+        self._index.clear()
+
+    def prefill(self, prompt: Sequence[int]) -> None:
+        self._index.catch_up(as_tokens(prompt))
+
     def propose(self, prefix: Sequence[int], n: int) -> Draft:
+        prefix = as_tokens(prefix)
+        self._index.catch_up(prefix)
         tokens, parents, nodes = [], [], {}  # nodes: (parent, token) -> index in the trie
-        for continuation in self._matches(np.asarray(prefix, dtype=np.int64), n):
+        for continuation in self._matches(prefix.array(), n):
             node = -1
             for token in continuation:
                 if (node, token) not in nodes:
@@ -184,10 +201,9 @@ class TreeLookupDrafter(Drafter):
     def _matches(self, seq: np.ndarray, n: int) -> list[tuple[int, ...]]:
         """Up to ``branches`` continuations, each adding at least one node to the trie."""
         found: list[tuple[int, ...]] = []
-        for size in range(min(self.max_ngram, len(seq) - 1), self.min_ngram - 1, -1):
-            windows = np.lib.stride_tricks.sliding_window_view(seq[:-1], size)  # [L-size, size]
-            for hit in np.flatnonzero((windows == seq[-size:]).all(axis=1))[::-1]:  # the most recent first
-                continuation = tuple(seq[hit + size : hit + size + n].tolist())
+        for size in range(min(self.max_ngram, seq.shape[0] - 1), self.min_ngram - 1, -1):
+            for end in by_agreement(seq, self._index.earlier(seq, size), self.lookback and max(self.lookback, size)):
+                continuation = tuple(seq[end + 1 : end + 1 + n].tolist())
                 if continuation and not any(seen[: len(continuation)] == continuation for seen in found):
                     found.append(continuation)
                     if len(found) == self.branches:

@@ -11,6 +11,7 @@ import attrs
 
 from specstack import Retrieval, StackRecipe
 from specstack.builtins import _full, _streaming_draft, _view
+from specstack.ngrams import LOOKBACK
 from specstack.retrieval import AUTO, STRIDE
 from specstack.stack import Level
 
@@ -37,14 +38,14 @@ def _triforce_tree(registry, *, target, draft, tree: TreeShape | str = "binary:2
     return [_tree_draft(draft, shape, sinks, draft_window, draft_vocab), _view(target, retrieval, shape.depth), _full(target, gamma2)]
 
 
-def _lookup_tree(registry, *, target, gamma: int = 4, max_ngram: int = 3, branches: int = 3) -> list[Level]:
-    lookup = registry.drafter("lookup-tree", vocab=target.vocab_size, max_ngram=max_ngram, branches=branches)
+def _lookup_tree(registry, *, target, gamma: int = 4, max_ngram: int = 3, branches: int = 3, lookback: int = LOOKBACK) -> list[Level]:
+    lookup = registry.drafter("lookup-tree", vocab=target.vocab_size, max_ngram=max_ngram, branches=branches, lookback=lookback)
     return [Level(drafter=lookup), _full(target, gamma)]
 
 
 def _triforce_lookup_tree(registry, *, target, gamma1: int = 4, gamma2: int = 6, budget: int | str = AUTO, chunk_size: int = 8,
-                          stride: int = STRIDE, max_ngram: int = 3, branches: int = 3) -> list[Level]:
-    lookup = registry.drafter("lookup-tree", vocab=target.vocab_size, max_ngram=max_ngram, branches=branches)
+                          stride: int = STRIDE, max_ngram: int = 3, branches: int = 3, lookback: int = LOOKBACK) -> list[Level]:
+    lookup = registry.drafter("lookup-tree", vocab=target.vocab_size, max_ngram=max_ngram, branches=branches, lookback=lookback)
     retrieval = Retrieval(budget=budget, chunk_size=chunk_size, stride=stride)
     return [Level(drafter=lookup), _view(target, retrieval, gamma1), _full(target, gamma2)]
 
