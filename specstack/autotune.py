@@ -15,14 +15,15 @@ hierarchy; Sequoia (Chen et al., 2024) does the same for tree sizes against a ha
 3. each verifying level's forward is timed at T = 1 … γ_max + 1 tokens over a cache as long as the
    one it will hold (random keys and values: the cost does not depend on them), and level 0's drafter is
    told the first level's costs (``Drafter.price``): one that then chooses each draft's length itself
-   (prompt lookup) gets γ_max as the first level's γ, a cap; one drafting trees (Medusa heads) chooses
-   each draft's nodes, and its tree keeps its depth;
+   (prompt lookup) gets γ_max as the first level's γ, a cap; one drafting trees (Medusa heads, lookup
+   trees) chooses each draft's nodes, its depth capped at γ_max or at the tree's own depth if deeper (a
+   lookup tree then drafts as deep as prompt lookup's chains may);
 4. every γ combination is scored with :class:`specstack.speedup.StackCost` (the one place the
    predicted speedup is computed) and the best one is set on the stack's levels.
 
 Acceptance is assumed independent of γ (the i.i.d. model behind Leviathan et al.'s Eq. 1). Token
-trees keep their planned shape: a level verifying a tree keeps its γ (the tree's depth), and only the
-levels verifying chains are tuned. A tree level is priced from its calibration rounds instead of the
+trees keep their planned shape: a level verifying a tree keeps its γ (the tree's depth; where level 0 is
+priced and chooses its nodes, that depth's cap, at least γ_max), and only the levels verifying chains are tuned. A tree level is priced from its calibration rounds instead of the
 chain formula (:class:`TreeRound`): the tokens a round emitted, and a tree forward as wide as its
 forwards were, timed.
 
@@ -99,10 +100,11 @@ class Tuning:
 
     def choose(self, acceptances: Sequence[float]) -> tuple[tuple[int, ...], float]:
         """The best γ per level for ``acceptances`` at the measured costs, and its predicted speedup (for drafts
-        of the full γ). Where level 0 chooses each chain's length itself, the first level's γ is max_gamma, a cap."""
+        of the full γ). Where level 0 chooses what to draft itself (a chain's length, a tree's nodes), the first level's γ
+        is a cap: max_gamma for a chain's length; for a tree's depth, max_gamma or the tree's own depth if deeper."""
         gammas, speedup = best_gammas(self.draft_cost, self.verify_costs, acceptances, self.autoregressive_cost, self.max_gamma, self.fixed,
                                       self.overheads, self.gather_cost)
-        return ((self.max_gamma, *gammas[1:]) if self.priced and self.fixed[0] is None else gammas), speedup
+        return ((max(self.max_gamma, gammas[0]), *gammas[1:]) if self.priced else gammas), speedup
 
     def describe(self) -> str:
         """One line: the choice and what it was made from (for a tree level, what its rounds emitted and how wide
@@ -112,7 +114,7 @@ class Tuning:
         trees = "".join(f"; γ{i + 1} kept: a tree emitting {tree.emitted:.2f} tokens a round, forwards of {tree.width} tokens"
                         for i, tree in enumerate(self.fixed) if tree is not None)
         tree = self.fixed[0] is not None
-        priced = ("; level 0 chooses each draft's " + ("nodes" if tree else "length, γ1 its cap,") + " from the measured costs") if self.priced else ""
+        priced = ("; level 0 chooses each draft's " + ("nodes, γ1 their depth's cap," if tree else "length, γ1 its cap,") + " from the measured costs") if self.priced else ""
         unpriced = " from the calibration's unpriced rounds" if tree else " had every draft been the formula's best γ1"
         predicted = f"{self.predicted_speedup:.2f}x" + (unpriced if self.priced else "")
         idle = "".join(f"; γ{i + 1}=0: level {i + 1} decodes alone, level {i} idles" for i, g in enumerate(self.gammas) if g == 0)

@@ -69,8 +69,8 @@ class Drafter(abc.ABC):
 
     def price(self, verify_seconds: Sequence[float]) -> bool:
         """Told what the level above's forward of 1, 2, … tokens costs (``verify_seconds[t]``: t + 1 tokens; the tuner
-        measures them). True where the drafter then chooses each draft's length itself, so that the level's γ is only
-        its cap; the default: False, the costs unused."""
+        measures them). True where the drafter then chooses what to draft itself (a chain's length, a tree's nodes), so
+        that the level's γ is only a cap on the draft's depth; the default: False, the costs unused."""
         return False
 
     def attach_hidden_states(self, channel: HiddenStateChannel) -> None:

@@ -30,8 +30,9 @@ class NgramIndex:
         self._seen.truncate(0)
         self._ends.clear()
 
-    def catch_up(self, prefix: TokenView) -> None:
-        """Make the index that of ``prefix``: unindex the seen tokens it does not share, index its new ones."""
+    def catch_up(self, prefix: TokenView) -> int:
+        """Make the index that of ``prefix``: unindex the seen tokens it does not share, index its new ones. -> How
+        many leading tokens it shared with the text indexed before."""
         common = self._seen.common_prefix(prefix)
         seen = self._seen.array()  # [m]
         for key, end in self._ngrams(seen, range(seen.shape[0] - 1, common - 1, -1)):  # newest first: the last entry of its list
@@ -43,6 +44,7 @@ class NgramIndex:
         for key, end in self._ngrams(tokens, range(common, tokens.shape[0])):
             self._ends.setdefault(key, []).append(end)
         self._seen.become(prefix)
+        return common
 
     def earlier(self, seq: np.ndarray, size: int) -> list[int]:
         """Where the latest CANDIDATES earlier occurrences of ``seq``'s last ``size`` tokens end, ascending (``seq`` is

@@ -130,7 +130,13 @@ def _stacks() -> dict[str, list[Level]]:
                                                 Level(model=FreeLM(noise=13), gamma=4), Level(model=FreeLM(), gamma=6)],
         "prompt lookup -> target": [Level(drafter=PromptLookupDrafter(vocab=VOCAB)), Level(model=FreeLM(), gamma=6)],
         "lookup tree -> target": [Level(drafter=TreeLookupDrafter(vocab=VOCAB, branches=3)), Level(model=FreeLM(), gamma=6)],
+        "priced lookup tree -> target": [Level(drafter=_priced(TreeLookupDrafter(vocab=VOCAB, branches=3))), Level(model=FreeLM(noise=5), gamma=6)],
     }
+
+
+def _priced(drafter):
+    drafter.price([1.0 + 0.1 * width for width in range(8)])  # a forward of 1, 2, … tokens
+    return drafter
 
 
 def _bytes_per_round(levels: list[Level], context: int) -> float:

@@ -183,8 +183,9 @@ def test_a_priced_medusa_drafter_drafts_what_pays_and_learns_how_often_it_is_rig
 
 
 def test_gamma_auto_prices_a_medusa_tree_and_keeps_greedy_output(monkeypatch) -> None:
-    """gamma=auto tells the heads the target's forward costs: the level keeps its tree's depth, the description says
-    the drafter chooses each draft's nodes, and the output is still the target's greedy decoding."""
+    """gamma=auto tells the heads the target's forward costs: the level's γ becomes max_gamma, a cap on the tree's depth
+    (the heads' trees are no deeper than their step), the description says the drafter chooses each draft's nodes, and
+    the output is still the target's greedy decoding."""
     from specstack import autotune
 
     drafter = MedusaDrafter(vocab=16, heads=synthetic_heads(16, chained=True), tree_size=8, min_prob=0.0)
@@ -193,7 +194,7 @@ def test_gamma_auto_prices_a_medusa_tree_and_keeps_greedy_output(monkeypatch) ->
     monkeypatch.setattr(autotune, "_verify_costs", lambda level, context, widths, repeats, seed: {t: 1.0 + 0.1 * (t - 1) for t in widths})
     prompt = list(range(8)) * 3
     tuning = autotune.tune(stack, prompt, calibration_tokens=8, max_gamma=4)
-    assert tuning.priced and tuning.gammas == (drafter.step,)
+    assert tuning.priced and tuning.gammas == (4,) and drafter.step <= 4
     assert "level 0 chooses each draft's nodes" in tuning.describe()
     assert list(stack.generate(prompt, 30).tokens) == greedy_decode(target, prompt, 30)
 

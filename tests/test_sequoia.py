@@ -271,6 +271,67 @@ def test_lookup_tree_offers_the_copied_passage_first() -> None:
         TreeLookupDrafter(vocab=16, lookback=-1)
 
 
+CHEAP_THREE = [1.0, 1.1, 1.2, 1.3, 9.0, 9.0, 9.0]  # a forward of 1, 2, … tokens: up to four cost little, more too much
+
+
+def test_a_priced_lookup_tree_drafts_the_branch_the_text_follows() -> None:
+    """Priced, the tree learns from the text written after each draft which of its branches the text follows. After
+    1 2 3 the text goes on 4 6 (what followed the older occurrence, the second branch), never 7 9 (the latest, the
+    first): unlearned, the three nodes drafted are the likeliest by the prior (7, 4 and 9); learned, the second
+    branch's three (4 6 1). Fails where nothing is learned, or what is learned is credited to the wrong branch."""
+    start = [5, 1, 2, 3, 4, 6, 1, 2, 3, 7, 9, 1, 2, 3]
+    drafter = TreeLookupDrafter(vocab=10, branches=2, lookback=0)
+    drafter.price(CHEAP_THREE)
+    first = drafter.propose(start, 3)
+    assert (first.tokens.tolist(), first.parents.tolist()) == ([7, 9, 4], [-1, 0, -1])
+    for _ in range(40):  # the text goes on 4 6; then it is rolled back to start, as a rejection rolls a stack back
+        drafter.propose([*start, 4, 6], 3)
+        drafter.propose(start, 3)
+    learned = drafter.propose(start, 3)
+    assert (learned.tokens.tolist(), learned.parents.tolist()) == ([4, 6, 1], [-1, 0, 1])
+    drafter.price([1.0, 9.0, 9.0, 9.0])  # priced anew: the chances start again, and no node pays
+    assert drafter.propose(start, 3).tokens.numel() == 0
+
+
+@pytest.mark.parametrize("costs", [CHEAP_THREE, [1.0, 1.05, 1.1, 1.15, 1.2, 1.25, 1.3, 1.35, 1.4]])
+def test_a_priced_lookup_tree_is_greedy_lossless(device: str, costs) -> None:
+    target = SyntheticLM(device=device, vocab_size=12, seed=3, sharpness=2.0)
+    prompt = [random.Random(4).randrange(6) for _ in range(40)]
+    drafter = TreeLookupDrafter(vocab=12, branches=3)
+    drafter.price(costs)
+    stack = SpeculationStack.build([Level(drafter=drafter), Level(model=target, gamma=4)])
+    result = stack.generate(prompt, 40)
+    assert list(result.tokens) == greedy_decode(target, prompt, 40)
+    assert result.levels[-1].accepted > 0
+
+
+def test_gamma_auto_prices_a_lookup_tree_and_raises_its_depth_to_max_gamma(monkeypatch, registry) -> None:
+    """gamma=auto tells the lookup tree the target's forward costs and lets it draft as deep as max_gamma (its level's
+    γ, the depth's cap: the tree chooses its nodes), as prompt lookup's chains may; the output stays the target's
+    greedy decoding. Fails where the tree level keeps the recipe's depth (3)."""
+    from specstack import autotune
+
+    target = SyntheticLM(vocab_size=12, seed=3, sharpness=2.0)
+    prompt = [random.Random(4).randrange(6) for _ in range(40)]
+    stack = registry.stack("lookup-tree", target=target, gamma=3)
+    monkeypatch.setattr(autotune, "_verify_costs", lambda level, context, widths, repeats, seed: {t: 1.0 + 0.05 * (t - 1) for t in widths})
+    tuning = autotune.tune(stack, prompt, calibration_tokens=8, max_gamma=6)
+    assert tuning.priced and tuning.gammas == (6,) == (autotune.verifying_levels(stack)[0].gamma,)
+    assert "level 0 chooses each draft's nodes, γ1 their depth's cap" in tuning.describe()
+    result = stack.generate(prompt, 40)
+    assert list(result.tokens) == greedy_decode(target, prompt, 40)
+
+
+def test_a_sampled_priced_lookup_tree_keeps_the_target_distribution(device: str) -> None:
+    sampling = SamplingConfig(temperature=0.8, top_p=0.9)
+    target = SyntheticLM(device=device, vocab_size=4, seed=31, sharpness=1.5)
+    drafter = TreeLookupDrafter(vocab=4, branches=3)
+    drafter.price(CHEAP_THREE)
+    stack = SpeculationStack.build([Level(drafter=drafter), Level(model=target, gamma=3)], sampling=sampling, seed=7)
+    assert stack_pvalue(stack, target, sampling, LOOKUP_PROMPT) > ALPHA
+    assert stack.generate(LOOKUP_PROMPT, 24).levels[-1].accepted > 0
+
+
 # -- greedy losslessness of the stacks -------------------------------------------------------------
 
 SHAPES = ["star:3", "chain:3", "binary:2", "widths:3,2,1", "parents:-1,0,0,-1,2"]

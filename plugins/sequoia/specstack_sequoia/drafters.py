@@ -20,9 +20,10 @@ import numpy as np
 import torch
 
 from specstack import Draft, LevelStats, SpecstackError, warp
-from specstack.drafters import Drafter, ModelLevel
+from specstack.drafters import ACCEPTANCE_PRIOR, ACCEPTANCE_WEIGHT, Drafter, ModelLevel
 from specstack.ngrams import LOOKBACK, NgramIndex, by_agreement
 from specstack.sampling import draw, race_arrivals
+from specstack.speedup import best_count
 from specstack.types import DraftKind, as_tokens
 
 from .shape import TreeShape
@@ -134,6 +135,9 @@ class SequoiaDrafter(ModelLevel):
         return race(q, count, self.generator)
 
 
+Branch = tuple[tuple[int, int], tuple[int, ...]]  # ((match length, rank among the branches), its continuation)
+
+
 @attrs.define(eq=False, kw_only=True)
 class TreeLookupDrafter(Drafter):
     """Prompt lookup with branches: the continuations of up to ``branches`` earlier occurrences of the
@@ -146,6 +150,16 @@ class TreeLookupDrafter(Drafter):
     of the matches that introduced them. When nothing matches the draft is empty and the level above
     samples on its own. The search is prompt lookup's incremental index
     (:class:`~specstack.ngrams.NgramIndex`): O(γ) a round, no scan of the context.
+
+    Once priced (:meth:`price`: the tuner tells it what the level above's forward of 1, 2, … tokens costs), a round
+    drafts only the nodes that pay (:func:`specstack.speedup.best_count`): the likeliest, each node's chance that the
+    text will follow the trie down to it estimated as its parent's times its branch's chance at its depth. A branch's
+    chances are kept per match length and rank (the 1st, 2nd, … branch of a draft): at each depth, how often its token
+    was the text's once its tokens before were (a running estimate, ACCEPTANCE_WEIGHT of the way to each outcome; a
+    depth not yet seen taken as the deepest one seen). They are read off the text the level above wrote after the last
+    draft, drafted nodes or not, so a branch priced out goes on being measured and needs no retry. What is drafted
+    depends on earlier rounds only, never on the level's draws in this one, so verification stays exact (as with the
+    Medusa heads' priced trees, docs/trees.md).
     """
 
     name: ClassVar[str] = "lookup-tree"
@@ -158,6 +172,10 @@ class TreeLookupDrafter(Drafter):
     lookback: int = LOOKBACK
     stats: LevelStats = attrs.field(factory=lambda: LevelStats(name="lookup-tree"))
     _index: NgramIndex = attrs.field(init=False)
+    _verify_seconds: tuple[float, ...] = attrs.field(init=False, default=())  # the level above's forward of 1, 2, … tokens (price); (): no pricing
+    _acceptance: dict[tuple[int, int], list[float]] = attrs.field(init=False, factory=dict)  # (match length, rank) -> chance at each depth seen
+    _shown: list[Branch] = attrs.field(init=False, factory=list)  # the last draft's branches
+    _shown_at: int = attrs.field(init=False, default=0)  # the length of the text they continue
 
     def __attrs_post_init__(self) -> None:
         if not (_is_int(self.min_ngram) and _is_int(self.max_ngram) and 1 <= self.min_ngram <= self.max_ngram):
@@ -174,22 +192,28 @@ class TreeLookupDrafter(Drafter):
 
     def reset(self) -> None:
         self._index.clear()
+        self._acceptance.clear()  # equal seeds, equal drafts
+        self._shown = []
+
+    def price(self, verify_seconds: Sequence[float]) -> bool:
+        self._verify_seconds = tuple(verify_seconds)
+        self._acceptance.clear()
+        self._shown = []
+        return True
 
     def prefill(self, prompt: Sequence[int]) -> None:
         self._index.catch_up(as_tokens(prompt))
 
     def propose(self, prefix: Sequence[int], n: int) -> Draft:
         prefix = as_tokens(prefix)
-        self._index.catch_up(prefix)
-        tokens, parents, nodes = [], [], {}  # nodes: (parent, token) -> index in the trie
-        for continuation in self._matches(prefix.array(), n):
-            node = -1
-            for token in continuation:
-                if (node, token) not in nodes:
-                    nodes[node, token] = len(tokens)
-                    tokens.append(token)
-                    parents.append(node)
-                node = nodes[node, token]
+        seq = prefix.array()  # [L]
+        if self._index.catch_up(prefix) >= self._shown_at and self._shown:  # the text still continues the last draft's
+            self._learn(seq[self._shown_at : self._shown_at + max(len(continuation) for _, continuation in self._shown)])
+        branches = self._matches(seq, n)
+        tokens, parents, owners, depths = _trie([continuation for _, continuation in branches])
+        if self._verify_seconds:
+            self._shown, self._shown_at = branches, seq.shape[0]
+            tokens, parents = self._paying(tokens, parents, [self._rate(branches[owner][0], depth) for owner, depth in zip(owners, depths)])
         self.stats.drafted += len(tokens)
         if not tokens:
             return Draft.empty(self.vocab)
@@ -198,20 +222,68 @@ class TreeLookupDrafter(Drafter):
         probs = torch.zeros(len(tokens), self.vocab, device=host).scatter_(1, ids[:, None], 1.0)  # [k, V]
         return Draft(tokens=ids, probs=probs, parents=torch.tensor(parents, dtype=torch.long, device=host), kind=self.draft_kind)
 
-    def _matches(self, seq: np.ndarray, n: int) -> list[tuple[int, ...]]:
-        """Up to ``branches`` continuations, each adding at least one node to the trie."""
-        found: list[tuple[int, ...]] = []
+    def _matches(self, seq: np.ndarray, n: int) -> list[Branch]:
+        """Up to ``branches`` continuations, each adding at least one node to the trie, with their keys."""
+        found: list[Branch] = []
         for size in range(min(self.max_ngram, seq.shape[0] - 1), self.min_ngram - 1, -1):
             for end in by_agreement(seq, self._index.earlier(seq, size), self.lookback and max(self.lookback, size)):
                 continuation = tuple(seq[end + 1 : end + 1 + n].tolist())
-                if continuation and not any(seen[: len(continuation)] == continuation for seen in found):
-                    found.append(continuation)
+                if continuation and not any(seen[: len(continuation)] == continuation for _, seen in found):
+                    found.append(((size, len(found)), continuation))
                     if len(found) == self.branches:
                         return found
         return found
 
+    def _learn(self, text: np.ndarray) -> None:
+        """Fold into each shown branch's chances what the text written since says of it: at each depth the text
+        reached while agreeing with the branch, whether its token was the text's."""
+        written = text.tolist()
+        for key, continuation in self._shown:
+            rates = self._acceptance.setdefault(key, [ACCEPTANCE_PRIOR])
+            for depth in range(min(len(continuation), len(written))):
+                if depth == len(rates):  # first seen here: from the deepest estimate
+                    rates.append(rates[-1])
+                hit = continuation[depth] == written[depth]
+                rates[depth] += ACCEPTANCE_WEIGHT * (hit - rates[depth])
+                if not hit:
+                    break
+        self._shown = []
+
+    def _rate(self, key: tuple[int, int], depth: int) -> float:
+        """The chance that the text follows a branch of ``key`` at ``depth`` once it followed it down to there."""
+        rates = self._acceptance.get(key, [ACCEPTANCE_PRIOR])
+        return rates[min(depth, len(rates) - 1)]
+
+    def _paying(self, tokens: list[int], parents: list[int], rates: list[float]) -> tuple[list[int], list[int]]:
+        """The trie's nodes worth a forward at the priced costs, renumbered: the likeliest first, as many as pay
+        (a node's reach: its parent's times its own ``rates`` entry, so never above its parent's)."""
+        reach: list[float] = []
+        for parent, rate in zip(parents, rates):
+            reach.append((reach[parent] if parent >= 0 else 1.0) * rate)
+        likeliest = sorted(range(len(tokens)), key=lambda i: -reach[i])  # stable: a parent before its equally likely child
+        kept = sorted(likeliest[: best_count([reach[i] for i in likeliest], self._verify_seconds)])
+        index = {node: i for i, node in enumerate(kept)}
+        return [tokens[i] for i in kept], [index[parents[i]] if parents[i] >= 0 else -1 for i in kept]
+
     def level_stats(self) -> list[LevelStats]:
         return [self.stats]
+
+
+def _trie(continuations: list[tuple[int, ...]]) -> tuple[list[int], list[int], list[int], list[int]]:
+    """The continuations merged into one trie: each node's token, parent (-1: a root), the continuation that
+    introduced it and its depth."""
+    tokens, parents, owners, depths, nodes = [], [], [], [], {}  # nodes: (parent, token) -> index in the trie
+    for owner, continuation in enumerate(continuations):
+        node = -1
+        for depth, token in enumerate(continuation):
+            if (node, token) not in nodes:
+                nodes[node, token] = len(tokens)
+                tokens.append(token)
+                parents.append(node)
+                owners.append(owner)
+                depths.append(depth)
+            node = nodes[node, token]
+    return tokens, parents, owners, depths
 
 
 def _is_int(value) -> bool:
