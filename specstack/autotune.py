@@ -111,8 +111,8 @@ class Tuning:
         its forwards were); where even the best choice is predicted slower than autoregressive decoding, that no γ is."""
         gammas = ", ".join(f"γ{i + 1}={g}" for i, g in enumerate(self.gammas))
         accept = ", ".join(f"{a:.2f}" for a in self.acceptances)
-        trees = "".join(f"; γ{i + 1} kept: a tree emitting {tree.emitted:.2f} tokens a round, forwards of {tree.width} tokens"
-                        for i, tree in enumerate(self.fixed) if tree is not None)
+        trees = "".join(f"; γ{i + 1}{'' if self.priced and i == 0 else ' kept'}: a tree emitting {tree.emitted:.2f} tokens a round, "
+                        f"forwards of {tree.width} tokens" for i, tree in enumerate(self.fixed) if tree is not None)
         tree = self.fixed[0] is not None
         priced = ("; level 0 chooses each draft's " + ("nodes, γ1 their depth's cap," if tree else "length, γ1 its cap,") + " from the measured costs") if self.priced else ""
         unpriced = " from the calibration's unpriced rounds" if tree else " had every draft been the formula's best γ1"

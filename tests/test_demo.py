@@ -36,7 +36,7 @@ def test_demo_compares_triforce_and_the_fastest_stack_with_tuned_gammas(capsys, 
     assert 0 <= gamma1 <= 8 and 1 <= gamma2 <= 8  # γ1 = 0: the retrieval level decodes alone
     assert (triforce["acceptance"]["target+retrieval"] is None) == (gamma1 == 0)  # it drafted nothing: no acceptance
     assert set(merged["acceptance"]) == {"target"}
-    assert merged["tuning"]["gammas"] == [6]  # a tree's depth (the chained head's five steps and the LM head) is kept
+    assert merged["tuning"]["gammas"] == [8]  # priced, the tree's depth is capped at γ_max (the chained head's five steps and the LM head: 6 deep)
     assert record["text"].strip()
 
 
