@@ -23,8 +23,8 @@ hierarchy; Sequoia (Chen et al., 2024) does the same for tree sizes against a ha
 
 Acceptance is assumed independent of γ (the i.i.d. model behind Leviathan et al.'s Eq. 1). Token
 trees keep their planned shape: a level verifying a tree keeps its γ (the tree's depth; where level 0 is
-priced and chooses its nodes, that depth's cap, at least γ_max), and only the levels verifying chains are tuned. A tree level is priced from its calibration rounds instead of the
-chain formula (:class:`TreeRound`): the tokens a round emitted, and a tree forward as wide as its
+priced and chooses its nodes, that depth's cap, at least γ_max), and only the levels verifying chains are
+tuned. A tree level is priced from its calibration rounds instead of the chain formula (:class:`TreeRound`): the tokens a round emitted, and a tree forward as wide as its
 forwards were, timed.
 
 Acceptance also changes along a generation (a greedy text that falls into a repeated sentence is

@@ -11,6 +11,7 @@ import torch
 
 from .errors import whole_number
 from .registry import Registry
+from .speedup import turns_range
 from .policies import StreamingLLM
 from .stack import Level, SpeculationStack
 from .synthetic import SyntheticLM
@@ -78,8 +79,6 @@ class DemoRow:
 
     def describe_speedup(self) -> str:
         """``1.21x``, with the range of its turns where it had several: ``1.21x (turns 1.12-1.30)``."""
-        from .speedup import turns_range
-
         spread = turns_range(self.speedups)
         return f"{self.speedup:.2f}x" + (f" (turns {spread[0]:.2f}-{spread[1]:.2f})" if spread else "")
 

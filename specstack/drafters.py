@@ -193,6 +193,20 @@ ACCEPTANCE_WEIGHT = 0.1  # how far each observed round moves an estimate toward 
 RETRY = 0.02  # how far each round priced out moves its first position toward 1, so that it is tried again
 
 
+def fold_outcomes(rates: list[float], hits: Sequence[bool]) -> None:
+    """Move the running acceptance of each examined position ``ACCEPTANCE_WEIGHT`` of the way to its outcome
+    (``hits[i]``: position i accepted); a position first examined starts from the deepest estimate."""
+    for i, hit in enumerate(hits):
+        if i == len(rates):
+            rates.append(rates[-1])
+        rates[i] += ACCEPTANCE_WEIGHT * (hit - rates[i])
+
+
+def rate_at(rates: Sequence[float], position: int) -> float:
+    """The running acceptance at ``position``; a position not yet examined taken as the deepest one examined."""
+    return rates[min(position, len(rates) - 1)]
+
+
 @attrs.define(eq=False, kw_only=True)
 class PromptLookupDrafter(Drafter):
     """Prompt-lookup (n-gram) drafting (Saxena, 2023): find an earlier occurrence of the last
@@ -256,11 +270,7 @@ class PromptLookupDrafter(Drafter):
         rejected one (those after it were not examined)."""
         if not (self._verify_seconds and self._matched and drafted):
             return
-        rates = self._acceptance[self._matched]
-        for i in range(min(accepted + 1, drafted)):
-            if i == len(rates):  # first examined here: from the deepest estimate
-                rates.append(rates[-1])
-            rates[i] += ACCEPTANCE_WEIGHT * ((i < accepted) - rates[i])
+        fold_outcomes(self._acceptance[self._matched], [i < accepted for i in range(min(accepted + 1, drafted))])
 
     def prefill(self, prompt: Sequence[int]) -> None:
         self._index.catch_up(as_tokens(prompt))
@@ -284,14 +294,14 @@ class PromptLookupDrafter(Drafter):
         for size in range(min(self.max_ngram, length - 1), self.min_ngram - 1, -1):
             ends = self._index.earlier(seq, size)
             if ends:
-                end = by_agreement(seq, ends, self.lookback and max(self.lookback, size))[0]
+                end = by_agreement(seq, ends, self.lookback)[0]
                 return seq[end + 1 : end + 1 + n].tolist(), size
         return [], 0
 
     def _paying(self, matched: int, found: int) -> int:
         """How many of ``found`` tokens from a match of ``matched`` tokens to draft at the priced costs."""
         rates = self._acceptance.setdefault(matched, [ACCEPTANCE_PRIOR])  # position i: a draft's token i; grows as examined
-        kept = best_length([rates[min(i, len(rates) - 1)] for i in range(found)], self._verify_seconds)
+        kept = best_length([rate_at(rates, i) for i in range(found)], self._verify_seconds)
         if kept == 0:  # priced out: drift up, to be tried again
             rates[0] += RETRY * (1.0 - rates[0])
         return kept

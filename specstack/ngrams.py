@@ -83,4 +83,4 @@ def by_agreement(seq: np.ndarray, ends: Sequence[int], lookback: int) -> list[in
     the latest first; ``lookback=0``: the latest first."""
     if not lookback:
         return list(reversed(ends))
-    return [int(end) for _, end in sorted(zip(agreements(seq, ends, lookback), ends), reverse=True)]
+    return [end for _, end in sorted(zip(agreements(seq, ends, lookback), ends), reverse=True)]

@@ -106,6 +106,22 @@ def best_count(reach, costs) -> int:
     return best
 
 
+def paying_nodes(reach: Sequence[float], nodes: Sequence[int], costs: Sequence[float]) -> list[int]:
+    """The nodes of ``nodes`` (a tree's, closed under taking parents, in tree order) worth a forward at ``costs``
+    (``costs[m]``: the seconds of a forward of m + 1 tokens): the m most likely to be accepted by ``reach`` (each
+    node's estimated chance; a parent's is never below its child's, and ranks first at a tie, as it comes first),
+    with m the count that maximises the tokens a round emits per second (:func:`best_count`).
+    Closed under taking parents, in tree order."""
+    likeliest = sorted(nodes, key=lambda i: -reach[i])  # stable: a parent before its equally likely child
+    return sorted(likeliest[: best_count([reach[i] for i in likeliest], costs)])
+
+
+def subtree_parents(nodes: Sequence[int], parents: Sequence[int]) -> list[int]:
+    """``parents`` renumbered for the subtree of ``nodes`` (ascending, closed under taking parents)."""
+    index = {node: i for i, node in enumerate(nodes)}
+    return [index[parents[node]] if parents[node] >= 0 else -1 for node in nodes]
+
+
 def best_length(acceptance, costs) -> int:
     """:func:`best_count` for a chain: ``acceptance[l]`` = a_l is the chance that the draft's token l is accepted
     once the tokens before it were (Eq. 1 above without its one α: a_l may fall along the chain), so token i is

@@ -20,8 +20,8 @@ from specstack.testing import ALPHA, SAMPLES, chi_square_pvalue, stack_pvalue
 from specstack.types import Capability, Draft, DraftKind
 from specstack_medusa import MedusaDrafter, MedusaHeads, load_heads, plugin, save_heads
 from specstack_medusa.heads import HeadsInfo, synthetic_heads
-from specstack_medusa.tree import (DepthCalibration, RankTree, choose_paths, confident_nodes, parents_of, path_probabilities, paying_nodes,
-                                   subtree_parents)
+from specstack.speedup import paying_nodes, subtree_parents
+from specstack_medusa.tree import DepthCalibration, RankTree, choose_paths, confident_nodes, parents_of, path_probabilities
 
 SMALL = {"budget": 16, "chunk_size": 4, "stride": 8}  # retrieval sized for prompts of a few dozen tokens
 PROMPT = [1, 2]

@@ -30,10 +30,11 @@ import torch
 from specstack import Draft, LevelStats, SpecstackError
 from specstack.channels import HiddenStateChannel
 from specstack.drafters import ACCEPTANCE_WEIGHT, RETRY, Drafter
+from specstack.speedup import paying_nodes, subtree_parents
 from specstack.types import Capability, DraftKind
 
 from .heads import HeadsInfo, MedusaHeads, load_heads, shipped_heads, stream_on_cpu, synthetic_heads
-from .tree import DepthCalibration, RankTree, choose_paths, confident_nodes, path_probabilities, paying_nodes, subtree_parents
+from .tree import DepthCalibration, RankTree, choose_paths, confident_nodes, path_probabilities
 
 UNTRAINED_ACCURACY = (0.5, 0.1, 0.05)  # rank accuracies assumed for heads that carry no measurement
 MIN_PROB = 0.1  # the default min_prob: measured best or within 0.03x of it among 0-0.3 in fp32 (docs/medusa.md)
@@ -69,7 +70,7 @@ class MedusaDrafter(Drafter):
     Which nodes are drafted never changes the output, only its cost.
 
     Once priced (:meth:`price`: the tuner tells it what the level above's forward of 1, 2, … tokens costs), a
-    round drafts only the nodes that pay (:func:`~specstack_medusa.tree.paying_nodes`): the likeliest ones, as
+    round drafts only the nodes that pay (:func:`~specstack.speedup.paying_nodes`): the likeliest ones, as
     many as maximise the tokens a round emits per second, each node's chance of acceptance taken as its path
     probability times its depth's calibration (:class:`~specstack_medusa.tree.DepthCalibration`: how often the
     level above accepted a node at that depth against the path probabilities it was shown there). What is drafted

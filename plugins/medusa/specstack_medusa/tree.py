@@ -9,7 +9,7 @@ tokens above them: the tree is fixed per accuracy table, and each node's token i
 
 Each round, which of the tree's nodes to verify: those the heads are confident of (``confident_nodes``,
 EAGLE-2's path probability), and, where the level above's forward costs are known, those that pay
-(``paying_nodes``, Sequoia's hardware-aware sizing made per round), by chances of acceptance that
+(:func:`specstack.speedup.paying_nodes`, Sequoia's hardware-aware sizing made per round), by chances of acceptance that
 ``DepthCalibration`` corrects depth by depth from the verdicts.
 """
 
@@ -20,7 +20,6 @@ from typing import Sequence
 
 import attrs
 
-from specstack.speedup import best_count
 
 Path = tuple[int, ...]
 
@@ -84,12 +83,6 @@ class RankTree:
         return [max(self.parent[i] - first_above, 0) for i in nodes]
 
 
-def subtree_parents(nodes: Sequence[int], parents: Sequence[int]) -> list[int]:
-    """``parents`` renumbered for the subtree of ``nodes`` (ascending, closed under taking parents)."""
-    index = {node: i for i, node in enumerate(nodes)}
-    return [index[parents[node]] if parents[node] >= 0 else -1 for node in nodes]
-
-
 def path_probabilities(node_probs: Sequence[float], parents: Sequence[int]) -> list[float]:
     """Each node's path probability: the product of the heads' probabilities of the node's tokens from the root
     down to it (EAGLE-2, Li et al., 2024, Sec. 4: the draft model's confidence approximates a node's chance of
@@ -104,16 +97,6 @@ def confident_nodes(node_probs: Sequence[float], parents: Sequence[int], least: 
     """The nodes worth verifying: those whose path probability (:func:`path_probabilities`) is at least ``least``,
     in their order; closed under taking parents, as a path's probability never exceeds its parent's."""
     return [i for i, p in enumerate(path_probabilities(node_probs, parents)) if p >= least]
-
-
-def paying_nodes(reach: Sequence[float], nodes: Sequence[int], costs: Sequence[float]) -> list[int]:
-    """The nodes of ``nodes`` (a tree's, closed under taking parents, in tree order) worth a forward at ``costs``
-    (``costs[m]``: the seconds of a forward of m + 1 tokens): the m most likely to be accepted by ``reach`` (each
-    node's estimated chance; a parent's is never below its child's, and ranks first at a tie, as it comes first),
-    with m the count that maximises the tokens a round emits per second (:func:`specstack.speedup.best_count`).
-    Closed under taking parents, in tree order."""
-    likeliest = sorted(nodes, key=lambda i: -reach[i])  # stable: a parent before its equally likely child
-    return sorted(likeliest[: best_count([reach[i] for i in likeliest], costs)])
 
 
 @attrs.define(kw_only=True)

@@ -20,10 +20,10 @@ import numpy as np
 import torch
 
 from specstack import Draft, LevelStats, SpecstackError, warp
-from specstack.drafters import ACCEPTANCE_PRIOR, ACCEPTANCE_WEIGHT, Drafter, ModelLevel
+from specstack.drafters import ACCEPTANCE_PRIOR, Drafter, ModelLevel, fold_outcomes, rate_at
 from specstack.ngrams import LOOKBACK, NgramIndex, by_agreement
 from specstack.sampling import draw, race_arrivals
-from specstack.speedup import best_count
+from specstack.speedup import paying_nodes, subtree_parents
 from specstack.types import DraftKind, as_tokens
 
 from .shape import TreeShape
@@ -226,7 +226,7 @@ class TreeLookupDrafter(Drafter):
         """Up to ``branches`` continuations, each adding at least one node to the trie, with their keys."""
         found: list[Branch] = []
         for size in range(min(self.max_ngram, seq.shape[0] - 1), self.min_ngram - 1, -1):
-            for end in by_agreement(seq, self._index.earlier(seq, size), self.lookback and max(self.lookback, size)):
+            for end in by_agreement(seq, self._index.earlier(seq, size), self.lookback):
                 continuation = tuple(seq[end + 1 : end + 1 + n].tolist())
                 if continuation and not any(seen[: len(continuation)] == continuation for _, seen in found):
                     found.append(((size, len(found)), continuation))
@@ -239,20 +239,14 @@ class TreeLookupDrafter(Drafter):
         reached while agreeing with the branch, whether its token was the text's."""
         written = text.tolist()
         for key, continuation in self._shown:
-            rates = self._acceptance.setdefault(key, [ACCEPTANCE_PRIOR])
-            for depth in range(min(len(continuation), len(written))):
-                if depth == len(rates):  # first seen here: from the deepest estimate
-                    rates.append(rates[-1])
-                hit = continuation[depth] == written[depth]
-                rates[depth] += ACCEPTANCE_WEIGHT * (hit - rates[depth])
-                if not hit:
-                    break
+            agreed = next((d for d, (a, b) in enumerate(zip(continuation, written)) if a != b), None)  # the first miss
+            seen = min(len(continuation), len(written)) if agreed is None else agreed + 1
+            fold_outcomes(self._acceptance.setdefault(key, [ACCEPTANCE_PRIOR]), [d != agreed for d in range(seen)])
         self._shown = []
 
     def _rate(self, key: tuple[int, int], depth: int) -> float:
         """The chance that the text follows a branch of ``key`` at ``depth`` once it followed it down to there."""
-        rates = self._acceptance.get(key, [ACCEPTANCE_PRIOR])
-        return rates[min(depth, len(rates) - 1)]
+        return rate_at(self._acceptance.get(key, [ACCEPTANCE_PRIOR]), depth)
 
     def _paying(self, tokens: list[int], parents: list[int], rates: list[float]) -> tuple[list[int], list[int]]:
         """The trie's nodes worth a forward at the priced costs, renumbered: the likeliest first, as many as pay
@@ -260,10 +254,8 @@ class TreeLookupDrafter(Drafter):
         reach: list[float] = []
         for parent, rate in zip(parents, rates):
             reach.append((reach[parent] if parent >= 0 else 1.0) * rate)
-        likeliest = sorted(range(len(tokens)), key=lambda i: -reach[i])  # stable: a parent before its equally likely child
-        kept = sorted(likeliest[: best_count([reach[i] for i in likeliest], self._verify_seconds)])
-        index = {node: i for i, node in enumerate(kept)}
-        return [tokens[i] for i in kept], [index[parents[i]] if parents[i] >= 0 else -1 for i in kept]
+        kept = paying_nodes(reach, range(len(tokens)), self._verify_seconds)
+        return [tokens[i] for i in kept], subtree_parents(kept, parents)
 
     def level_stats(self) -> list[LevelStats]:
         return [self.stats]
