@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from specstack.batch import TokenBatch
 from specstack.decode_attention import AMX_MIN_KEYS, MAX_TOKENS, MAX_TOKENS_AMX, MAX_TOKENS_DOT_PRODUCTS, MAX_TOKENS_WIDENED_BF16, DecodeKernel, load_decode_kernel
 from specstack.native import find_compiler
+from specstack.packed_linear import PackedLinear, RowsKernel, load_rows_kernel
 from specstack.hf import HFCausalLM
 from specstack.kvstore import KVStore
 from specstack.testing.llama import random_llama
@@ -189,17 +190,35 @@ def test_on_the_few_row_path_the_first_token_of_a_verify_gets_the_one_token_step
     assert torch.equal(verify[:, :1], step)
 
 
+def use_kernels(target, attention: DecodeKernel, rows: RowsKernel | None) -> None:
+    """The target's attention through ``attention`` and its linear layers' rows through ``rows`` (None: as loaded)."""
+    target.attention_kernel = attention
+    if rows is not None:
+        for linear in [m for m in target.module.modules() if isinstance(m, PackedLinear)] + [p.linear for p in target.decoder.products()]:
+            linear._rows = rows
+        if target.decoder.compiled is not None:
+            target.decoder.compiled.plans.clear()  # the compiled layers' plans hold the kernel entries
+
+
+def widen_everywhere(target) -> None:
+    """The target's attention on the widening paths, and its linear layers' rows all streamed, widened: AMX tiles, where
+    there are tiles, take products of TILES_FROM rows or more and sum a row as the bf16 dot products do, not as widened."""
+    rows = load_rows_kernel()
+    use_kernels(target, WIDENING, None if rows is None or not rows.tiles else attrs.evolve(rows, tiles=False, bf16_dots=False))
+
+
 @pytest.mark.real_model
 @needs_dot_products
 def test_the_bf16_targets_verify_of_up_to_five_tokens_gives_its_first_token_the_one_token_steps_logits() -> None:
     """The whole forward, not the attention alone: over 600 cached tokens, the first row of logits of a bf16 verify of
     two to five tokens is the same bits as the one-token step's. Where there are no tiles the attention of up to
     fifteen rows takes the register path, and the linear layers and the LM head (its Q8_0 blocks) give each row the
-    same bits at any row count. Wider verifies may differ."""
+    same bits at any row count (by the dot products, or on the tiles, which sum a row as they do). Wider verifies may differ."""
     from specstack.models import load_target
 
     target = load_target(dtype=torch.bfloat16)[0]
-    target.attention_kernel = attrs.evolve(target.attention_kernel, amx=False, dot_products=True)
+    rows = load_rows_kernel()
+    use_kernels(target, attrs.evolve(target.attention_kernel, amx=False, dot_products=True), rows if rows is None else attrs.evolve(rows, bf16_dots=True))
     generator = torch.Generator().manual_seed(11)
     prompt, verify = torch.randint(1000, 20000, (600,), generator=generator).tolist(), [504, 3458, 314, 253, 1345]
     store = target.new_cache(640)
@@ -425,6 +444,8 @@ def test_on_the_column_path_the_first_token_of_a_verify_gets_the_one_token_steps
     order (csrc/decode_attention.cpp, "More rows"), so there it is not asked."""
     if dtype == torch.bfloat16 and KERNEL.dot_products and 3 * t > 15:
         pytest.skip("bf16 dot products: a verify of more than five tokens sums block by block, in another order than the step")
+    if KERNEL.tiles(dtype, 64, t, n):
+        pytest.skip("AMX tiles: a bf16 verify over this many keys sums on the tiles, in another order than the step")
     store = column_store(dtype, capacity=n + t)
     query = torch.randn(1, 9, t, 64, generator=torch.Generator().manual_seed(t)).to(dtype)  # [1, Hq, T, D]
     key, value = store.keys[0, :, : n + t][None], store.values[0, :, : n + t][None]  # [1, Hkv, n + T, D]
@@ -536,7 +557,7 @@ def test_on_the_widening_paths_every_token_of_a_verify_gets_the_steps_logits(dty
     from specstack.models import load_target
 
     target = load_target(dtype=dtype)[0]
-    target.attention_kernel = WIDENING
+    widen_everywhere(target)
     generator = torch.Generator().manual_seed(13)
     prompt, verify = torch.randint(1000, 20000, (600,), generator=generator).tolist(), torch.randint(1000, 20000, (16,), generator=generator).tolist()
     store = target.new_cache(640)
@@ -560,7 +581,7 @@ def test_on_the_widening_paths_every_node_of_a_tree_verify_gets_the_steps_logits
     from specstack.models import load_target
 
     target = load_target(dtype=dtype)[0]
-    target.attention_kernel = WIDENING
+    widen_everywhere(target)
     generator = torch.Generator().manual_seed(14)
     prompt, tokens = torch.randint(1000, 20000, (252,), generator=generator).tolist(), torch.randint(1000, 20000, (16,), generator=generator).tolist()
     parents = [-1, -1, 0, 0, 1, 2, 2, 3, 4, 4, 5, 7, 7, 8, 11]  # node i's parent among the nodes (-1: the committed token)
