@@ -187,10 +187,10 @@ class LookupFirstDrafter(ModelDrafter):
             super().observe(drafted, accepted)
 
 
-# A priced prompt lookup's running acceptance per match length and draft position (PromptLookupDrafter):
+# A priced lookup's running acceptance per match length and draft position (PromptLookupDrafter, the lookup tree):
 ACCEPTANCE_PRIOR = 0.5  # where an estimate starts
 ACCEPTANCE_WEIGHT = 0.1  # how far each observed round moves an estimate toward its outcome
-RETRY = 0.02  # how far each round priced out moves its first position toward 1, so that it is tried again
+RETRY = 0.02  # the Medusa heads' calibration: how far each round priced out moves its first depth toward 1, so that it is tried again
 
 
 def fold_outcomes(rates: list[float], hits: Sequence[bool]) -> None:
@@ -200,6 +200,15 @@ def fold_outcomes(rates: list[float], hits: Sequence[bool]) -> None:
         if i == len(rates):
             rates.append(rates[-1])
         rates[i] += ACCEPTANCE_WEIGHT * (hit - rates[i])
+
+
+def fold_agreement(rates: list[float], continuation: Sequence[int], written: Sequence[int]) -> None:
+    """Fold into ``rates`` what the text ``written`` after a draft says of a lookup's ``continuation``, drafted or not:
+    at each position the text reached while agreeing with it, whether its token was the text's. With one-hot drafts
+    that is the chance the level above accepts it there: it accepts a drafted token exactly when its own draw is it."""
+    missed = next((i for i, (a, b) in enumerate(zip(continuation, written)) if a != b), None)
+    seen = min(len(continuation), len(written)) if missed is None else missed + 1
+    fold_outcomes(rates, [i != missed for i in range(seen)])
 
 
 def rate_at(rates: Sequence[float], position: int) -> float:
@@ -224,12 +233,12 @@ class PromptLookupDrafter(Drafter):
 
     Once priced (:meth:`price`: the tuner tells it what the level above's forward of 1, 2, … tokens costs), it
     drafts only as many of the matched tokens as pay: the length :func:`specstack.speedup.best_length` picks from
-    those costs and from the acceptance it measured, for matches of the same length, at each position of a draft
-    (a running estimate, ACCEPTANCE_WEIGHT of the way to each round's outcome; a position not yet examined taken
-    as the deepest one examined). A match length priced out gets no evidence, so its first position drifts toward 1,
-    RETRY of the way each round, until it is drafted again; drifting toward the prior instead, a match length stayed
-    priced out for good wherever the prior itself did not pay (a 2-token forward costing 1.5 steps or more). What is
-    drafted depends on earlier rounds only, never on the level's draws in this one, so verification stays exact.
+    those costs and from the chance, for matches of the same length, that the text follows a match at each position
+    (a running estimate, ACCEPTANCE_WEIGHT of the way to each round's outcome; a position not yet seen taken as the
+    deepest one seen). The chances are read off the text the level above wrote after the last draft
+    (:func:`fold_agreement`), for every matched token, drafted or not, so a match length priced out goes on being
+    measured and is drafted again once the text follows its matches (as the lookup tree learns). What is drafted
+    depends on earlier rounds only, never on the level's draws in this one, so verification stays exact.
     """
 
     name: ClassVar[str] = "prompt-lookup"
@@ -241,8 +250,10 @@ class PromptLookupDrafter(Drafter):
     stats: LevelStats = attrs.field(factory=lambda: LevelStats(name="prompt-lookup"))
     _index: NgramIndex = attrs.field(init=False)
     _verify_seconds: tuple[float, ...] = attrs.field(init=False, default=())  # the level above's forward of 1, 2, … tokens (price); () drafts all
-    _acceptance: dict[int, list[float]] = attrs.field(init=False, factory=dict)  # match length -> acceptance at each position examined
-    _matched: int = attrs.field(init=False, default=0)  # the match length of the last draft (0: none drafted)
+    _acceptance: dict[int, list[float]] = attrs.field(init=False, factory=dict)  # match length -> chance at each position seen
+    _shown: tuple[int, ...] = attrs.field(init=False, default=())  # the last match's continuation, drafted or not (priced only)
+    _shown_at: int = attrs.field(init=False, default=0)  # the length of the text it continues
+    _matched: int = attrs.field(init=False, default=0)  # its match length
 
     def __attrs_post_init__(self) -> None:
         if not 1 <= self.min_ngram <= self.max_ngram:
@@ -258,30 +269,28 @@ class PromptLookupDrafter(Drafter):
     def reset(self) -> None:
         self._index.clear()
         self._acceptance.clear()  # equal seeds, equal drafts
-        self._matched = 0
+        self._shown = ()
 
     def price(self, verify_seconds: Sequence[float]) -> bool:
         self._verify_seconds = tuple(verify_seconds)
         self._acceptance.clear()
+        self._shown = ()
         return True
-
-    def observe(self, drafted: int, accepted: int) -> None:
-        """Fold the last draft's outcome into the acceptance of its match length: accepted positions, and the first
-        rejected one (those after it were not examined)."""
-        if not (self._verify_seconds and self._matched and drafted):
-            return
-        fold_outcomes(self._acceptance[self._matched], [i < accepted for i in range(min(accepted + 1, drafted))])
 
     def prefill(self, prompt: Sequence[int]) -> None:
         self._index.catch_up(as_tokens(prompt))
 
     def propose(self, prefix: Sequence[int], n: int) -> Draft:
         prefix = as_tokens(prefix)
-        self._index.catch_up(prefix)
-        tokens, matched = self._lookup(prefix.array(), n)
+        seq = prefix.array()  # [L]
+        if self._index.catch_up(prefix) >= self._shown_at and self._shown:  # the text still continues the last match's
+            written = seq[self._shown_at : self._shown_at + len(self._shown)].tolist()
+            fold_agreement(self._acceptance.setdefault(self._matched, [ACCEPTANCE_PRIOR]), self._shown, written)
+            self._shown = ()
+        tokens, matched = self._lookup(seq, n)
         if self._verify_seconds and tokens:
+            self._shown, self._shown_at, self._matched = tuple(tokens), seq.shape[0], matched
             tokens = tokens[: self._paying(matched, len(tokens))]
-        self._matched = matched if tokens else 0
         self.stats.drafted += len(tokens)
         ids = torch.tensor(tokens, dtype=torch.long, device="cpu")  # [k]; model-free: the verifying level moves it
         probs = torch.zeros(len(tokens), self.vocab, device="cpu").scatter_(1, ids[:, None], 1.0)  # [k, V]
@@ -300,11 +309,8 @@ class PromptLookupDrafter(Drafter):
 
     def _paying(self, matched: int, found: int) -> int:
         """How many of ``found`` tokens from a match of ``matched`` tokens to draft at the priced costs."""
-        rates = self._acceptance.setdefault(matched, [ACCEPTANCE_PRIOR])  # position i: a draft's token i; grows as examined
-        kept = best_length([rate_at(rates, i) for i in range(found)], self._verify_seconds)
-        if kept == 0:  # priced out: drift up, to be tried again
-            rates[0] += RETRY * (1.0 - rates[0])
-        return kept
+        rates = self._acceptance.get(matched, [ACCEPTANCE_PRIOR])  # position i: a draft's token i; grows as seen
+        return best_length([rate_at(rates, i) for i in range(found)], self._verify_seconds)
 
     def level_stats(self) -> list[LevelStats]:
         return [self.stats]

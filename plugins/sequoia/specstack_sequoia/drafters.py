@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from specstack import Draft, LevelStats, SpecstackError, warp
-from specstack.drafters import ACCEPTANCE_PRIOR, Drafter, ModelLevel, fold_outcomes, rate_at
+from specstack.drafters import ACCEPTANCE_PRIOR, Drafter, ModelLevel, fold_agreement, rate_at
 from specstack.ngrams import LOOKBACK, NgramIndex, by_agreement
 from specstack.sampling import draw, race_arrivals
 from specstack.speedup import paying_nodes, subtree_parents
@@ -239,9 +239,7 @@ class TreeLookupDrafter(Drafter):
         reached while agreeing with the branch, whether its token was the text's."""
         written = text.tolist()
         for key, continuation in self._shown:
-            agreed = next((d for d, (a, b) in enumerate(zip(continuation, written)) if a != b), None)  # the first miss
-            seen = min(len(continuation), len(written)) if agreed is None else agreed + 1
-            fold_outcomes(self._acceptance.setdefault(key, [ACCEPTANCE_PRIOR]), [d != agreed for d in range(seen)])
+            fold_agreement(self._acceptance.setdefault(key, [ACCEPTANCE_PRIOR]), continuation, written)
         self._shown = []
 
     def _rate(self, key: tuple[int, int], depth: int) -> float:
