@@ -211,6 +211,37 @@ def fold_agreement(rates: list[float], continuation: Sequence[int], written: Seq
     fold_outcomes(rates, [i != missed for i in range(seen)])
 
 
+@attrs.define(eq=False)
+class ShownContinuations:
+    """What a priced lookup drafted from (its continuations, drafted tokens or not), each kept until the text written
+    after it decides it, over as many rounds as that takes: the text left it at some position, ran its whole length, or
+    was rolled back into what it had written of it (a stack's rejection above the level). Then each position the text
+    reached is folded into the key's running chances (:func:`fold_agreement`). So a continuation's deeper positions are
+    measured too where a round drafts few of its tokens, or none (one token written a round). At most γ continuations a
+    round are shown, each decided within γ rounds: O(γ²) a round."""
+
+    _pending: list[tuple[object, tuple[int, ...], int, int]] = attrs.field(factory=list)  # (key, continuation, the text length it continues, tokens of it the text has followed)
+
+    def clear(self) -> None:
+        self._pending.clear()
+
+    def show(self, key: object, continuation: Sequence[int], at: int) -> None:
+        """A continuation of the text's first ``at`` tokens; one shown again there (a lookup asked twice) replaces it."""
+        self._pending = [entry for entry in self._pending if entry[0] != key or entry[2] != at]
+        self._pending.append((key, tuple(continuation), at, 0))
+
+    def read(self, text: np.ndarray, unchanged: int, rates: dict) -> None:
+        """Fold into ``rates`` (key -> running chances) what ``text`` [L] decides; ``unchanged``: how long a prefix of the
+        text last read is still there."""
+        pending, self._pending = self._pending, []
+        for key, continuation, at, followed in pending:
+            written = continuation[:followed] if unchanged < at + followed else text[at : at + len(continuation)].tolist()  # rolled back: what it had written
+            if unchanged >= at + followed and len(written) < len(continuation) and written == list(continuation[: len(written)]):
+                self._pending.append((key, continuation, at, len(written)))  # followed so far: undecided
+                continue
+            fold_agreement(rates.setdefault(key, [ACCEPTANCE_PRIOR]), continuation, written)
+
+
 def rate_at(rates: Sequence[float], position: int) -> float:
     """The running acceptance at ``position``; a position not yet examined taken as the deepest one examined."""
     return rates[min(position, len(rates) - 1)]
@@ -235,10 +266,11 @@ class PromptLookupDrafter(Drafter):
     drafts only as many of the matched tokens as pay: the length :func:`specstack.speedup.best_length` picks from
     those costs and from the chance, for matches of the same length, that the text follows a match at each position
     (a running estimate, ACCEPTANCE_WEIGHT of the way to each round's outcome; a position not yet seen taken as the
-    deepest one seen). The chances are read off the text the level above wrote after the last draft
-    (:func:`fold_agreement`), for every matched token, drafted or not, so a match length priced out goes on being
-    measured and is drafted again once the text follows its matches (as the lookup tree learns). What is drafted
-    depends on earlier rounds only, never on the level's draws in this one, so verification stays exact.
+    deepest one seen). The chances are read off the text the level above writes after each draft, over the rounds
+    until it leaves the match or runs its length (:class:`ShownContinuations`), for every matched token, drafted or
+    not, so a match length priced out goes on being measured and is drafted again once the text follows its matches
+    (as the lookup tree learns). What is drafted depends on earlier rounds only, never on the level's draws in this
+    one, so verification stays exact.
     """
 
     name: ClassVar[str] = "prompt-lookup"
@@ -251,9 +283,7 @@ class PromptLookupDrafter(Drafter):
     _index: NgramIndex = attrs.field(init=False)
     _verify_seconds: tuple[float, ...] = attrs.field(init=False, default=())  # the level above's forward of 1, 2, … tokens (price); () drafts all
     _acceptance: dict[int, list[float]] = attrs.field(init=False, factory=dict)  # match length -> chance at each position seen
-    _shown: tuple[int, ...] = attrs.field(init=False, default=())  # the last match's continuation, drafted or not (priced only)
-    _shown_at: int = attrs.field(init=False, default=0)  # the length of the text it continues
-    _matched: int = attrs.field(init=False, default=0)  # its match length
+    _shown: ShownContinuations = attrs.field(init=False, factory=ShownContinuations)  # match length -> continuations not yet decided (priced only)
 
     def __attrs_post_init__(self) -> None:
         if not 1 <= self.min_ngram <= self.max_ngram:
@@ -269,12 +299,12 @@ class PromptLookupDrafter(Drafter):
     def reset(self) -> None:
         self._index.clear()
         self._acceptance.clear()  # equal seeds, equal drafts
-        self._shown = ()
+        self._shown.clear()
 
     def price(self, verify_seconds: Sequence[float]) -> bool:
         self._verify_seconds = tuple(verify_seconds)
         self._acceptance.clear()
-        self._shown = ()
+        self._shown.clear()
         return True
 
     def prefill(self, prompt: Sequence[int]) -> None:
@@ -283,13 +313,10 @@ class PromptLookupDrafter(Drafter):
     def propose(self, prefix: Sequence[int], n: int) -> Draft:
         prefix = as_tokens(prefix)
         seq = prefix.array()  # [L]
-        if self._index.catch_up(prefix) >= self._shown_at and self._shown:  # the text still continues the last match's
-            written = seq[self._shown_at : self._shown_at + len(self._shown)].tolist()
-            fold_agreement(self._acceptance.setdefault(self._matched, [ACCEPTANCE_PRIOR]), self._shown, written)
-            self._shown = ()
+        self._shown.read(seq, self._index.catch_up(prefix), self._acceptance)
         tokens, matched = self._lookup(seq, n)
         if self._verify_seconds and tokens:
-            self._shown, self._shown_at, self._matched = tuple(tokens), seq.shape[0], matched
+            self._shown.show(matched, tokens, seq.shape[0])
             tokens = tokens[: self._paying(matched, len(tokens))]
         self.stats.drafted += len(tokens)
         ids = torch.tensor(tokens, dtype=torch.long, device="cpu")  # [k]; model-free: the verifying level moves it

@@ -406,6 +406,47 @@ def test_a_priced_prompt_lookup_measures_a_priced_out_match_length_against_the_t
     assert max(left) == 0 and followed[0] == 0 and followed[-1] == 3
 
 
+def test_a_shown_continuation_is_read_until_the_text_decides_it() -> None:
+    """A lookup's continuation is folded into its key's chances once the text written after it, over as many rounds as
+    it takes, leaves it (its positions up to the miss), runs its length (all hits), or is rolled back into it (what it
+    had followed: hits); a continuation the text is still following waits. Fails where the first reading after a draft
+    decides it (the three hits of 'a' below would be one), where a rolled-back continuation is kept waiting (they would
+    pile up, one a round), and where one shown twice at the same text is read twice."""
+    import numpy as np
+
+    from specstack.drafters import ACCEPTANCE_PRIOR, ACCEPTANCE_WEIGHT, ShownContinuations
+
+    def after(*folds: list[bool]) -> list[float]:  # the chances folding these outcomes (one list a continuation) into the prior gives
+        rates = [ACCEPTANCE_PRIOR]
+        for hits in folds:
+            for i, hit in enumerate(hits):
+                rates += [rates[-1]] if i == len(rates) else []
+                rates[i] += ACCEPTANCE_WEIGHT * (hit - rates[i])
+        return rates
+
+    shown, rates = ShownContinuations(), {}
+    shown.show("a", [1, 2, 3], at=2)
+    shown.read(np.array([9, 9, 1]), unchanged=2, rates=rates)
+    assert rates == {}  # followed one token of three: undecided
+    shown.show("b", [4, 5], at=3)
+    shown.read(np.array([9, 9, 1, 2, 3, 4, 7]), unchanged=3, rates=rates)
+    assert rates == {"a": after([True, True, True]), "b": after([False])}  # 'b' at 3 against 2: left at once
+    shown.show("c", [6, 7, 8], at=7)
+    shown.read(np.array([9, 9, 1, 2, 3, 4, 7, 6, 7]), unchanged=7, rates=rates)
+    assert "c" not in rates
+    shown.read(np.array([9, 9, 1, 2, 3, 4, 7]), unchanged=7, rates=rates)  # rolled back into 'c' (a rejection above)
+    assert rates["c"] == after([True, True])
+    for _ in range(3):  # the same again and again: each decided at its rollback, none left waiting
+        shown.show("d", [6, 5], at=7)
+        shown.read(np.array([9, 9, 1, 2, 3, 4, 7, 6]), unchanged=7, rates=rates)
+        shown.read(np.array([9, 9, 1, 2, 3, 4, 7]), unchanged=7, rates=rates)
+    assert rates["d"] == after([True], [True], [True]) and shown._pending == []
+    shown.show("e", [5], at=7)
+    shown.show("e", [5], at=7)  # asked twice at the same text: read once
+    shown.read(np.array([9, 9, 1, 2, 3, 4, 7, 5]), unchanged=7, rates=rates)
+    assert rates["e"] == after([True])
+
+
 def test_gamma_auto_prices_a_prompt_lookup_and_stays_lossless(monkeypatch) -> None:
     """gamma=auto tells prompt lookup the target's forward costs: the level's γ becomes max_gamma (a cap), the
     description says who chooses the lengths, and the output is still the target's greedy decoding."""

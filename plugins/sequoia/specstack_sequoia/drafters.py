@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from specstack import Draft, LevelStats, SpecstackError, warp
-from specstack.drafters import ACCEPTANCE_PRIOR, Drafter, ModelLevel, fold_agreement, rate_at
+from specstack.drafters import ACCEPTANCE_PRIOR, Drafter, ModelLevel, ShownContinuations, rate_at
 from specstack.ngrams import LOOKBACK, NgramIndex, by_agreement
 from specstack.sampling import draw, race_arrivals
 from specstack.speedup import paying_nodes, subtree_parents
@@ -156,8 +156,9 @@ class TreeLookupDrafter(Drafter):
     text will follow the trie down to it estimated as its parent's times its branch's chance at its depth. A branch's
     chances are kept per match length and rank (the 1st, 2nd, … branch of a draft): at each depth, how often its token
     was the text's once its tokens before were (a running estimate, ACCEPTANCE_WEIGHT of the way to each outcome; a
-    depth not yet seen taken as the deepest one seen). They are read off the text the level above wrote after the last
-    draft, drafted nodes or not, so a branch priced out goes on being measured and needs no retry. What is drafted
+    depth not yet seen taken as the deepest one seen). They are read off the text the level above writes after each
+    draft, over the rounds until it leaves a branch or runs its length (:class:`specstack.drafters.ShownContinuations`),
+    drafted nodes or not, so a branch priced out goes on being measured and needs no retry. What is drafted
     depends on earlier rounds only, never on the level's draws in this one, so verification stays exact (as with the
     Medusa heads' priced trees, docs/trees.md).
     """
@@ -174,8 +175,7 @@ class TreeLookupDrafter(Drafter):
     _index: NgramIndex = attrs.field(init=False)
     _verify_seconds: tuple[float, ...] = attrs.field(init=False, default=())  # the level above's forward of 1, 2, … tokens (price); (): no pricing
     _acceptance: dict[tuple[int, int], list[float]] = attrs.field(init=False, factory=dict)  # (match length, rank) -> chance at each depth seen
-    _shown: list[Branch] = attrs.field(init=False, factory=list)  # the last draft's branches
-    _shown_at: int = attrs.field(init=False, default=0)  # the length of the text they continue
+    _shown: ShownContinuations = attrs.field(init=False, factory=ShownContinuations)  # (match length, rank) -> branches not yet decided
 
     def __attrs_post_init__(self) -> None:
         if not (_is_int(self.min_ngram) and _is_int(self.max_ngram) and 1 <= self.min_ngram <= self.max_ngram):
@@ -193,12 +193,12 @@ class TreeLookupDrafter(Drafter):
     def reset(self) -> None:
         self._index.clear()
         self._acceptance.clear()  # equal seeds, equal drafts
-        self._shown = []
+        self._shown.clear()
 
     def price(self, verify_seconds: Sequence[float]) -> bool:
         self._verify_seconds = tuple(verify_seconds)
         self._acceptance.clear()
-        self._shown = []
+        self._shown.clear()
         return True
 
     def prefill(self, prompt: Sequence[int]) -> None:
@@ -207,12 +207,12 @@ class TreeLookupDrafter(Drafter):
     def propose(self, prefix: Sequence[int], n: int) -> Draft:
         prefix = as_tokens(prefix)
         seq = prefix.array()  # [L]
-        if self._index.catch_up(prefix) >= self._shown_at and self._shown:  # the text still continues the last draft's
-            self._learn(seq[self._shown_at : self._shown_at + max(len(continuation) for _, continuation in self._shown)])
+        self._shown.read(seq, self._index.catch_up(prefix), self._acceptance)
         branches = self._matches(seq, n)
         tokens, parents, owners, depths = _trie([continuation for _, continuation in branches])
         if self._verify_seconds:
-            self._shown, self._shown_at = branches, seq.shape[0]
+            for key, continuation in branches:
+                self._shown.show(key, continuation, seq.shape[0])
             tokens, parents = self._paying(tokens, parents, [self._rate(branches[owner][0], depth) for owner, depth in zip(owners, depths)])
         self.stats.drafted += len(tokens)
         if not tokens:
@@ -233,14 +233,6 @@ class TreeLookupDrafter(Drafter):
                     if len(found) == self.branches:
                         return found
         return found
-
-    def _learn(self, text: np.ndarray) -> None:
-        """Fold into each shown branch's chances what the text written since says of it: at each depth the text
-        reached while agreeing with the branch, whether its token was the text's."""
-        written = text.tolist()
-        for key, continuation in self._shown:
-            fold_agreement(self._acceptance.setdefault(key, [ACCEPTANCE_PRIOR]), continuation, written)
-        self._shown = []
 
     def _rate(self, key: tuple[int, int], depth: int) -> float:
         """The chance that the text follows a branch of ``key`` at ``depth`` once it followed it down to there."""
