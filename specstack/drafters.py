@@ -235,10 +235,13 @@ class ShownContinuations:
         text last read is still there."""
         pending, self._pending = self._pending, []
         for key, continuation, at, followed in pending:
-            written = continuation[:followed] if unchanged < at + followed else text[at : at + len(continuation)].tolist()  # rolled back: what it had written
-            if unchanged >= at + followed and len(written) < len(continuation) and written == list(continuation[: len(written)]):
-                self._pending.append((key, continuation, at, len(written)))  # followed so far: undecided
-                continue
+            if unchanged < at + followed:  # rolled back into what the text had followed of it: decided on that
+                written = list(continuation[:followed])
+            else:
+                written = text[at : at + len(continuation)].tolist()
+                if len(written) < len(continuation) and written == list(continuation[: len(written)]):
+                    self._pending.append((key, continuation, at, len(written)))  # followed so far: undecided
+                    continue
             fold_agreement(rates.setdefault(key, [ACCEPTANCE_PRIOR]), continuation, written)
 
 
