@@ -218,7 +218,8 @@ def test_the_bf16_targets_verify_of_up_to_five_tokens_gives_its_first_token_the_
 
     target = load_target(dtype=torch.bfloat16)[0]
     rows = load_rows_kernel()
-    use_kernels(target, attrs.evolve(target.attention_kernel, amx=False, dot_products=True), rows if rows is None else attrs.evolve(rows, bf16_dots=True))
+    tiled = rows is not None and rows.tiles  # the tiles take the five-row products: the few rows then by the dot products, which sum as they do
+    use_kernels(target, attrs.evolve(target.attention_kernel, amx=False, dot_products=True), attrs.evolve(rows, bf16_dots=True) if tiled else None)
     generator = torch.Generator().manual_seed(11)
     prompt, verify = torch.randint(1000, 20000, (600,), generator=generator).tolist(), [504, 3458, 314, 253, 1345]
     store = target.new_cache(640)
