@@ -14,8 +14,8 @@ a ``vdpbf16ps`` does 32, an FMA 16). The two CPUs measured differ by 4x in that 
   where the dot products are slower").
 
 A ratio is measured once per machine and kept beside the built timing library in the kernel cache, so that every
-process on the machine (a bench's workers included) takes the same paths and so computes the same bits. CPUs with
-Beside AMX tiles the attention kernel keeps its few-row dot products, which its tile paths were measured beside
+process on the machine (a bench's workers included) takes the same paths and so computes the same bits. Beside AMX
+tiles the attention kernel keeps its few-row dot products, which its tile paths were measured beside
 (:func:`dot_products_pay`); the linear kernel's few rows go by the rates there too (on the AMX host of 2026-11-30,
 ``vdpbf16ps`` 113 GFLOP/s a core against FMAs' 228, widened products of 2-4 rows took whole bf16 forwards 1.05-1.10x
 less time).

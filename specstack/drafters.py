@@ -187,14 +187,13 @@ class LookupFirstDrafter(ModelDrafter):
             super().observe(drafted, accepted)
 
 
-# A priced lookup's running acceptance per match length and draft position (PromptLookupDrafter, the lookup tree):
+# A priced lookup's running chances per key (a match length; a tree branch's length and rank) and draft position:
 ACCEPTANCE_PRIOR = 0.5  # where an estimate starts
-ACCEPTANCE_WEIGHT = 0.1  # how far each observed round moves an estimate toward its outcome
-RETRY = 0.02  # the Medusa heads' calibration: how far each round priced out moves its first depth toward 1, so that it is tried again
+ACCEPTANCE_WEIGHT = 0.1  # how far each decided continuation moves an estimate toward its outcome
 
 
 def fold_outcomes(rates: list[float], hits: Sequence[bool]) -> None:
-    """Move the running acceptance of each examined position ``ACCEPTANCE_WEIGHT`` of the way to its outcome
+    """Move the running chance of each examined position ``ACCEPTANCE_WEIGHT`` of the way to its outcome
     (``hits[i]``: position i accepted); a position first examined starts from the deepest estimate."""
     for i, hit in enumerate(hits):
         if i == len(rates):
@@ -212,27 +211,36 @@ def fold_agreement(rates: list[float], continuation: Sequence[int], written: Seq
 
 
 @attrs.define(eq=False)
-class ShownContinuations:
-    """What a priced lookup drafted from (its continuations, drafted tokens or not), each kept until the text written
-    after it decides it, over as many rounds as that takes: the text left it at some position, ran its whole length, or
-    was rolled back into what it had written of it (a stack's rejection above the level). Then each position the text
-    reached is folded into the key's running chances (:func:`fold_agreement`). So a continuation's deeper positions are
-    measured too where a round drafts few of its tokens, or none (one token written a round). At most γ continuations a
-    round are shown, each decided within γ rounds: O(γ²) a round."""
+class LookupChances:
+    """A priced lookup's chances that the text follows what it drafts from, per key and position (``rates``), read off
+    the text: each continuation it drafted from (drafted tokens or not) is kept until the text written after it decides
+    it, over as many rounds as that takes: the text left it at some position, ran its whole length, or was rolled back
+    into what it had written of it (a stack's rejection above the level). Then each position the text reached is folded
+    into the key's chances (:func:`fold_agreement`). So a continuation's deeper positions are measured too where a round
+    drafts few of its tokens, or none (one token written a round). At most γ continuations a round are shown, each
+    decided within γ rounds: O(γ²) a round."""
 
+    rates: dict[object, list[float]] = attrs.field(factory=dict)  # key -> the chance at each position seen
     _pending: list[tuple[object, tuple[int, ...], int, int]] = attrs.field(factory=list)  # (key, continuation, the text length it continues, tokens of it the text has followed)
 
     def clear(self) -> None:
+        self.rates.clear()
         self._pending.clear()
+
+    def rate(self, key: object, position: int) -> float:
+        """The chance that the text follows a continuation of ``key`` at ``position`` once it followed it there; a
+        position not yet seen taken as the deepest one seen."""
+        rates = self.rates.get(key, [ACCEPTANCE_PRIOR])
+        return rates[min(position, len(rates) - 1)]
 
     def show(self, key: object, continuation: Sequence[int], at: int) -> None:
         """A continuation of the text's first ``at`` tokens; one shown again there (a lookup asked twice) replaces it."""
         self._pending = [entry for entry in self._pending if entry[0] != key or entry[2] != at]
         self._pending.append((key, tuple(continuation), at, 0))
 
-    def read(self, text: np.ndarray, unchanged: int, rates: dict) -> None:
-        """Fold into ``rates`` (key -> running chances) what ``text`` [L] decides; ``unchanged``: how long a prefix of the
-        text last read is still there."""
+    def read(self, text: np.ndarray, unchanged: int) -> None:
+        """Fold into the chances what ``text`` [L] decides; ``unchanged``: how long a prefix of the text last read is
+        still there."""
         pending, self._pending = self._pending, []
         for key, continuation, at, followed in pending:
             if unchanged < at + followed:  # rolled back into what the text had followed of it: decided on that
@@ -242,12 +250,7 @@ class ShownContinuations:
                 if len(written) < len(continuation) and written == list(continuation[: len(written)]):
                     self._pending.append((key, continuation, at, len(written)))  # followed so far: undecided
                     continue
-            fold_agreement(rates.setdefault(key, [ACCEPTANCE_PRIOR]), continuation, written)
-
-
-def rate_at(rates: Sequence[float], position: int) -> float:
-    """The running acceptance at ``position``; a position not yet examined taken as the deepest one examined."""
-    return rates[min(position, len(rates) - 1)]
+            fold_agreement(self.rates.setdefault(key, [ACCEPTANCE_PRIOR]), continuation, written)
 
 
 @attrs.define(eq=False, kw_only=True)
@@ -270,7 +273,7 @@ class PromptLookupDrafter(Drafter):
     those costs and from the chance, for matches of the same length, that the text follows a match at each position
     (a running estimate, ACCEPTANCE_WEIGHT of the way to each round's outcome; a position not yet seen taken as the
     deepest one seen). The chances are read off the text the level above writes after each draft, over the rounds
-    until it leaves the match or runs its length (:class:`ShownContinuations`), for every matched token, drafted or
+    until it leaves the match or runs its length (:class:`LookupChances`), for every matched token, drafted or
     not, so a match length priced out goes on being measured and is drafted again once the text follows its matches
     (as the lookup tree learns). What is drafted depends on earlier rounds only, never on the level's draws in this
     one, so verification stays exact.
@@ -285,8 +288,7 @@ class PromptLookupDrafter(Drafter):
     stats: LevelStats = attrs.field(factory=lambda: LevelStats(name="prompt-lookup"))
     _index: NgramIndex = attrs.field(init=False)
     _verify_seconds: tuple[float, ...] = attrs.field(init=False, default=())  # the level above's forward of 1, 2, … tokens (price); () drafts all
-    _acceptance: dict[int, list[float]] = attrs.field(init=False, factory=dict)  # match length -> chance at each position seen
-    _shown: ShownContinuations = attrs.field(init=False, factory=ShownContinuations)  # match length -> continuations not yet decided (priced only)
+    _chances: LookupChances = attrs.field(init=False, factory=LookupChances)  # per match length (priced only)
 
     def __attrs_post_init__(self) -> None:
         if not 1 <= self.min_ngram <= self.max_ngram:
@@ -301,13 +303,11 @@ class PromptLookupDrafter(Drafter):
 
     def reset(self) -> None:
         self._index.clear()
-        self._acceptance.clear()  # equal seeds, equal drafts
-        self._shown.clear()
+        self._chances.clear()  # equal seeds, equal drafts
 
     def price(self, verify_seconds: Sequence[float]) -> bool:
         self._verify_seconds = tuple(verify_seconds)
-        self._acceptance.clear()
-        self._shown.clear()
+        self._chances.clear()
         return True
 
     def prefill(self, prompt: Sequence[int]) -> None:
@@ -316,10 +316,10 @@ class PromptLookupDrafter(Drafter):
     def propose(self, prefix: Sequence[int], n: int) -> Draft:
         prefix = as_tokens(prefix)
         seq = prefix.array()  # [L]
-        self._shown.read(seq, self._index.catch_up(prefix), self._acceptance)
+        self._chances.read(seq, self._index.catch_up(prefix))
         tokens, matched = self._lookup(seq, n)
         if self._verify_seconds and tokens:
-            self._shown.show(matched, tokens, seq.shape[0])
+            self._chances.show(matched, tokens, seq.shape[0])
             tokens = tokens[: self._paying(matched, len(tokens))]
         self.stats.drafted += len(tokens)
         ids = torch.tensor(tokens, dtype=torch.long, device="cpu")  # [k]; model-free: the verifying level moves it
@@ -339,8 +339,7 @@ class PromptLookupDrafter(Drafter):
 
     def _paying(self, matched: int, found: int) -> int:
         """How many of ``found`` tokens from a match of ``matched`` tokens to draft at the priced costs."""
-        rates = self._acceptance.get(matched, [ACCEPTANCE_PRIOR])  # position i: a draft's token i; grows as seen
-        return best_length([rate_at(rates, i) for i in range(found)], self._verify_seconds)
+        return best_length([self._chances.rate(matched, i) for i in range(found)], self._verify_seconds)
 
     def level_stats(self) -> list[LevelStats]:
         return [self.stats]

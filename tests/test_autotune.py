@@ -414,7 +414,7 @@ def test_a_shown_continuation_is_read_until_the_text_decides_it() -> None:
     pile up, one a round), and where one shown twice at the same text is read twice."""
     import numpy as np
 
-    from specstack.drafters import ACCEPTANCE_PRIOR, ACCEPTANCE_WEIGHT, ShownContinuations
+    from specstack.drafters import ACCEPTANCE_PRIOR, ACCEPTANCE_WEIGHT, LookupChances
 
     def after(*folds: list[bool]) -> list[float]:  # the chances folding these outcomes (one list a continuation) into the prior gives
         rates = [ACCEPTANCE_PRIOR]
@@ -424,26 +424,27 @@ def test_a_shown_continuation_is_read_until_the_text_decides_it() -> None:
                 rates[i] += ACCEPTANCE_WEIGHT * (hit - rates[i])
         return rates
 
-    shown, rates = ShownContinuations(), {}
+    shown = LookupChances()
+    rates = shown.rates  # key -> the chance at each position
     shown.show("a", [1, 2, 3], at=2)
-    shown.read(np.array([9, 9, 1]), unchanged=2, rates=rates)
+    shown.read(np.array([9, 9, 1]), unchanged=2)
     assert rates == {}  # followed one token of three: undecided
     shown.show("b", [4, 5], at=3)
-    shown.read(np.array([9, 9, 1, 2, 3, 4, 7]), unchanged=3, rates=rates)
+    shown.read(np.array([9, 9, 1, 2, 3, 4, 7]), unchanged=3)
     assert rates == {"a": after([True, True, True]), "b": after([False])}  # 'b' at 3 against 2: left at once
     shown.show("c", [6, 7, 8], at=7)
-    shown.read(np.array([9, 9, 1, 2, 3, 4, 7, 6, 7]), unchanged=7, rates=rates)
+    shown.read(np.array([9, 9, 1, 2, 3, 4, 7, 6, 7]), unchanged=7)
     assert "c" not in rates
-    shown.read(np.array([9, 9, 1, 2, 3, 4, 7]), unchanged=7, rates=rates)  # rolled back into 'c' (a rejection above)
+    shown.read(np.array([9, 9, 1, 2, 3, 4, 7]), unchanged=7)  # rolled back into 'c' (a rejection above)
     assert rates["c"] == after([True, True])
     for _ in range(3):  # the same again and again: each decided at its rollback, none left waiting
         shown.show("d", [6, 5], at=7)
-        shown.read(np.array([9, 9, 1, 2, 3, 4, 7, 6]), unchanged=7, rates=rates)
-        shown.read(np.array([9, 9, 1, 2, 3, 4, 7]), unchanged=7, rates=rates)
+        shown.read(np.array([9, 9, 1, 2, 3, 4, 7, 6]), unchanged=7)
+        shown.read(np.array([9, 9, 1, 2, 3, 4, 7]), unchanged=7)
     assert rates["d"] == after([True], [True], [True]) and shown._pending == []
     shown.show("e", [5], at=7)
     shown.show("e", [5], at=7)  # asked twice at the same text: read once
-    shown.read(np.array([9, 9, 1, 2, 3, 4, 7, 5]), unchanged=7, rates=rates)
+    shown.read(np.array([9, 9, 1, 2, 3, 4, 7, 5]), unchanged=7)
     assert rates["e"] == after([True])
 
 

@@ -29,7 +29,7 @@ import torch
 
 from specstack import Draft, LevelStats, SpecstackError
 from specstack.channels import HiddenStateChannel
-from specstack.drafters import ACCEPTANCE_WEIGHT, RETRY, Drafter
+from specstack.drafters import ACCEPTANCE_WEIGHT, Drafter
 from specstack.speedup import paying_nodes, subtree_parents
 from specstack.types import Capability, DraftKind
 
@@ -37,6 +37,7 @@ from .heads import HeadsInfo, MedusaHeads, load_heads, shipped_heads, stream_on_
 from .tree import DepthCalibration, RankTree, choose_paths, confident_nodes, path_probabilities
 
 UNTRAINED_ACCURACY = (0.5, 0.1, 0.05)  # rank accuracies assumed for heads that carry no measurement
+RETRY = 0.02  # how far each round a depth is priced out moves its calibration toward 1, so that it is tried again
 MIN_PROB = 0.1  # the default min_prob: measured best or within 0.03x of it among 0-0.3 in fp32 (docs/medusa.md)
 
 

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from specstack import Draft, LevelStats, SpecstackError, warp
-from specstack.drafters import ACCEPTANCE_PRIOR, Drafter, ModelLevel, ShownContinuations, rate_at
+from specstack.drafters import Drafter, LookupChances, ModelLevel
 from specstack.ngrams import LOOKBACK, NgramIndex, by_agreement
 from specstack.sampling import draw, race_arrivals
 from specstack.speedup import paying_nodes, subtree_parents
@@ -157,7 +157,7 @@ class TreeLookupDrafter(Drafter):
     chances are kept per match length and rank (the 1st, 2nd, … branch of a draft): at each depth, how often its token
     was the text's once its tokens before were (a running estimate, ACCEPTANCE_WEIGHT of the way to each outcome; a
     depth not yet seen taken as the deepest one seen). They are read off the text the level above writes after each
-    draft, over the rounds until it leaves a branch or runs its length (:class:`specstack.drafters.ShownContinuations`),
+    draft, over the rounds until it leaves a branch or runs its length (:class:`specstack.drafters.LookupChances`),
     drafted nodes or not, so a branch priced out goes on being measured and needs no retry. What is drafted
     depends on earlier rounds only, never on the level's draws in this one, so verification stays exact (as with the
     Medusa heads' priced trees, docs/trees.md).
@@ -174,8 +174,7 @@ class TreeLookupDrafter(Drafter):
     stats: LevelStats = attrs.field(factory=lambda: LevelStats(name="lookup-tree"))
     _index: NgramIndex = attrs.field(init=False)
     _verify_seconds: tuple[float, ...] = attrs.field(init=False, default=())  # the level above's forward of 1, 2, … tokens (price); (): no pricing
-    _acceptance: dict[tuple[int, int], list[float]] = attrs.field(init=False, factory=dict)  # (match length, rank) -> chance at each depth seen
-    _shown: ShownContinuations = attrs.field(init=False, factory=ShownContinuations)  # (match length, rank) -> branches not yet decided
+    _chances: LookupChances = attrs.field(init=False, factory=LookupChances)  # per (match length, rank), at each depth
 
     def __attrs_post_init__(self) -> None:
         if not (_is_int(self.min_ngram) and _is_int(self.max_ngram) and 1 <= self.min_ngram <= self.max_ngram):
@@ -192,13 +191,11 @@ class TreeLookupDrafter(Drafter):
 
     def reset(self) -> None:
         self._index.clear()
-        self._acceptance.clear()  # equal seeds, equal drafts
-        self._shown.clear()
+        self._chances.clear()  # equal seeds, equal drafts
 
     def price(self, verify_seconds: Sequence[float]) -> bool:
         self._verify_seconds = tuple(verify_seconds)
-        self._acceptance.clear()
-        self._shown.clear()
+        self._chances.clear()
         return True
 
     def prefill(self, prompt: Sequence[int]) -> None:
@@ -207,13 +204,13 @@ class TreeLookupDrafter(Drafter):
     def propose(self, prefix: Sequence[int], n: int) -> Draft:
         prefix = as_tokens(prefix)
         seq = prefix.array()  # [L]
-        self._shown.read(seq, self._index.catch_up(prefix), self._acceptance)
+        self._chances.read(seq, self._index.catch_up(prefix))
         branches = self._matches(seq, n)
         tokens, parents, owners, depths = _trie([continuation for _, continuation in branches])
         if self._verify_seconds:
             for key, continuation in branches:
-                self._shown.show(key, continuation, seq.shape[0])
-            tokens, parents = self._paying(tokens, parents, [self._rate(branches[owner][0], depth) for owner, depth in zip(owners, depths)])
+                self._chances.show(key, continuation, seq.shape[0])
+            tokens, parents = self._paying(tokens, parents, [self._chances.rate(branches[owner][0], depth) for owner, depth in zip(owners, depths)])
         self.stats.drafted += len(tokens)
         if not tokens:
             return Draft.empty(self.vocab)
@@ -233,10 +230,6 @@ class TreeLookupDrafter(Drafter):
                     if len(found) == self.branches:
                         return found
         return found
-
-    def _rate(self, key: tuple[int, int], depth: int) -> float:
-        """The chance that the text follows a branch of ``key`` at ``depth`` once it followed it down to there."""
-        return rate_at(self._acceptance.get(key, [ACCEPTANCE_PRIOR]), depth)
 
     def _paying(self, tokens: list[int], parents: list[int], rates: list[float]) -> tuple[list[int], list[int]]:
         """The trie's nodes worth a forward at the priced costs, renumbered: the likeliest first, as many as pay
