@@ -19,7 +19,7 @@ from .channels import HiddenStateChannel
 from .errors import SpecstackError
 from .model import CachedModel
 from .ngrams import LOOKBACK, NgramIndex, by_agreement
-from .sampling import SamplingConfig, first_argmax, one_hot, sample, warp
+from .sampling import RaceNoise, SamplingConfig, first_argmax, one_hot, sample, warp
 from .speedup import best_length
 from .types import Capability, Draft, DraftKind, LevelStats, TokenView, as_tokens
 
@@ -86,6 +86,14 @@ class ModelLevel(Drafter):
     sampling: SamplingConfig
     generator: torch.Generator
     stop_tokens: frozenset[int] = frozenset()
+    noise: RaceNoise = attrs.field(factory=RaceNoise, init=False)  # coupled sampling's noise rows, by position
+
+    def warp(self, logits: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """This level's distributions [..., V] for ``logits`` [..., V] predicting the tokens at ``positions`` [...] (CPU
+        int64; what a coupled race reads its noise at)."""
+        if not self.sampling.coupled:
+            return warp(logits, self.sampling)
+        return warp(logits, self.sampling, seed=self.generator.initial_seed(), positions=positions, noise=self.noise)
 
     @property
     def vocab_size(self) -> int:
@@ -131,8 +139,7 @@ class ModelDrafter(ModelLevel):
             if self.sampling.greedy:  # warp's one-hot row marks the first argmax: the rows are made at once below
                 tokens.append(int(first_argmax(logits[0])))
             else:
-                coupled = {"seed": self.generator.initial_seed(), "positions": torch.tensor([len(context)], device="cpu")} if self.sampling.coupled else {}
-                rows.append(warp(logits, self.sampling, **coupled)[0])  # [V]; coupled: the draw at position len(context)
+                rows.append(self.warp(logits, torch.tensor([len(context)]))[0])  # [V]; coupled: the draw at position len(context)
                 tokens.append(int(first_argmax(rows[-1])) if self.sampling.deterministic else sample(rows[-1], self.generator))  # a one-hot warp's draw is its argmax
             context = context.sequence.write(len(context), tokens[-1:])  # behind the prefix: this call's own positions
             if tokens[-1] in self.stop_tokens:

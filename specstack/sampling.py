@@ -15,7 +15,9 @@ another form, so each token is a sample from p_t. The warp is then the one-hot v
 level decodes "greedily" over it: a stack's output is a function of the seed and the target alone, the very text
 plain autoregressive sampling with that seed writes, whatever the drafts (drafter-invariant speculative
 decoding: Daliri, Musco and Suresh, 2024). A draft token is accepted iff the target's race picks it, so a
-drafter that runs its own race on the same noise is accepted where the two races agree.
+drafter that runs its own race on the same noise is accepted where the two races agree. :func:`warp` runs the race
+in its Gumbel form, the argmax of log p_t(x) + G_t(x) with G = -log E in float32 (:class:`RaceNoise` keeps a level's
+rows by position, so that a position warped again costs an add and an argmax, not a new draw).
 """
 
 from __future__ import annotations
@@ -78,25 +80,42 @@ class SamplingConfig:
         return attrs.evolve(self, coupled=False)
 
 
-def warp(logits: torch.Tensor, config: SamplingConfig, *, seed: int | None = None, positions: torch.Tensor | None = None) -> torch.Tensor:
+def warp(logits: torch.Tensor, config: SamplingConfig, *, seed: int | None = None, positions: torch.Tensor | None = None,
+         noise: RaceNoise | None = None) -> torch.Tensor:
     """Return the sampling distribution for each row of ``logits`` ([..., V] -> [..., V], float32). Coupled sampling
-    needs the ``seed`` and each row's ``positions`` [...] in the sequence: its warp is one-hot on that row's draw."""
+    needs the ``seed`` and each row's ``positions`` [...] in the sequence: its warp is one-hot on that row's draw (the
+    race's noise read from ``noise``, a level's rows kept by position, where given; else made afresh)."""
     logits = logits.float()  # [..., V]
     if config.greedy:
         return _one_hot_argmax(logits)
     if config.coupled:
         if seed is None or positions is None:
             raise SpecstackError("coupled sampling draws each position's token from the seed and the position; pass seed= and positions=")
-        first = race_arrivals(warp(logits, config.marginal), seed, positions, 1)  # [..., 1]
-        return torch.zeros_like(logits).scatter_(-1, first, 1.0)  # [..., V]
-    logits = logits / config.temperature  # [..., V]
-    if config.top_k is not None and config.top_k < logits.shape[-1]:
-        kth = logits.topk(config.top_k, dim=-1).values[..., -1:]  # [..., 1]
-        logits = logits.masked_fill(logits < kth, -math.inf)  # ties with the k-th are kept
+        gumbel = (noise if noise is not None else RaceNoise()).gumbel(seed, positions, logits.shape[-1], logits.device)  # [..., V]
+        return one_hot(first_argmax(_race_scores(logits, config) + gumbel), logits.shape[-1])  # [..., V]
+    logits = _scaled(logits, config)  # [..., V]
     probs = logits.softmax(dim=-1)  # [..., V]
     if config.top_p < 1:
         probs = _nucleus(probs, logits, config.top_p)
     return probs
+
+
+def _scaled(logits: torch.Tensor, config: SamplingConfig) -> torch.Tensor:
+    """float32 logits [..., V] over the temperature, those below the top-k's k-th at -inf ([..., V])."""
+    logits = logits / config.temperature  # [..., V]
+    if config.top_k is not None and config.top_k < logits.shape[-1]:
+        kth = logits.topk(config.top_k, dim=-1).values[..., -1:]  # [..., 1]
+        logits = logits.masked_fill(logits < kth, -math.inf)  # ties with the k-th are kept
+    return logits
+
+
+def _race_scores(logits: torch.Tensor, config: SamplingConfig) -> torch.Tensor:
+    """log p(x) up to a constant per row, for p the marginal warp ([..., V] float32; -inf where p is 0): the race's
+    draw is the argmax of these plus the position's Gumbel numbers. Without top-p these are the scaled logits
+    themselves (the softmax's log-normaliser changes no argmax), so no softmax is taken."""
+    if config.top_p < 1:
+        return warp(logits, config.marginal).log()  # [..., V]
+    return _scaled(logits, config)  # [..., V]
 
 
 def _one_hot_argmax(logits: torch.Tensor) -> torch.Tensor:
@@ -178,14 +197,45 @@ def _drop_among(probs: torch.Tensor, logits: torch.Tensor, top_p: float, k: int)
 
 
 def position_noise(seed: int, positions: torch.Tensor, vocab_size: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """E [..., V] float64: independent Exp(1) numbers, row i a function of ``seed`` and ``positions[i]`` alone (numpy's
-    PCG64 seeded with the pair), so that every level of a stack, and plain decoding, races on the same numbers at the
-    same position. About 0.3 ms a row of 49,152 on the 2-core host, made once per distinct position (a tree's siblings
-    share theirs)."""
+    """E [..., V] float64: independent Exp(1) numbers, row i a function of ``seed`` and ``positions[i]`` alone
+    (:func:`exponentials`), so that every level of a stack, and plain decoding, races on the same numbers at the
+    same position. Made once per distinct position (a tree's siblings share theirs)."""
     distinct, index = torch.unique(positions.reshape(-1).cpu(), return_inverse=True)  # [u], [n]
-    rows = [np.random.Generator(np.random.PCG64([seed, position])).standard_exponential(vocab_size) for position in distinct.tolist()]
+    rows = [exponentials(seed, position, vocab_size) for position in distinct.tolist()]
     noise = torch.from_numpy(np.stack(rows)) if rows else torch.empty(0, vocab_size, dtype=torch.float64, device="cpu")  # [u, V]
     return noise[index].reshape(*positions.shape, vocab_size).to(device)  # [..., V]
+
+
+def exponentials(seed: int, position: int, vocab_size: int) -> np.ndarray:
+    """[V] float64 independent Exp(1) numbers: numpy's PCG64 seeded with the pair (``seed``, ``position``). About
+    0.2 ms for SmolLM2's 49,152 on the 2-core host."""
+    return np.random.Generator(np.random.PCG64([seed, position])).standard_exponential(vocab_size)
+
+
+@attrs.define(eq=False)
+class RaceNoise:
+    """One level's race noise as Gumbel numbers G = -log E [V] (float32) by position, each position's row made once
+    for its seed (:func:`exponentials`, about 0.25 ms a row of 49,152 with the log) and then read by every warp of it: a verify
+    warps again the positions its last rejection left, and a coupled round's rows cost a read and an add instead of
+    a fresh race (docs/benchmarks.md, "Coupled draws from kept noise"). Keeps the ``capacity`` latest positions."""
+
+    capacity: int = 64
+    _key: tuple[int, int] | None = attrs.field(default=None, init=False)  # (seed, vocabulary) the rows are for
+    _rows: dict[int, torch.Tensor] = attrs.field(factory=dict, init=False)  # position -> [V] float32 on the CPU
+
+    def gumbel(self, seed: int, positions: torch.Tensor, vocab_size: int, device: torch.device | str = "cpu") -> torch.Tensor:
+        """[..., V] float32: the Gumbel numbers of each of ``positions`` [...] for ``seed``."""
+        if self._key != (seed, vocab_size):
+            self._key, self._rows = (seed, vocab_size), {}
+        wanted = positions.reshape(-1).tolist()
+        missing = sorted(set(wanted) - self._rows.keys())
+        if missing:
+            for position in missing:
+                self._rows[position] = torch.from_numpy(-np.log(exponentials(seed, position, vocab_size).astype(np.float32)))  # [V]
+        rows = torch.stack([self._rows[p] for p in wanted]) if wanted else torch.empty(0, vocab_size)  # [n, V]
+        for old in sorted(self._rows)[: max(len(self._rows) - self.capacity, 0)]:
+            del self._rows[old]
+        return rows.reshape(*positions.shape, vocab_size).to(device)  # [..., V]
 
 
 def race_arrivals(probs: torch.Tensor, seed: int, positions: torch.Tensor, count: int) -> torch.Tensor:

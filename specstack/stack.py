@@ -27,7 +27,7 @@ from .drafters import Drafter, ModelDrafter, ModelLevel
 from .errors import SpecstackError
 from .model import CachedModel, CausalLM, check_window, weights_held
 from .policies import CachePolicy, FullCache
-from .sampling import SamplingConfig, warp
+from .sampling import SamplingConfig
 from .types import Capability, Draft, DraftKind, GenerationResult, LevelStats, TokenSequence, as_tokens
 from .verify import Verifier, check_verdict, default_verifier
 
@@ -79,8 +79,7 @@ class SpeculativeLevel(ModelLevel):
         else:
             drafted = prefix.sequence.write(len(prefix), draft.tokens.tolist())  # a model below wrote them there already
             logits = self.lm.logits(drafted, len(draft) + 1)  # [k+1, V]
-        coupled = {"seed": self.generator.initial_seed(), "positions": row_positions(len(prefix), draft)} if self.sampling.coupled else {}
-        p = warp(logits, self.sampling, **coupled)  # [k+1, V]
+        p = self.warp(logits, row_positions(len(prefix), draft))  # [k+1, V]
         verdict = check_verdict(self.verifier.verify(draft, p, self.generator), draft, self.vocab_size, self.verifier.name)
         if draft.is_tree:
             self.lm.accept_path(verdict.accepted)

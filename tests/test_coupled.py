@@ -16,8 +16,7 @@ from hypothesis import given, settings
 
 import specstack.stack
 from specstack import Level, SamplingConfig, SpeculationStack, SpecstackError
-from specstack.sampling import position_noise, warp
-from specstack.synthetic import SyntheticLM
+from specstack.sampling import RaceNoise, exponentials, position_noise, warp
 from specstack.testing import ALPHA, stack_pvalue
 
 from .stacks import StackCase, stack_cases
@@ -75,8 +74,8 @@ def test_the_identity_test_catches_noise_read_at_the_wrong_position(monkeypatch)
 def test_the_distribution_test_catches_noise_shared_by_all_positions(monkeypatch) -> None:
     """Noise that ignores the position draws each token from its own distribution but ties the draws together: the
     texts are no longer distributed as the target's."""
-    same = lambda seed, positions, vocab, device="cpu": position_noise(seed, torch.zeros_like(positions), vocab, device)  # noqa: E731
-    monkeypatch.setattr("specstack.sampling.position_noise", same)
+    same = lambda seed, position, vocab: exponentials(seed, 0, vocab)  # noqa: E731
+    monkeypatch.setattr("specstack.sampling.exponentials", same)
     case = coupled(_case(depth=1))
     assert stack_pvalue(autoregressive(case), case.target(), case.sampling, PROMPT) < ALPHA
 
@@ -100,3 +99,16 @@ def test_coupled_sampling_asks_for_the_seed_and_positions() -> None:
 def _case(depth: int) -> StackCase:
     return StackCase(vocab=4, depth=depth, gammas=(3, 2)[: depth - 1], noises=(1.0, 0.3)[: depth - 1], lookup_base=False,
                      streaming_base=False, sampling=SamplingConfig(temperature=1.0), stop_token=None, seed=5)
+
+
+def test_kept_noise_draws_what_fresh_noise_draws() -> None:
+    """A level's RaceNoise gives each position the row a fresh race would read, for the seed asked (a changed seed
+    is a new text), whichever positions it kept before and however few it keeps."""
+    sampling = SamplingConfig(temperature=0.7, coupled=True)
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))  # [3, V]
+    kept = RaceNoise(capacity=4)
+    for seed, start in [(1, 10), (1, 11), (1, 40), (2, 11), (1, 11), (1, 10)]:
+        positions = torch.arange(start, start + 3)  # [3]
+        assert torch.equal(warp(logits, sampling, seed=seed, positions=positions, noise=kept), warp(logits, sampling, seed=seed, positions=positions))
+    race = (warp(logits, sampling.marginal).double() / position_noise(2, torch.arange(11, 14), 50)).argmax(-1)  # [3]: argmax p / E
+    assert torch.equal(warp(logits, sampling, seed=2, positions=torch.arange(11, 14), noise=kept).argmax(-1), race)
