@@ -13,7 +13,7 @@ from .bench.floor import add_floor_parser
 from .bench.quality import add_quality_parser
 from .errors import SpecstackError
 from .registry import Kind, Registry
-from .run import torch_threads
+from .run import WIDEN_BF16_HELP, torch_threads
 
 # What `specstack demo` (and `make demo`) compares: TriForce, and the fastest stack measured on this CPU
 # (docs/results.md, "Medusa trees priced node by node": min_ngram=1 paid at 7K and lost at 32K)
@@ -122,6 +122,7 @@ def _add_stack_options(parser: argparse.ArgumentParser, *, default_stack: str | 
     parser.add_argument("--draft-device", default=None, help="the draft model's device (default: --device)")
     parser.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
                         help="run transformers models without CUDA graphs (no effect on the CPU)")
+    parser.add_argument("--widen-bf16", action="store_true", help=WIDEN_BF16_HELP)
 
 
 def add_window_options(parser: argparse.ArgumentParser) -> None:

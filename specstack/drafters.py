@@ -139,7 +139,7 @@ class ModelDrafter(ModelLevel):
             if self.sampling.greedy:  # warp's one-hot row marks the first argmax: the rows are made at once below
                 tokens.append(int(first_argmax(logits[0])))
             else:
-                rows.append(self.warp(logits, torch.tensor([len(context)]))[0])  # [V]; coupled: the draw at position len(context)
+                rows.append(self.warp(logits, torch.tensor([len(context)], device="cpu"))[0])  # [V]; coupled: the draw at position len(context)
                 tokens.append(int(first_argmax(rows[-1])) if self.sampling.deterministic else sample(rows[-1], self.generator))  # a one-hot warp's draw is its argmax
             context = context.sequence.write(len(context), tokens[-1:])  # behind the prefix: this call's own positions
             if tokens[-1] in self.stop_tokens:

@@ -231,6 +231,23 @@ class HFCausalLM:
         lean decoder then checks them at its first forward only (:meth:`LeanDecoder.weights_held`)."""
         return self.decoder.weights_held() if self.decoder is not None else contextlib.nullcontext()
 
+    def widen_bf16_products(self) -> None:
+        """Take every bf16 product of this model's forwards widened to float32: its attention kernel without AMX tiles
+        or bf16 dot products, and its linear layers' rows (up to sixteen) streamed and widened. Each token of a verify
+        of up to sixteen tokens then gets the one-token step's logits bit for bit, as on a CPU where widening is what
+        pays, so its bf16 stacks write autoregressive decoding's very output (docs/exactness.md). Where tiles or dot
+        products pay, wide verifies cost more (docs/benchmarks.md, "bf16 verifies widened on request"). float32
+        forwards are unchanged."""
+        if self.attention_kernel is not None:
+            self.attention_kernel = attrs.evolve(self.attention_kernel, amx=False, dot_products=False)
+        linears = [m for m in self.module.modules() if isinstance(m, PackedLinear)]
+        linears += [product.linear for product in self.decoder.products()] if self.decoder is not None else []
+        for linear in linears:
+            if linear._rows is not None:
+                linear._rows = attrs.evolve(linear._rows, tiles=False, bf16_dots=False)
+        if self.decoder is not None and self.decoder.compiled is not None:
+            self.decoder.compiled.plans.clear()  # the compiled layers' plans hold the kernel entries chosen before
+
     def read_weights_from(self, gguf: str | Path) -> int:
         """Let products of a few rows read the blocks of the GGUF at ``gguf`` (Q4_1 layer matrices; a Q8_0
         embedding for a tied LM head) instead of the weights those blocks widen to, bit for bit

@@ -54,6 +54,7 @@ class Session:
         else:
             target, tokenizer = load_target(dtype=dtype, device=device, context=context, rope_scaling=scaling)
         use_cuda_graphs([target], cuda_graphs)
+        widen_bf16([target], getattr(args, "widen_bf16", False))
         return cls(registry=Registry.create(), target=target, tokenizer=tokenizer, draft_path=args.draft, sampling=sampling, seed=args.seed,
                    dtype=dtype, draft_device=draft_device, cuda_graphs=cuda_graphs)
 
@@ -136,6 +137,22 @@ def check_devices(device: str | torch.device, draft_device: str | torch.device |
     """The target's device and the draft's (``None``: the target's), both checked."""
     target = check_device(device)
     return target, target if draft_device is None else check_device(draft_device)
+
+
+WIDEN_BF16_HELP = ("the target's bf16 products widened to float32 on the CPU (no AMX tiles, no bf16 dot products): every token of a "
+                   "verify then gets the one-token step's logits bit for bit, so bf16 stacks write autoregressive decoding's output; "
+                   "wide verifies cost more where tiles or dot products pay")
+
+
+def widen_bf16(models: Iterable[object], enabled: bool) -> None:
+    """Where ``enabled``, every bf16 product of each transformers model of ``models`` widened to float32
+    (:meth:`specstack.hf.HFCausalLM.widen_bf16_products`: a bf16 verify's tokens then get the one-token step's logits bit
+    for bit on any CPU); others have no such products."""
+    from .hf import HFCausalLM
+
+    for model in models:
+        if enabled and isinstance(model, HFCausalLM):
+            model.widen_bf16_products()
 
 
 def use_cuda_graphs(models: Iterable[object], enabled: bool) -> None:

@@ -17,7 +17,7 @@ import torch
 
 from specstack import SpecstackError
 from specstack.bench import ByteTokenizer, Catalog, Grid, SyntheticModels, expand, load_grid, run_grid
-from specstack.bench.cli import add_bench_parser, run_bench
+from specstack.bench.cli import add_bench_parser, grid_overrides, run_bench
 from specstack.bench.tasks import Books, task_by_name
 
 SYNTHETIC = SyntheticModels(max_length=1024)
@@ -457,8 +457,35 @@ def test_only_specstack_stacks_are_asked_for_their_baselines_coupled_text(regist
     assert not any(catalog.get(name).couples for name in ("hf-generate", "hf-assisted", "llama-cpp"))
 
 
+def test_widen_bf16_reaches_the_target_of_a_job_and_marks_its_records(tmp_path, registry) -> None:
+    """--widen-bf16: the target's bf16 products are widened (its attention kernel without AMX tiles or bf16 dot
+    products, its linears' rows too), its records say so and take ids of their own; unset, a point's id is the one it
+    had before the key existed."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from specstack.bench.report import placement
+    from specstack.hf import HFCausalLM
+    from specstack.packed_linear import PackedLinear
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2,
+                         num_key_value_heads=1, max_position_embeddings=128)
+    target = HFCausalLM(module=LlamaForCausalLM(config).to(torch.bfloat16), tokenizer_id=None, name="tiny-llama")
+    grid = Grid(stacks=["autoregressive"], context_lengths=[64], max_new_tokens=4, widen_bf16=True, dtype="bfloat16")
+    table = run_grid(grid, tmp_path, models=(target, None, ByteTokenizer()), registry=registry, progress=False)
+    kernel = target.attention_kernel
+    assert kernel is None or not (kernel.amx or kernel.dot_products)
+    rows = [m._rows for m in target.module.modules() if isinstance(m, PackedLinear) and m._rows is not None]
+    assert not any(r.tiles or r.bf16_dots for r in rows)
+    (record,) = table.rows
+    assert record["status"] == "ok" and record["widen_bf16"] is True and placement(record) == "cpu, bf16 widened"
+    catalog = Catalog(registry=registry)
+    widened, plain = ([p for g in expand(g, catalog, "tiny") for p in g] for g in (grid, attrs.evolve(grid, widen_bf16=False)))
+    assert not {p.id for p in widened} & {p.id for p in plain} and all("widen_bf16" not in p.config() for p in plain)
+    assert grid_overrides(bench_args(["--stacks", "naive", "--widen-bf16"]))["widen_bf16"] is True
+
+
 def test_device_flags_become_grid_keys(tmp_path) -> None:
-    from specstack.bench.cli import grid_overrides
 
     args = bench_args(["--stacks", "naive", "--device", "cuda:1", "--draft-device", "cpu", "--no-cuda-graphs"])
     assert {k: v for k, v in grid_overrides(args).items() if k != "stacks"} == {"device": "cuda:1", "draft_device": "cpu", "cuda_graphs": False}

@@ -4,8 +4,8 @@ In bf16 a T-token verify and a 1-token step round differently, so a stack's gree
 autoregressive decoding's at a near-tie. ``specstack.testing.certificate`` checks that the first such
 divergence is one: the margin between the two tokens in autoregressive decoding's own logits is at
 most twice the difference measured between T-token and 1-token logits there. Bit-exact equality is
-tested in fp32 (test_real_model.py), and in bf16 for every stack, greedy and coupled sampling, where the target's
-attention takes the widening paths (below); docs/exactness.md states the guarantee.
+tested in fp32 (test_real_model.py), and in bf16 for every stack, greedy and coupled sampling, with the target's
+products widened (below: HFCausalLM.widen_bf16_products, what a CPU without faster bf16 paths takes anyway); docs/exactness.md states the guarantee.
 
 The certificate must also fail on broken components: a verifier that emits the second-best token, a
 target that hands a verifying level its logits one row off, a cache that is not rolled back.
@@ -89,7 +89,37 @@ def prompts(models) -> dict[str, list[int]]:
 
 
 @pytest.fixture(scope="module")
+def widened_models():
+    """The embedded default in bf16 with its target's products widened (HFCausalLM.widen_bf16_products): the same
+    weights as ``models``, a second copy, so that the certificate tests above keep the kernels this CPU chose."""
+    from specstack.models import load_default
+
+    target, draft, tokenizer = load_default(dtype=torch.bfloat16)
+    target.widen_bf16_products()
+    return target, draft, tokenizer
+
+
+@pytest.fixture(scope="module")
 def references(models, prompts):
+    return references_of(models, prompts)
+
+
+@pytest.fixture(scope="module")
+def widened_references(widened_models, prompts):
+    return references_of(widened_models, prompts)
+
+
+@pytest.fixture(scope="module")
+def outputs(models, prompts, references):
+    return outputs_of(models, prompts, references)
+
+
+@pytest.fixture(scope="module")
+def widened_outputs(widened_models, prompts, widened_references):
+    return outputs_of(widened_models, prompts, widened_references)
+
+
+def references_of(models, prompts):
     """Per prompt, bf16 autoregressive decoding (the registered stack), replayed on demand; the
     stacks that decoded them are kept in ``references.stacks`` (their target prefill is shared below)."""
     made: dict[str, GreedyReference] = {}
@@ -106,8 +136,7 @@ def references(models, prompts):
     return reference
 
 
-@pytest.fixture(scope="module")
-def outputs(models, prompts, references):
+def outputs_of(models, prompts, references):
     """Per stack and prompt, its bf16 greedy output (computed once, shared by the tests below);
     the autoregressive stack's is the one its reference was made from."""
     made: dict[tuple[str, str], tuple[int, ...]] = {}
@@ -151,16 +180,14 @@ def test_bf16_greedy_output_is_certified(references, outputs, name, kind) -> Non
     assert certificate.holds, f"{name} on {kind}: {certificate.describe()}"
 
 
-# Where the target's bf16 attention takes the widening paths (no bf16 dot products chosen, no AMX tiles), every token of
-# a verify, a chain's or a token tree's, gets the one-token step's logits bit for bit (tests/test_decode_attention.py), so
-# every stack writes exactly autoregressive decoding's output.
+# Where the target's bf16 products are widened (chosen on a CPU where that pays, or asked for with
+# HFCausalLM.widen_bf16_products: no bf16 dot products, no AMX tiles), every token of a verify, a chain's or a token
+# tree's, gets the one-token step's logits bit for bit (tests/test_decode_attention.py), so every stack writes exactly
+# autoregressive decoding's output.
 @pytest.mark.parametrize("kind", PROMPTS)
 @pytest.mark.parametrize("name", STACKS)
-def test_where_the_attention_widens_every_stack_writes_autoregressive_decodings_output(models, references, outputs, name, kind) -> None:
-    kernel = models[0].attention_kernel
-    if kernel is None or kernel.dot_products or kernel.amx:
-        pytest.skip("the target's bf16 attention takes bf16 dot products or AMX tiles here: its verifies round otherwise than its steps")
-    certificate = references(kind).certify(outputs(name, kind))
+def test_with_its_products_widened_every_stack_writes_autoregressive_decodings_output(widened_references, widened_outputs, name, kind) -> None:
+    certificate = widened_references(kind).certify(widened_outputs(name, kind))
     assert certificate.diverged_at is None, f"{name} on {kind}: {certificate.describe()}"
 
 
@@ -168,23 +195,20 @@ COUPLED = SamplingConfig(temperature=0.6, coupled=True)
 
 
 @pytest.fixture(scope="module")
-def coupled_reference(models, prompts):
-    """Coupled autoregressive sampling at T = 0.6, seed 3, on the held-out prompt, and its stack (its cache then holds
-    the prompt)."""
-    stack = Registry.create().stack("autoregressive", target=models[0], sampling=COUPLED)
+def coupled_reference(widened_models, prompts):
+    """Coupled autoregressive sampling at T = 0.6, seed 3, on the held-out prompt by the widened target, and its stack
+    (its cache then holds the prompt)."""
+    stack = Registry.create().stack("autoregressive", target=widened_models[0], sampling=COUPLED)
     return stack, stack.generate(prompts["held-out"], NEW_TOKENS, seed=3).tokens
 
 
 @pytest.mark.parametrize("name", STACKS)
-def test_where_the_attention_widens_every_coupled_stack_samples_autoregressive_samplings_text(models, prompts, coupled_reference, name) -> None:
+def test_with_its_products_widened_every_coupled_stack_samples_autoregressive_samplings_text(widened_models, prompts, coupled_reference, name) -> None:
     """Sampling too: every position's draw is fixed by the seed (docs/exactness.md, "Coupled sampling"), and every verify
     gives each token the step's logits bit for bit, so in bf16 each stack samples coupled autoregressive sampling's
     text at T = 0.6, token for token, trees included."""
-    kernel = models[0].attention_kernel
-    if kernel is None or kernel.dot_products or kernel.amx:
-        pytest.skip("the target's bf16 attention takes bf16 dot products or AMX tiles here: its verifies round otherwise than its steps")
     reference_stack, reference = coupled_reference
-    stack = build(name, models, len(prompts["held-out"]), sampling=COUPLED)
+    stack = build(name, widened_models, len(prompts["held-out"]), sampling=COUPLED)
     shared = stack.share_prefill(reference_stack, prompts["held-out"])
     assert stack.generate(prompts["held-out"], NEW_TOKENS, seed=3, reuse_cache=shared).tokens == reference
 

@@ -7,12 +7,14 @@ import argparse
 import sys
 from typing import Any
 
+from ..run import WIDEN_BF16_HELP
+
 # flag destination -> grid key; a flag left unset keeps the grid file's value (or the default)
 GRID_FLAGS = {
     "stacks": "stacks", "budgets": "budgets", "chunk_sizes": "chunk_sizes", "gamma": "gammas", "gamma1": "gamma1s",
     "gamma2": "gamma2s", "trees": "trees", "temperatures": "temperatures", "context_lengths": "context_lengths", "tasks": "tasks",
     "max_new_tokens": "max_new_tokens", "seeds": "seeds", "repeats": "repeats", "dtype": "dtype", "threads": "threads", "top_p": "top_p", "top_k": "top_k", "coupled": "coupled",
-    "device": "device", "draft_device": "draft_device", "cuda_graphs": "cuda_graphs", "context": "context", "rope_scaling": "rope_scaling",
+    "device": "device", "draft_device": "draft_device", "cuda_graphs": "cuda_graphs", "widen_bf16": "widen_bf16", "context": "context", "rope_scaling": "rope_scaling",
 }
 
 
@@ -46,6 +48,7 @@ def add_bench_parser(commands) -> argparse.ArgumentParser:
     bench.add_argument("--draft-device", help="the draft model's device (default: --device)")
     bench.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_const", const=False,
                        help="run transformers models without CUDA graphs (no effect on the CPU)")
+    bench.add_argument("--widen-bf16", action="store_const", const=True, help=WIDEN_BF16_HELP)
     bench.add_argument("--context", type=int, metavar="N", help="the target's window (default: its trained one); beyond it, RoPE-scaled")
     bench.add_argument("--rope-scaling", choices=["yarn", "linear", "extrapolate", "none"], help="how --context stretches RoPE beyond the trained window (default: yarn)")
     bench.add_argument("--synthetic", action="store_true", help="synthetic models and a byte tokenizer (no weights; tries the harness out)")

@@ -173,6 +173,7 @@ class Grid:
     device: str | None = attrs.field(default=None, validator=_device)  # the target's; None: cpu (given models: theirs)
     draft_device: str | None = attrs.field(default=None, validator=_device)  # None: the target's
     cuda_graphs: bool = attrs.field(default=True, validator=_scalar("true or false", lambda v: isinstance(v, bool)))
+    widen_bf16: bool = attrs.field(default=False, validator=_scalar("true or false", lambda v: isinstance(v, bool)))  # HFCausalLM.widen_bf16_products
     context: int | None = attrs.field(default=None, validator=_scalar("an integer >= 1 or absent", _is_int(1), allow_none=True))  # the target's window
     rope_scaling: str = attrs.field(default="yarn", validator=_scalar("yarn, linear, extrapolate or none", lambda v: v in ("yarn", "linear", "extrapolate", "none")))
     stop_at_eos: bool = attrs.field(default=False, validator=_scalar("true or false", lambda v: isinstance(v, bool)))
@@ -262,6 +263,7 @@ class Point:
     draft_device: str | None = "cpu"  # None: no draft
     cuda_graphs: bool = True
     coupled: bool = False  # SamplingConfig.coupled: every stack's sampled text is autoregressive decoding's of the seed
+    widen_bf16: bool = False  # the models' bf16 products widened to float32 (HFCausalLM.widen_bf16_products)
 
     def config(self) -> dict[str, Any]:
         return {
@@ -269,7 +271,7 @@ class Point:
             "context_length": self.context_length, "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
             "seed": self.seed, "max_new_tokens": self.max_new_tokens, "dtype": self.dtype, "stop_at_eos": self.stop_at_eos,
             "model": self.model, "device": self.device, "draft_device": self.draft_device, "cuda_graphs": self.cuda_graphs,
-            **({"coupled": True} if self.coupled else {}),
+            **({"coupled": True} if self.coupled else {}), **({"widen_bf16": True} if self.widen_bf16 else {}),
         }
 
     @property
@@ -311,7 +313,8 @@ def expand(grid: Grid, catalog, model: str, *, device: str = "cpu", draft_device
     for task, context, temperature, seed in itertools.product(grid.tasks, grid.context_lengths, grid.temperatures, grid.seeds):
         common = dict(task=task, context_length=context, temperature=temperature, top_p=grid.top_p, top_k=grid.top_k, seed=seed,
                       max_new_tokens=grid.max_new_tokens, dtype=grid.dtype, stop_at_eos=grid.stop_at_eos, model=model,
-                      device=device, draft_device=draft_device, cuda_graphs=grid.cuda_graphs, coupled=grid.coupled)
+                      device=device, draft_device=draft_device, cuda_graphs=grid.cuda_graphs, coupled=grid.coupled,
+                      widen_bf16=grid.widen_bf16)
         points = [Point(stack=spec.name, options=options, baseline=catalog.baseline_of(spec.name), **common)
                   for spec in grid.stacks for options in _option_sets(grid, spec, catalog)]
         groups.append(_unique([p.baseline_point() for p in points if p.baseline] + points))

@@ -147,7 +147,7 @@ def run_grid(grid: Grid | Mapping[str, Any], out: str | Path, *, models: Any = N
         bar.advance(record)
 
     job = Job(models=source, warmup=grid.warmup, threads=grid.threads, repeats=grid.repeats, cuda_graphs=grid.cuda_graphs,
-              entry_points=registry is None)
+              widen_bf16=grid.widen_bf16, entry_points=registry is None)
     runner.run(job, [g for g in groups if any(p.id in pending for p in g)], pending, sink, registry=registry)
     return Table(rows=write_outputs(results.path.parent), out=results.path.parent, executed=bar.done)
 

@@ -63,6 +63,8 @@ def placement(record: dict) -> str:
     parts = [device, *([f"draft on {draft}"] if draft not in (None, device) else [])]
     if record.get("cuda_graphs") is False and any(str(d).startswith("cuda") for d in (device, draft)):
         parts.append("no CUDA graphs")
+    if record.get("widen_bf16"):
+        parts.append("bf16 widened")
     return ", ".join(parts)
 
 

@@ -25,7 +25,7 @@ import torch
 from ..errors import SpecstackError
 from ..model import check_window
 from ..registry import Registry
-from ..run import use_cuda_graphs
+from ..run import use_cuda_graphs, widen_bf16
 from ..sampling import SamplingConfig
 from ..speedup import measured_speedup, median_speedup
 from .grid import Point
@@ -43,6 +43,7 @@ class Job:
     threads: int | None = None
     repeats: int = 1  # turns of each group (module docstring)
     cuda_graphs: bool = True  # HFCausalLM.cuda_graphs of every transformers model
+    widen_bf16: bool = False  # the target's bf16 products widened (HFCausalLM.widen_bf16_products)
     entry_points: bool = True  # load plugin stack recipes in workers too
 
     @property
@@ -86,6 +87,7 @@ class Runner:
     def open(cls, job: Job, registry: Registry | None = None) -> "Runner":
         models = job.models.load()
         use_cuda_graphs([models.target, models.draft], job.cuda_graphs)
+        widen_bf16([models.target], job.widen_bf16)
         catalog = Catalog(registry=registry or Registry.create(entry_points=job.entry_points))
         return cls(models=models, catalog=catalog, books=Books(models.tokenizer), environment=environment(models), warmup=job.warmup,
                    repeats=job.repeats)
