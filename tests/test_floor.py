@@ -292,3 +292,19 @@ def test_bf16s_peak_is_at_least_fp32s() -> None:
     emulated = Machine(threads=1, read_bandwidth=1e10, gemm_peak={"float32": 1e11, "bfloat16": 2e10})
     assert emulated.peak(torch.bfloat16) == 1e11 and emulated.peak("float32") == 1e11
     assert MACHINE.peak("bfloat16") == 2e11  # faster bf16 products keep their own rate
+
+
+def test_widen_bf16_widens_the_target_the_command_loads(monkeypatch) -> None:
+    """--widen-bf16: the target's products widened before anything is timed (HFCausalLM.widen_bf16_products); unset, not."""
+    import specstack.models
+    from specstack.bench.floor import default_levels, options
+    from specstack.hf import HFCausalLM
+
+    target = random_llama()
+    widened = []
+    monkeypatch.setattr(specstack.models, "load_target", lambda **kwargs: (target, None))
+    monkeypatch.setattr(HFCausalLM, "widen_bf16_products", lambda self: widened.append(self))
+    for flags, expected in [((), []), (("--widen-bf16",), [target])]:
+        widened.clear()
+        levels = default_levels(options(_args("--levels", "full", "--cache", "32", "--tokens", "1", *flags)))
+        assert [level.model for level in levels] == [target] and widened == expected

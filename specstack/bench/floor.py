@@ -32,7 +32,7 @@ import torch
 from ..errors import SpecstackError, whole_number
 from ..floor import DTYPES, Floor, Machine, ModelShape, dtype_name, forward_floor, measure_machine
 from ..model import weights_held
-from ..run import status, torch_threads
+from ..run import WIDEN_BF16_HELP, status, torch_threads, widen_bf16
 from ..speedup import chain_ceiling
 
 LEVELS = {"full": "L2 target+full", "retrieval": "L1 target+retrieval", "draft": "L0 draft+streaming"}
@@ -276,6 +276,7 @@ def add_floor_parser(commands) -> argparse.ArgumentParser:
     floor.add_argument("--repeats", default="5", metavar="N", help="timed forwards per figure, after one warm-up; the median is reported (default: 5)")
     floor.add_argument("--threads", default=None, metavar="N", help="torch intra-op threads (default: torch's choice)")
     floor.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    floor.add_argument("--widen-bf16", action="store_true", help=WIDEN_BF16_HELP)
     from ..cli import add_window_options  # the target's window, as generate, demo and bench take it
 
     add_window_options(floor)
@@ -296,6 +297,7 @@ class Options:
     tree: bool
     context: int | None = None  # the target's window (None: its trained one)
     rope_scaling: str | None = None  # how a window beyond the trained one is reached (specstack.hf.window_config)
+    widen_bf16: bool = False  # the target's bf16 products widened (HFCausalLM.widen_bf16_products)
 
 
 def options(args: argparse.Namespace) -> Options:
@@ -308,7 +310,7 @@ def options(args: argparse.Namespace) -> Options:
                    levels=tuple(dict.fromkeys(args.levels)), budget=whole_number(args.budget, "--budget"),
                    window=whole_number(args.window, "--window"), repeats=whole_number(args.repeats, "--repeats"),
                    threads=None if args.threads is None else whole_number(args.threads, "--threads"), tree=args.tree,
-                   context=args.context, rope_scaling=args.rope_scaling)
+                   context=args.context, rope_scaling=args.rope_scaling, widen_bf16=getattr(args, "widen_bf16", False))
 
 
 def default_levels(opts: Options) -> list[Level]:
@@ -320,6 +322,7 @@ def default_levels(opts: Options) -> list[Level]:
     hf_logging.disable_progress_bar()
     dtype = DTYPES[opts.dtype]
     target = load_target(dtype=dtype, context=opts.context, rope_scaling=opts.rope_scaling)[0]
+    widen_bf16([target], opts.widen_bf16)
     caches = {"full": opts.caches, "retrieval": (opts.budget,), "draft": (opts.window,)}
     levels = []
     for key in opts.levels:
@@ -344,10 +347,11 @@ def run_floor(args: argparse.Namespace, levels: Sequence[Level] | None = None) -
         machine = measure_machine(shapes, opts.tokens)
         rows = measure(levels, machine, tokens=opts.tokens, tree=opts.tree, repeats=opts.repeats, progress=status)
     if args.json:
-        print(json.dumps({"dtype": opts.dtype, "repeats": opts.repeats, "machine": machine.as_dict(),
+        print(json.dumps({"dtype": opts.dtype, "widen_bf16": opts.widen_bf16, "repeats": opts.repeats, "machine": machine.as_dict(),
                           "models": {name: attrs.asdict(shape) for name, shape in shapes.items()},
                           "rows": [row.as_dict() for row in rows], "ceilings": [ceiling.as_dict() for ceiling in ceilings(rows)]}))
         return 0
-    print("\n".join([*machine_lines(machine), "", f"forwards ({opts.dtype}, median of {opts.repeats} after one warm-up; "
+    widened = ", the target's products widened (--widen-bf16)" if opts.widen_bf16 else ""
+    print("\n".join([*machine_lines(machine), "", f"forwards ({opts.dtype}{widened}, median of {opts.repeats} after one warm-up; "
                      "ratio = ms / floor ms, floor = max(memory, compute)):", *table(rows), *ceiling_lines(ceilings(rows))]))
     return 0
