@@ -263,6 +263,7 @@ def _exactness(session, result, identical: bool | None, replay) -> str:
         return "identical to autoregressive decoding, token for token"
     if session.dtype == torch.float32:
         return "DIFFERS from autoregressive decoding in float32: a bug, please report it"
+    hint = "" if session.widen_bf16 else "; --widen-bf16 gives every verify token the step's logits, bit for bit"
     if not session.sampling.greedy:  # coupled: the certificate reads margins of greedy decoding, not of the race
-        return "coupled: differs from autoregressive decoding in reduced precision (the certificate covers greedy decoding only)"
-    return replay().certify(list(result.tokens)).describe()
+        return f"coupled: differs from autoregressive decoding in reduced precision (the certificate covers greedy decoding only{hint})"
+    return replay().certify(list(result.tokens)).describe() + hint

@@ -31,6 +31,7 @@ class Session:
     dtype: torch.dtype = torch.float32
     draft_device: torch.device = torch.device("cpu")
     cuda_graphs: bool = True
+    widen_bf16: bool = False  # the target's bf16 products widened (HFCausalLM.widen_bf16_products)
     _draft: object = None
 
     @classmethod
@@ -54,9 +55,10 @@ class Session:
         else:
             target, tokenizer = load_target(dtype=dtype, device=device, context=context, rope_scaling=scaling)
         use_cuda_graphs([target], cuda_graphs)
-        widen_bf16([target], getattr(args, "widen_bf16", False))
+        widened = getattr(args, "widen_bf16", False)
+        widen_bf16([target], widened)
         return cls(registry=Registry.create(), target=target, tokenizer=tokenizer, draft_path=args.draft, sampling=sampling, seed=args.seed,
-                   dtype=dtype, draft_device=draft_device, cuda_graphs=cuda_graphs)
+                   dtype=dtype, draft_device=draft_device, cuda_graphs=cuda_graphs, widen_bf16=widened)
 
     @property
     def draft(self):

@@ -7,6 +7,7 @@ import json
 
 import attrs
 import pytest
+import torch
 
 from specstack.cli import main
 from specstack.demo import _spec
@@ -155,3 +156,15 @@ def test_the_demo_says_when_the_host_changed_speed_under_its_runs() -> None:
     assert "changed speed by more than 10%" in BaselineDrift(ms_per_token=40.0, drift=1.28).describe()
     assert "changed speed by more than 10%" in BaselineDrift(ms_per_token=60.0, drift=0.85).describe()
     assert "each turn's speedups are against its own autoregressive run" in BaselineDrift(ms_per_token=60.0, drift=0.85).describe(turns=3)
+
+
+def test_a_reduced_precision_difference_points_to_widen_bf16_unless_it_was_given() -> None:
+    from types import SimpleNamespace
+
+    from specstack.demo import _exactness
+    from specstack.sampling import SamplingConfig
+
+    for widened in (False, True):
+        session = SimpleNamespace(dtype=torch.bfloat16, sampling=SamplingConfig(temperature=0.6, coupled=True), widen_bf16=widened)
+        line = _exactness(session, None, identical=False, replay=None)
+        assert line.startswith("coupled: differs") and ("--widen-bf16" in line) is not widened
