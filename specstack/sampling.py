@@ -233,8 +233,9 @@ class RaceNoise:
             for position in missing:
                 self._rows[position] = torch.from_numpy(-np.log(exponentials(seed, position, vocab_size).astype(np.float32)))  # [V]
         rows = torch.stack([self._rows[p] for p in wanted]) if wanted else torch.empty(0, vocab_size, device="cpu")  # [n, V]
-        for old in sorted(self._rows)[: max(len(self._rows) - self.capacity, 0)]:
-            del self._rows[old]
+        if len(self._rows) > self.capacity:
+            for old in sorted(self._rows)[: len(self._rows) - self.capacity]:
+                del self._rows[old]
         return rows.reshape(*positions.shape, vocab_size).to(device)  # [..., V]
 
 

@@ -158,3 +158,23 @@ def test_no_cuda_graphs_switches_them_off_in_transformers_models() -> None:
     assert model.cuda_graphs is False
     use_cuda_graphs([model], True)
     assert model.cuda_graphs is True
+
+
+def test_widen_bf16_reaches_the_target_generate_and_demo_load(monkeypatch) -> None:
+    """--widen-bf16 on the stack commands: the target the session loads has its products widened, and the session says
+    so (the demo's exactness line reads it); unset, neither."""
+    import specstack.models
+    from specstack.cli import _parser
+    from specstack.hf import HFCausalLM
+    from specstack.run import Session
+    from specstack.testing.llama import random_llama
+
+    target = random_llama()
+    widened = []
+    monkeypatch.setattr(specstack.models, "load_target", lambda **kwargs: (target, None))
+    monkeypatch.setattr(HFCausalLM, "widen_bf16_products", lambda self: widened.append(self))
+    for command in ("generate", "demo"):
+        for flags, expected in [((), []), (("--widen-bf16",), [target])]:
+            widened.clear()
+            session = Session.open(_parser([command]).parse_args([command, *flags]))
+            assert session.target is target and widened == expected and session.widen_bf16 == bool(expected)

@@ -200,13 +200,6 @@ def use_kernels(target, attention: DecodeKernel, rows: RowsKernel | None) -> Non
             target.decoder.compiled.plans.clear()  # the compiled layers' plans hold the kernel entries
 
 
-def widen_everywhere(target) -> None:
-    """The target's attention on the widening paths, and its linear layers' rows all streamed, widened: AMX tiles, where
-    there are tiles, take products of TILES_FROM rows or more and sum a row as the bf16 dot products do, not as widened."""
-    rows = load_rows_kernel()
-    use_kernels(target, WIDENING, None if rows is None or not rows.tiles else attrs.evolve(rows, tiles=False, bf16_dots=False))
-
-
 @pytest.mark.real_model
 @needs_dot_products
 def test_the_bf16_targets_verify_of_up_to_five_tokens_gives_its_first_token_the_one_token_steps_logits() -> None:
@@ -558,7 +551,7 @@ def test_on_the_widening_paths_every_token_of_a_verify_gets_the_steps_logits(dty
     from specstack.models import load_target
 
     target = load_target(dtype=dtype)[0]
-    widen_everywhere(target)
+    target.widen_bf16_products()
     generator = torch.Generator().manual_seed(13)
     prompt, verify = torch.randint(1000, 20000, (600,), generator=generator).tolist(), torch.randint(1000, 20000, (16,), generator=generator).tolist()
     store = target.new_cache(640)
@@ -582,7 +575,7 @@ def test_on_the_widening_paths_every_node_of_a_tree_verify_gets_the_steps_logits
     from specstack.models import load_target
 
     target = load_target(dtype=dtype)[0]
-    widen_everywhere(target)
+    target.widen_bf16_products()
     generator = torch.Generator().manual_seed(14)
     prompt, tokens = torch.randint(1000, 20000, (252,), generator=generator).tolist(), torch.randint(1000, 20000, (16,), generator=generator).tolist()
     parents = [-1, -1, 0, 0, 1, 2, 2, 3, 4, 4, 5, 7, 7, 8, 11]  # node i's parent among the nodes (-1: the committed token)

@@ -310,7 +310,7 @@ def options(args: argparse.Namespace) -> Options:
                    levels=tuple(dict.fromkeys(args.levels)), budget=whole_number(args.budget, "--budget"),
                    window=whole_number(args.window, "--window"), repeats=whole_number(args.repeats, "--repeats"),
                    threads=None if args.threads is None else whole_number(args.threads, "--threads"), tree=args.tree,
-                   context=args.context, rope_scaling=args.rope_scaling, widen_bf16=getattr(args, "widen_bf16", False))
+                   context=args.context, rope_scaling=args.rope_scaling, widen_bf16=args.widen_bf16)
 
 
 def default_levels(opts: Options) -> list[Level]:
