@@ -506,12 +506,14 @@ def test_the_recipes_are_greedy_lossless(registry) -> None:
     target = SyntheticLM(vocab_size=16, seed=2, sharpness=2.0)
     prompt = list(range(8)) * 5
     for name, options, level0 in [("medusa", {}, "medusa"), ("medusa-chain", {"heads": synthetic_heads(16, chained=True)}, "medusa"),
-                                  ("triforce-medusa", SMALL, "medusa"), ("medusa-lookup", {}, "prompt-lookup+medusa")]:
+                                  ("triforce-medusa", SMALL, "medusa"), ("medusa-lookup", {}, "prompt-lookup+medusa"),
+                                  ("triforce-medusa-lookup", SMALL, "prompt-lookup+medusa")]:
         stack = registry.stack(name, target=target, tree_size=10, **{"heads": synthetic_heads(16), **options})
         result = stack.generate(prompt, 30)
         assert list(result.tokens) == greedy_decode(target, prompt, 30), name
         assert result.levels[0].name == level0 and result.levels[1].drafted > result.levels[1].rounds  # trees, not single tokens
-    assert registry.stack("triforce-medusa", target=target, heads=synthetic_heads(16), **SMALL).top.drafter.lm.policy.name == "retrieval"
+    for name in ("triforce-medusa", "triforce-medusa-lookup"):
+        assert registry.stack(name, target=target, heads=synthetic_heads(16), **SMALL).top.drafter.lm.policy.name == "retrieval"
 
 
 # -- sampled losslessness --------------------------------------------------------------------------
@@ -535,6 +537,17 @@ def test_sampled_medusa_merged_with_prompt_lookup_keeps_the_target_distribution(
                            first_only=False, min_ngram=1)
     assert stack.top.verifier.name == "token-tree" and stack.top.drafter.name == "merged"
     assert stack_pvalue(stack, target, sampling, [1, 2, 3, 1, 2]) > ALPHA
+
+
+def test_sampled_triforce_over_the_merged_draft_keeps_the_target_distribution(registry) -> None:
+    """``triforce-medusa-lookup``: the merged tree verified by the target over its retrieval view, whose chains the
+    target verifies."""
+    sampling = SamplingConfig(temperature=0.8)
+    target = SyntheticLM(vocab_size=4, seed=11, sharpness=1.5)
+    stack = registry.stack("triforce-medusa-lookup", target=target, heads=synthetic_heads(4, token_input=True), tree_size=6, sampling=sampling,
+                           seed=3, first_only=False, min_ngram=1, gamma2=3, **SMALL)
+    assert stack.top.drafter.drafter.name == "merged" and stack.top.drafter.lm.policy.name == "retrieval"
+    assert stack_pvalue(stack, target, sampling, [1, 2, 3, 1, 2, 0] * 4) > ALPHA  # longer than the retrieval budget
 
 
 def test_sampled_medusa_under_a_middle_level_keeps_the_target_distribution() -> None:

@@ -79,6 +79,7 @@ def generate(stack, autoregressive, prompt):
         ("triforce-medusa", {**SMALL, "heads": "chained", "tree_size": 4}),
         ("triforce-medusa", {**SMALL, "tree_size": 4}),  # ... on the middle level's, over retrieval
         ("medusa-lookup", {"tree_size": 4}),  # ... prompt lookup's chain where it matches, else the chained heads' tree
+        ("triforce-medusa-lookup", SMALL),  # ... that draft verified by the middle level over retrieval
     ],
 )
 def test_greedy_output_equals_the_targets_own_greedy_decoding(models, prompt, autoregressive, reference, name, options) -> None:

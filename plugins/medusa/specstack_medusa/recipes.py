@@ -52,6 +52,16 @@ def _medusa_lookup(registry, *, target, heads: str | MedusaHeads | None = "chain
     return [Level(drafter=merged), _full(target, merged.step)]
 
 
+def _triforce_medusa_lookup(registry, *, target, heads: str | MedusaHeads | None = "chained", tree_size: int = 4, top_k: int = 8,
+                            draft_vocab: int | None = None, min_prob: float = MIN_PROB, max_ngram: int = 3, min_ngram: int = 3,
+                            first_only: bool = True, lookback: int = LOOKBACK, gamma2: int = 6, budget: int | str = AUTO, chunk_size: int = 8,
+                            stride: int = STRIDE) -> list[Level]:
+    level0 = _medusa_lookup(registry, target=target, heads=heads, tree_size=tree_size, top_k=top_k, draft_vocab=draft_vocab, min_prob=min_prob,
+                            max_ngram=max_ngram, min_ngram=min_ngram, first_only=first_only, lookback=lookback)[0]
+    retrieval = Retrieval(budget=budget, chunk_size=chunk_size, stride=stride)
+    return [level0, _view(target, retrieval, level0.drafter.step), _full(target, gamma2)]
+
+
 RECIPES = [
     StackRecipe(name="medusa", description="Medusa heads on the target's hidden state (a tree) -> target (-o tree_size=4)", build=_medusa,
                 conformance_options=_synthetic),
@@ -61,4 +71,7 @@ RECIPES = [
                 build=_triforce_medusa, conformance_options=_synthetic),
     StackRecipe(name="medusa-lookup", description="prompt lookup's chain where it matches 3+ tokens, else chained Medusa heads' tree -> target",
                 build=_medusa_lookup, conformance_options=_synthetic),
+    StackRecipe(name="triforce-medusa-lookup",
+                description="medusa-lookup's draft on the middle level's hidden state -> target+Retrieval -> target",
+                build=_triforce_medusa_lookup, conformance_options=_synthetic),
 ]
