@@ -228,10 +228,8 @@ class RaceNoise:
         if self._key != (seed, vocab_size):
             self._key, self._rows = (seed, vocab_size), {}
         wanted = positions.reshape(-1).tolist()
-        missing = sorted(set(wanted) - self._rows.keys())
-        if missing:
-            for position in missing:
-                self._rows[position] = torch.from_numpy(-np.log(exponentials(seed, position, vocab_size).astype(np.float32)))  # [V]
+        for position in set(wanted) - self._rows.keys():
+            self._rows[position] = torch.from_numpy(-np.log(exponentials(seed, position, vocab_size).astype(np.float32)))  # [V]
         rows = torch.stack([self._rows[p] for p in wanted]) if wanted else torch.empty(0, vocab_size, device="cpu")  # [n, V]
         if len(self._rows) > self.capacity:
             for old in sorted(self._rows)[: len(self._rows) - self.capacity]:

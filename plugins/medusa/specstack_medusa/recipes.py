@@ -44,20 +44,25 @@ def _triforce_medusa(registry, *, target, heads: str | MedusaHeads | None = None
     return [level0, _view(target, retrieval, level0.drafter.step), _full(target, gamma2)]
 
 
-def _medusa_lookup(registry, *, target, heads: str | MedusaHeads | None = "chained", tree_size: int = 4, top_k: int = 8, draft_vocab: int | None = None,
-                   min_prob: float = MIN_PROB, max_ngram: int = 3, min_ngram: int = 3, first_only: bool = True, lookback: int = LOOKBACK) -> list[Level]:
+def _lookup_and_heads(registry, target, heads, tree_size: int, top_k: int, draft_vocab: int | None, min_prob: float, max_ngram: int,
+                      min_ngram: int, first_only: bool, lookback: int) -> Level:
+    """Level 0 of the lookup stacks: prompt lookup and the heads merged into one drafter."""
     level0 = _heads(registry, target, heads, tree_size, top_k, draft_vocab, min_prob)
     lookup = registry.drafter("prompt-lookup", vocab=target.vocab_size, max_ngram=max_ngram, min_ngram=min_ngram, lookback=lookback)
-    merged = MergedDrafter(parts=(lookup, level0.drafter), first_only=first_only)
-    return [Level(drafter=merged), _full(target, merged.step)]
+    return Level(drafter=MergedDrafter(parts=(lookup, level0.drafter), first_only=first_only))
+
+
+def _medusa_lookup(registry, *, target, heads: str | MedusaHeads | None = "chained", tree_size: int = 4, top_k: int = 8, draft_vocab: int | None = None,
+                   min_prob: float = MIN_PROB, max_ngram: int = 3, min_ngram: int = 3, first_only: bool = True, lookback: int = LOOKBACK) -> list[Level]:
+    level0 = _lookup_and_heads(registry, target, heads, tree_size, top_k, draft_vocab, min_prob, max_ngram, min_ngram, first_only, lookback)
+    return [level0, _full(target, level0.drafter.step)]
 
 
 def _triforce_medusa_lookup(registry, *, target, heads: str | MedusaHeads | None = "chained", tree_size: int = 4, top_k: int = 8,
                             draft_vocab: int | None = None, min_prob: float = MIN_PROB, max_ngram: int = 3, min_ngram: int = 3,
                             first_only: bool = True, lookback: int = LOOKBACK, gamma2: int = 6, budget: int | str = AUTO, chunk_size: int = 8,
                             stride: int = STRIDE) -> list[Level]:
-    level0 = _medusa_lookup(registry, target=target, heads=heads, tree_size=tree_size, top_k=top_k, draft_vocab=draft_vocab, min_prob=min_prob,
-                            max_ngram=max_ngram, min_ngram=min_ngram, first_only=first_only, lookback=lookback)[0]
+    level0 = _lookup_and_heads(registry, target, heads, tree_size, top_k, draft_vocab, min_prob, max_ngram, min_ngram, first_only, lookback)
     retrieval = Retrieval(budget=budget, chunk_size=chunk_size, stride=stride)
     return [level0, _view(target, retrieval, level0.drafter.step), _full(target, gamma2)]
 
