@@ -71,9 +71,7 @@ def main() -> None:
         rows, attention = kernels[name]
         for m in linears:
             m._rows = rows
-        model.attention_kernel = attention
-        if model.decoder.compiled is not None:
-            model.decoder.compiled.plans.clear()  # the compiled layers' plans hold the kernel entries
+        model.attention_kernel = attention  # the compiled layers make their plans again from these kernels
 
     generator = torch.Generator().manual_seed(0)
     store = model.new_cache(args.cache + max(args.tokens))

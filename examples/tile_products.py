@@ -49,7 +49,7 @@ def main() -> None:
 
     def use(name: str) -> None:
         for m in every:
-            m._rows = kernels[name]
+            m._rows = kernels[name]  # the compiled layers make their plans again from it
 
     elsewhere = torch.ones(300 * 2**20 // 4)  # [75M] float32
     generator = torch.Generator().manual_seed(0)

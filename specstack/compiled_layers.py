@@ -24,8 +24,9 @@ graphed forward) and the lean decoder's compiled norms. A query log for a gather
 positions. Everything else keeps the lean decoder's Python.
 
 The plan of a forward (each product's kernel entry and stored weight, the norms, the shapes) is made
-once per number of tokens and made again whenever a weight, a norm or a stored format changed: the
-kernels never read a weight the module no longer holds. Inside the decoder's ``weights_held`` scope (a
+once per number of tokens and made again whenever a weight, a norm or a stored format changed, or the kernels its
+entries were chosen from (a product's few-row kernel switched, ``TILES_FROM``, the attention kernel's library): the
+kernels never read a weight the module no longer holds, and a forward never takes entries another kernel chose. Inside the decoder's ``weights_held`` scope (a
 generation) that is checked at the first forward of each width only.
 """
 
@@ -34,10 +35,12 @@ from __future__ import annotations
 import ctypes
 import operator
 from pathlib import Path
+from typing import Sequence
 
 import attrs
 import torch
 
+from . import packed_linear
 from .decoder_ops import DTYPES, RMS_NORMS, DecoderOps
 from .native import SOURCES, CompiledLibrary, load
 from .packed_linear import PackedLinear
@@ -89,11 +92,15 @@ class _Plan:
     storages: tuple = ()  # every parameter's data as read (detached): memory the kernels read stays allocated even where a
     # weight's storage is replaced inside a weights_held scope, which skips the checks until it closes
     tables: tuple | None = None  # each layer's activation table [65536] bf16 where every layer has one: the forward is one call
+    kernels: tuple = ()  # what chose its entries (kept alive here, so compared by identity): each product's few-row kernel, the attention's library
+    tiles_from: int = 0  # the fewest rows whose products took AMX tiles
 
-    def current(self, decoder) -> bool:
-        """Whether ``decoder`` still holds what the plan was made from (a few hundred checks, in C loops)."""
+    def current(self, decoder, kernel) -> bool:
+        """Whether ``decoder`` still holds what the plan was made from, and its products and attention ``kernel`` are
+        the kernels it chose its entries from (a few hundred checks, in C loops)."""
         return (len(decoder.layers) == len(self.lean_layers) and all(map(operator.is_, decoder.layers, self.lean_layers))
-                and self.params.current() and all(map(operator.is_, map(_BLOCKS, self.linears), self.blocks)))
+                and self.params.current() and all(map(operator.is_, map(_BLOCKS, self.linears), self.blocks))
+                and all(map(operator.is_, _kernels(self.linears, kernel), self.kernels)) and self.tiles_from == packed_linear.TILES_FROM)
 
 
 @attrs.define(eq=False)
@@ -123,7 +130,7 @@ class CompiledLayers(CompiledLibrary):
         if not kernel.takes(dtype, first.heads, first.kv_heads, t, first.head_dim, store.length + t):
             return None
         plan, asked = self.plans.get(t), decoder.asks(("plan", t))
-        if plan is None or (asked and not plan.current(decoder)):
+        if plan is None or (asked and not plan.current(decoder, kernel)):
             plan = self.plans[t] = _make_plan(decoder, kernel, t, self.table)
         return plan if plan.model is not None else None
 
@@ -224,7 +231,7 @@ def _make_plan(decoder, kernel, t: int, table) -> _Plan:
     stored = tuple(linear for linear in linears if isinstance(linear, PackedLinear))
     params = ParameterWatch.now(owners, versions=True)
     plan = _Plan(model=None, lean_layers=tuple(decoder.layers), params=params, linears=stored, blocks=tuple(linear._blocks for linear in stored),
-                 storages=tuple(param.detach() for param in params.params))
+                 storages=tuple(param.detach() for param in params.params), kernels=_kernels(stored, kernel), tiles_from=packed_linear.TILES_FROM)
     if None in products or any(type(norm).__name__ not in RMS_NORMS or norm.weight.dtype != dtype or not norm.weight.is_contiguous() for norm in norms):
         return plan
     tables = [table(layer.act, layer.inner, dtype) for layer in decoder.layers]
@@ -243,6 +250,12 @@ def _make_plan(decoder, kernel, t: int, table) -> _Plan:
                         hidden=decoder.model.norm.weight.shape[0], inner=first.inner, final_norm=decoder.model.norm.weight.data_ptr(),
                         final_eps=float(decoder.model.norm.variance_epsilon), bf16=DTYPES[dtype])
     return plan
+
+
+def _kernels(linears: Sequence[PackedLinear], kernel) -> tuple:
+    """What a plan's kernel entries are chosen from besides ``TILES_FROM``: each product's few-row kernel (a kernel
+    switched or evolved is a new object) and the attention ``kernel``'s library."""
+    return (*(linear._rows for linear in linears), kernel.library)
 
 
 def _product(linear: torch.nn.Module, t: int, dtype: torch.dtype) -> _Product | None:

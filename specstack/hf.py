@@ -244,9 +244,7 @@ class HFCausalLM:
         linears += [product.linear for product in self.decoder.products()] if self.decoder is not None else []
         for linear in linears:
             if linear._rows is not None:
-                linear._rows = attrs.evolve(linear._rows, tiles=False, bf16_dots=False)
-        if self.decoder is not None and self.decoder.compiled is not None:
-            self.decoder.compiled.plans.clear()  # the compiled layers' plans hold the kernel entries chosen before
+                linear._rows = attrs.evolve(linear._rows, tiles=False, bf16_dots=False)  # new kernels: the compiled layers plan again
 
     def read_weights_from(self, gguf: str | Path) -> int:
         """Let products of a few rows read the blocks of the GGUF at ``gguf`` (Q4_1 layer matrices; a Q8_0

@@ -72,8 +72,10 @@ MAX_WIDENED_BF16_ROWS = 16
 # them instead. The target's 120 layer products of 8-32 rows over their Q4_1 blocks measured 1.47-1.57x
 # faster than oneDNN's; whole target forwards over 7,500 cached slots 1.05x (5 tokens) to 1.18x (8, 16)
 # faster than with the streaming kernel or oneDNN, and forwards of 3-4 tokens no faster on the tiles
-# (docs/benchmarks.md, "Five to 32 rows on AMX tiles"; examples/tile_products.py).
-TILES_FROM, MAX_TILE_ROWS = 5, 32
+# (docs/benchmarks.md, "Five to 32 rows on AMX tiles"; examples/tile_products.py). From six: on the AMX host of
+# 2026-11-30, whole forwards of five tokens took 1.05-1.16x less time without the tiles, of six 1.03-1.06x more
+# (docs/benchmarks.md, "Tiles from six rows").
+TILES_FROM, MAX_TILE_ROWS = 6, 32
 
 PACKED_FOR_ROWS = 4  # the row count oneDNN's reorder is told to expect: measured best over 1-32 rows here (hint 1 doubled 2 rows' cost)
 

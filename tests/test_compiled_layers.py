@@ -9,13 +9,15 @@ activation is read from a table only where the table gives the module's bits for
 from __future__ import annotations
 
 import ctypes
+import shutil
 
 import pytest
 import torch
 
 from specstack.batch import TokenBatch
 from specstack.channels import QueryLog
-from specstack.compiled_layers import activation_table
+from specstack import packed_linear
+from specstack.compiled_layers import _address, activation_table
 from specstack.gguf_weights import attach_gguf_blocks
 from specstack.packed_linear import PackedLinear, load_rows_kernel, read_bf16_numbers
 from specstack.parameter_watch import ParameterWatch
@@ -141,6 +143,30 @@ def test_a_plan_is_remade_when_the_weights_it_reads_change() -> None:
         attention.o_proj.weight.data = attention.o_proj.weight.detach().clone() * 2  # and new storage
     changed = forward(model, make, compiled=True)
     assert changed["took"] and same_bits(changed, forward(model, make, compiled=False))
+
+
+def test_a_plan_is_remade_when_the_kernels_it_chose_from_change(tmp_path, monkeypatch) -> None:
+    """A plan keeps the kernel entries its products' few-row kernel chose: switched to another build of that kernel
+    (the same source loaded from another file: other entry addresses), or with TILES_FROM moved, the next forward
+    takes a plan made from what the products hold now, and gives the same bits."""
+    model = tiny("llama")
+    make = lambda: chain(2, model.vocab_size)  # noqa: E731
+    before = forward(model, make, compiled=True)
+    linears = [m for m in model.module.modules() if isinstance(m, PackedLinear)] + [p.linear for p in model.decoder.products()]
+    (tmp_path / "kernels").mkdir()
+    shutil.copy(_ROWS.path, tmp_path / "kernels" / _ROWS.path.name)  # found there as built: loaded apart, not compiled again
+    other = load_rows_kernel(cache=tmp_path)
+    assert other is not None and other.library is not _ROWS.library
+    for linear in linears:
+        linear._rows = other
+    after = forward(model, make, compiled=True)
+    entry = model.decoder.compiled.plans[2].model.layers[0].o.entry
+    assert after["took"] and same_bits(after, before)
+    assert entry == _address(model.module.model.layers[0].self_attn.o_proj.rows_product(2)[0])  # the new build's entry
+    plan = model.decoder.compiled.plans[2]
+    monkeypatch.setattr(packed_linear, "TILES_FROM", packed_linear.TILES_FROM + 1)
+    forward(model, make, compiled=True)
+    assert model.decoder.compiled.plans[2] is not plan
 
 
 def test_an_activation_table_is_refused_where_it_would_change_a_bit() -> None:

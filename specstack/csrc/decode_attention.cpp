@@ -106,7 +106,7 @@ constexpr int GEMM_ROWS = 25;
 // (AVX-512, no AMX) the few-row path did better without it too (float32, from memory: 1.05-1.16x at one token
 // and 1.32-1.34x at two, over 7,500 and 32,000 keys), and the GEMM path with it (1.03-1.05x at four and eight
 // tokens; the GEMM path is now AVX2's only, where it never asked). So it is asked for only where the kernel is built
-// for AMX, which the Intel host has (as DP_PREFETCH).
+// for AMX, which the Intel host has (the widening paths; the dot-product path spreads its asks, DP_AHEAD).
 #ifdef SPECSTACK_AMX
 constexpr bool PREFETCH_NEXT_BLOCK = true;
 #else
@@ -1176,27 +1176,22 @@ constexpr int DP_CHUNK = 1024;  // keys each group takes in turn (256 KB of keys
 // How far a row's scores may rise above its reference before the reference moves up to the block's maximum and the
 // sums so far are rescaled: the weights stay at most e^8 (about 3,000), far inside float32's and bf16's range.
 constexpr float RESCALE_ABOVE = 8.0f;
-// Whether each block asks for the whole block four ahead at its start. On the Intel AMX host the path was 1.34x
-// slower without (docs/benchmarks.md, 2026-11-24); on the AMD Zen 4 host (no AMX) the hardware prefetcher alone
-// took the one-token case 1.41-1.50x (7,500 keys) and 1.50-1.76x (32,000) faster than that.
-#ifdef SPECSTACK_AMX
-constexpr bool DP_PREFETCH = true;
-#else
-constexpr bool DP_PREFETCH = false;
-#endif
-// Elsewhere a block asks for the one DP_AHEAD ahead in shares, into L2: the keys' lines beside the key loads, the
+// Each block asks for the one DP_AHEAD ahead in shares, into L2: the keys' lines beside the key loads, the
 // values' lines beside the weighted values, so that the requests go out as evenly as the block's own loads. Only the
 // first group of rows over a chunk asks (the later groups find the chunk in L2). On the AMD Zen 4 host, against the
 // hardware prefetcher alone, attention from memory (30 layers, two threads) took 7.0-7.8 -> 4.8-6.2 ms at one token
 // and 8.4-8.6 -> 6.0-6.8 at two over 7,500 keys, 29.4-32.4 -> 20.3-25.7 at one token over 32,000, 1.05-1.17x less
 // at three to five tokens; 3 to 6 blocks ahead did less well, asking into L1 worse (docs/benchmarks.md, "The
-// register path's prefetches spread over its block").
+// register path's prefetches spread over its block"). On the AMX host of 2026-11-30, against asking for the whole
+// block four ahead into L1 at its start (what AMX builds did until then), one token over 2,048, 16,000 and 32,000 keys
+// took 1.03-1.07x less time and over 7,500 as much (docs/benchmarks.md, "Tiles from six rows, and the one-token
+// attention's asks spread on the AMX host too"); 1, 3 and 4 blocks ahead measured alike.
 constexpr int DP_AHEAD = 2;
 
 // Keys [begin, end) of one KV head for ROWS <= DP_ROWS rows (their queries as bf16 words, qw [ROWS, d / 2]), d = 16 * D16
 // (D16 a multiple of 2): each row's reference score ref[r], weight sums sums[r * 16 ..] (a lane a key) and weighted
 // values acc[r * d ..] move on from where they are (fresh: from nothing; a row's reference -inf, its sums and values zero).
-// Where `ask`, each block asks for the one DP_AHEAD ahead (not where DP_PREFETCH asks for whole blocks).
+// Where `ask`, each block asks for the one DP_AHEAD ahead.
 template <int ROWS, int D16>
 void attend_range_dp(const uint32_t *qw, float scale, const uint16_t *k, const uint16_t *v, int64_t begin, int64_t end,
                      float *ref, float *sums, float *acc, bool fresh, bool ask) {
@@ -1211,12 +1206,7 @@ void attend_range_dp(const uint32_t *qw, float scale, const uint16_t *k, const u
     }
     for (int64_t b = begin; b < end; b += TILE) {
         const int len = (int)(end - b < TILE ? end - b : TILE);
-        if (DP_PREFETCH && b + 4 * TILE < end)
-            for (int line = 0; line < TILE * d * 2; line += 64) {  // the block four ahead, keys and values
-                _mm_prefetch((const char *)(k + (b + 4 * TILE) * d) + line, _MM_HINT_T0);
-                _mm_prefetch((const char *)(v + (b + 4 * TILE) * d) + line, _MM_HINT_T0);
-            }
-        const bool spread = !DP_PREFETCH && ask && b + (DP_AHEAD + 1) * TILE <= end;  // the block DP_AHEAD ahead is whole
+        const bool spread = ask && b + (DP_AHEAD + 1) * TILE <= end;  // the block DP_AHEAD ahead is whole
         const char *k_ahead = (const char *)(k + (b + DP_AHEAD * TILE) * d), *v_ahead = (const char *)(v + (b + DP_AHEAD * TILE) * d);
         __m512 s[ROWS], s2[ROWS];  // two sums a row: even and odd words (shorter chains of dependent products)
         for (int r = 0; r < ROWS; ++r) s[r] = s2[r] = _mm512_setzero_ps();
