@@ -24,10 +24,11 @@ graphed forward) and the lean decoder's compiled norms. A query log for a gather
 positions. Everything else keeps the lean decoder's Python.
 
 The plan of a forward (each product's kernel entry and stored weight, the norms, the shapes) is made
-once per number of tokens and made again whenever a weight, a norm or a stored format changed, or the kernels its
-entries were chosen from (a product's few-row kernel switched, ``TILES_FROM``, the attention kernel's library): the
-kernels never read a weight the module no longer holds, and a forward never takes entries another kernel chose. Inside the decoder's ``weights_held`` scope (a
-generation) that is checked at the first forward of each width only.
+once per number of tokens and made again whenever a weight, a norm or a stored format changed, or what its
+entries were chosen from (a product's few-row kernel, ``TILES_FROM``, the attention kernel's library): the
+kernels never read a weight the module no longer holds, and a forward never takes entries chosen for other
+kernels. Inside the decoder's ``weights_held`` scope (a generation) that is checked at the first forward of
+each width only.
 """
 
 from __future__ import annotations
@@ -92,7 +93,7 @@ class _Plan:
     storages: tuple = ()  # every parameter's data as read (detached): memory the kernels read stays allocated even where a
     # weight's storage is replaced inside a weights_held scope, which skips the checks until it closes
     tables: tuple | None = None  # each layer's activation table [65536] bf16 where every layer has one: the forward is one call
-    kernels: tuple = ()  # what chose its entries (kept alive here, so compared by identity): each product's few-row kernel, the attention's library
+    kernels: tuple = ()  # what chose its entries, each product's few-row kernel and the attention's library (kept alive: compared by identity)
     tiles_from: int = 0  # the fewest rows whose products took AMX tiles
 
     def current(self, decoder, kernel) -> bool:
