@@ -34,7 +34,6 @@ def main() -> None:
     parser.add_argument("--tiles-from", type=int, default=packed_linear.TILES_FROM,
                         help=f"the fewest rows that take the tiles (default: the shipped {packed_linear.TILES_FROM})")
     args = parser.parse_args()
-    packed_linear.TILES_FROM = args.tiles_from  # read by every call of the kernel
     torch.set_num_threads(args.threads)
     target = load_target(dtype=torch.bfloat16)[0]
     products = []
@@ -45,7 +44,7 @@ def main() -> None:
     kernel = products[0]._rows
     if kernel is None or not kernel.tiles:
         raise SystemExit("no AMX tiles here: nothing to compare")
-    kernels = {"without tiles": attrs.evolve(kernel, tiles=False), "tiles": kernel}
+    kernels = {"without tiles": attrs.evolve(kernel, tiles=False), "tiles": attrs.evolve(kernel, tiles_from=args.tiles_from)}
 
     def use(name: str) -> None:
         for m in every:

@@ -25,7 +25,7 @@ positions. Everything else keeps the lean decoder's Python.
 
 The plan of a forward (each product's kernel entry and stored weight, the norms, the shapes) is made
 once per number of tokens and made again whenever a weight, a norm or a stored format changed, or what its
-entries were chosen from (a product's few-row kernel, ``TILES_FROM``, the attention kernel's library): the
+entries were chosen from (a product's few-row kernel, the attention kernel's library): the
 kernels never read a weight the module no longer holds, and a forward never takes entries chosen for other
 kernels. Inside the decoder's ``weights_held`` scope (a generation) that is checked at the first forward of
 each width only.
@@ -41,7 +41,6 @@ from typing import Sequence
 import attrs
 import torch
 
-from . import packed_linear
 from .decoder_ops import DTYPES, RMS_NORMS, DecoderOps
 from .native import SOURCES, CompiledLibrary, load
 from .packed_linear import PackedLinear
@@ -94,14 +93,13 @@ class _Plan:
     # weight's storage is replaced inside a weights_held scope, which skips the checks until it closes
     tables: tuple | None = None  # each layer's activation table [65536] bf16 where every layer has one: the forward is one call
     kernels: tuple = ()  # what chose its entries, each product's few-row kernel and the attention's library (kept alive: compared by identity)
-    tiles_from: int = 0  # the fewest rows whose products took AMX tiles
 
     def current(self, decoder, kernel) -> bool:
         """Whether ``decoder`` still holds what the plan was made from, and its products and attention ``kernel`` are
         the kernels it chose its entries from (a few hundred checks, in C loops)."""
         return (len(decoder.layers) == len(self.lean_layers) and all(map(operator.is_, decoder.layers, self.lean_layers))
                 and self.params.current() and all(map(operator.is_, map(_BLOCKS, self.linears), self.blocks))
-                and all(map(operator.is_, _kernels(self.linears, kernel), self.kernels)) and self.tiles_from == packed_linear.TILES_FROM)
+                and all(map(operator.is_, _kernels(self.linears, kernel), self.kernels)))
 
 
 @attrs.define(eq=False)
@@ -232,7 +230,7 @@ def _make_plan(decoder, kernel, t: int, table) -> _Plan:
     stored = tuple(linear for linear in linears if isinstance(linear, PackedLinear))
     params = ParameterWatch.now(owners, versions=True)
     plan = _Plan(model=None, lean_layers=tuple(decoder.layers), params=params, linears=stored, blocks=tuple(linear._blocks for linear in stored),
-                 storages=tuple(param.detach() for param in params.params), kernels=_kernels(stored, kernel), tiles_from=packed_linear.TILES_FROM)
+                 storages=tuple(param.detach() for param in params.params), kernels=_kernels(stored, kernel))
     if None in products or any(type(norm).__name__ not in RMS_NORMS or norm.weight.dtype != dtype or not norm.weight.is_contiguous() for norm in norms):
         return plan
     tables = [table(layer.act, layer.inner, dtype) for layer in decoder.layers]
@@ -254,8 +252,8 @@ def _make_plan(decoder, kernel, t: int, table) -> _Plan:
 
 
 def _kernels(linears: Sequence[PackedLinear], kernel) -> tuple:
-    """What a plan's kernel entries are chosen from besides ``TILES_FROM``: each product's few-row kernel (a kernel
-    switched or evolved is a new object) and the attention ``kernel``'s library."""
+    """What a plan's kernel entries are chosen from: each product's few-row kernel (a kernel switched or evolved,
+    its ``tiles_from`` among them, is a new object) and the attention ``kernel``'s library."""
     return (*(linear._rows for linear in linears), kernel.library)
 
 

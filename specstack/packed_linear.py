@@ -103,6 +103,7 @@ class RowsKernel(CompiledLibrary):
     # attrs.evolve turns either way on where both are built.
     bf16_dots: bool = attrs.field(default=False, validator=built_with("bf16_dots_built"))
     tiles: bool = False  # bf16 products of up to MAX_TILE_ROWS rows on AMX tiles (the CPU has them and Linux lends them)
+    tiles_from: int = TILES_FROM  # the fewest bf16 rows that take the tiles, where there are tiles
     avx512: bool = True  # what the build is: AVX-512 (sixteen-float sums), or False for AVX2 or narrower; no limit depends on it
 
     @classmethod
@@ -135,11 +136,11 @@ class RowsKernel(CompiledLibrary):
 
     def entry(self, dtype: torch.dtype, rows: int, weight: torch.Tensor, blocks: torch.Tensor | None, format: WeightFormat) -> tuple:
         """The kernel entry a product of ``rows`` rows of ``dtype`` takes, and what it reads: ``blocks`` (the weight
-        stored in ``format``) where given, else ``weight``. bf16 products of TILES_FROM rows or more run on the
+        stored in ``format``) where given, else ``weight``. bf16 products of ``tiles_from`` rows or more run on the
         tiles where there are tiles."""
         lib = self.library
         stored = blocks is not None and self.reads_stored(dtype, rows, format)
-        if dtype == torch.bfloat16 and rows >= TILES_FROM and self.tiles:
+        if dtype == torch.bfloat16 and rows >= self.tiles_from and self.tiles:
             return (lib.specstack_linear_rows_q4_1_bf16_tiles, blocks) if stored else (lib.specstack_linear_rows_bf16_tiles, weight)
         widened = "_widened" if dtype == torch.bfloat16 and not self.bf16_dots else ""  # entries every build has
         plain = lib.specstack_linear_rows_f32 if dtype == torch.float32 else getattr(lib, "specstack_linear_rows_bf16" + widened)
@@ -148,13 +149,13 @@ class RowsKernel(CompiledLibrary):
     def reads_stored(self, dtype: torch.dtype, rows: int, format: WeightFormat) -> bool:
         """Whether a product of ``rows`` rows of ``dtype`` reads a weight stored in ``format`` rather than the weight
         itself: where the format reads for the dtype, except on the tiles, which read Q4_1 blocks only."""
-        return format.reads(dtype) and (dtype != torch.bfloat16 or rows < TILES_FROM or not self.tiles or format is Q4_1)
+        return format.reads(dtype) and (dtype != torch.bfloat16 or rows < self.tiles_from or not self.tiles or format is Q4_1)
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, blocks: torch.Tensor | None = None,
                  format: WeightFormat = Q4_1) -> torch.Tensor:
         """x [..., in] -> [..., out], reading ``blocks`` (the weight stored in ``format``, one that reads
         for x's dtype: :mod:`specstack.weight_formats`) instead of the weight where given: the same bits out. bf16 products
-        of TILES_FROM rows or more run on the tiles where there are tiles (each row's outputs the same bits
+        of ``tiles_from`` rows or more run on the tiles where there are tiles (each row's outputs the same bits
         at any of those row counts)."""
         out, inp = weight.shape
         x = x.contiguous()

@@ -11,12 +11,12 @@ from __future__ import annotations
 import ctypes
 import shutil
 
+import attrs
 import pytest
 import torch
 
 from specstack.batch import TokenBatch
 from specstack.channels import QueryLog
-from specstack import packed_linear
 from specstack.compiled_layers import _address, activation_table
 from specstack.gguf_weights import attach_gguf_blocks
 from specstack.packed_linear import PackedLinear, load_rows_kernel, read_bf16_numbers
@@ -145,10 +145,10 @@ def test_a_plan_is_remade_when_the_weights_it_reads_change() -> None:
     assert changed["took"] and same_bits(changed, forward(model, make, compiled=False))
 
 
-def test_a_plan_is_remade_when_the_kernels_it_chose_from_change(tmp_path, monkeypatch) -> None:
+def test_a_plan_is_remade_when_the_kernels_it_chose_from_change(tmp_path) -> None:
     """A plan keeps the kernel entries its products' few-row kernel chose: switched to another build of that kernel
-    (the same source loaded from another file: other entry addresses), or with TILES_FROM moved, the next forward
-    takes a plan made from what the products hold now, and gives the same bits."""
+    (the same source loaded from another file: other entry addresses), or to one taking the tiles from another row
+    count, the next forward takes a plan made from what the products hold now, and gives the same bits."""
     model = tiny("llama")
     make = lambda: chain(2, model.vocab_size)  # noqa: E731
     before = forward(model, make, compiled=True)
@@ -164,7 +164,8 @@ def test_a_plan_is_remade_when_the_kernels_it_chose_from_change(tmp_path, monkey
     assert after["took"] and same_bits(after, before)
     assert entry == _address(model.module.model.layers[0].self_attn.o_proj.rows_product(2)[0])  # the new build's entry
     plan = model.decoder.compiled.plans[2]
-    monkeypatch.setattr(packed_linear, "TILES_FROM", packed_linear.TILES_FROM + 1)
+    for linear in linears:
+        linear._rows = attrs.evolve(other, tiles_from=other.tiles_from + 1)
     forward(model, make, compiled=True)
     assert model.decoder.compiled.plans[2] is not plan
 

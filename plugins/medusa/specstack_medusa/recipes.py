@@ -40,6 +40,12 @@ def _medusa_chain(registry, *, target, heads: str | MedusaHeads | None = "chaine
 def _triforce_medusa(registry, *, target, heads: str | MedusaHeads | None = None, tree_size: int = 4, top_k: int = 8, draft_vocab: int | None = None, min_prob: float = MIN_PROB, gamma2: int = 6,
                      budget: int | str = AUTO, chunk_size: int = 8, stride: int = STRIDE) -> list[Level]:
     level0 = _heads(registry, target, heads, tree_size, top_k, draft_vocab, min_prob)
+    return _over_retrieval(target, level0, gamma2, budget, chunk_size, stride)
+
+
+def _over_retrieval(target, level0: Level, gamma2: int, budget: int | str, chunk_size: int, stride: int) -> list[Level]:
+    """TriForce's two upper levels over a tree drafter at ``level0``: the target over its retrieval view, asking for
+    as many tokens as the tree is deep, then the target over its full cache."""
     retrieval = Retrieval(budget=budget, chunk_size=chunk_size, stride=stride)
     return [level0, _view(target, retrieval, level0.drafter.step), _full(target, gamma2)]
 
@@ -63,8 +69,7 @@ def _triforce_medusa_lookup(registry, *, target, heads: str | MedusaHeads | None
                             first_only: bool = True, lookback: int = LOOKBACK, gamma2: int = 6, budget: int | str = AUTO, chunk_size: int = 8,
                             stride: int = STRIDE) -> list[Level]:
     level0 = _lookup_and_heads(registry, target, heads, tree_size, top_k, draft_vocab, min_prob, max_ngram, min_ngram, first_only, lookback)
-    retrieval = Retrieval(budget=budget, chunk_size=chunk_size, stride=stride)
-    return [level0, _view(target, retrieval, level0.drafter.step), _full(target, gamma2)]
+    return _over_retrieval(target, level0, gamma2, budget, chunk_size, stride)
 
 
 RECIPES = [
