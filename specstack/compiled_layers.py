@@ -207,7 +207,7 @@ def activation_table(act: torch.nn.Module, inner: int, tabled_act) -> torch.Tens
     if table.dtype != torch.bfloat16 or want.dtype != torch.bfloat16:
         return None
     got = torch.empty(rows, inner, dtype=torch.bfloat16)  # [rows, I]
-    tabled_act(table.data_ptr(), gate_up.data_ptr(), got.data_ptr(), rows, inner)
+    tabled_act(table.data_ptr(), gate_up.data_ptr(), got.data_ptr(), rows, inner, torch.get_num_threads())
     return table if torch.equal(got.view(torch.int16), want[0].view(torch.int16)) else None
 
 
@@ -276,5 +276,5 @@ def load_compiled_layers(cache: Path | None = None) -> CompiledLayers | None:
     library, path = loaded
     library.specstack_forward.restype, library.specstack_forward.argtypes = ctypes.c_int, [ctypes.POINTER(_Model), ctypes.POINTER(_Step)]
     library.specstack_tabled_act.restype = None
-    library.specstack_tabled_act.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
+    library.specstack_tabled_act.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int]
     return CompiledLayers(library=library, path=path)

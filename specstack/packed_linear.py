@@ -40,7 +40,7 @@ import torch
 
 from .bf16_products import built_with, dot_products_pay
 from .native import SOURCES, CompiledLibrary, load
-from .weight_formats import BF16, Q4_1, WeightFormat, bf16_rows
+from .weight_formats import BF16, Q4_1, Q8_0, WeightFormat, bf16_rows
 
 ROWS_SOURCE = SOURCES / "linear_rows.cpp"
 # The most input rows the streaming kernel takes, per dtype; wider forwards take oneDNN's packed kernel
@@ -72,10 +72,11 @@ MAX_WIDENED_BF16_ROWS = 16
 # them instead. The target's 120 layer products of 8-32 rows over their Q4_1 blocks measured 1.47-1.57x
 # faster than oneDNN's; whole target forwards over 7,500 cached slots 1.05x (5 tokens) to 1.18x (8, 16)
 # faster than with the streaming kernel or oneDNN, and forwards of 3-4 tokens no faster on the tiles
-# (docs/benchmarks.md, "Five to 32 rows on AMX tiles"; examples/tile_products.py). From six: on the AMX host of
-# 2026-11-30, whole forwards of five tokens took 1.05-1.16x less time without the tiles, of six 1.03-1.06x more
-# (docs/benchmarks.md, "Tiles from six rows").
-TILES_FROM, MAX_TILE_ROWS = 6, 32
+# (docs/benchmarks.md, "Five to 32 rows on AMX tiles"; examples/tile_products.py). From four since the tiles are
+# widened one at a time (docs/benchmarks.md, "Tiles widened one at a time"): on the AMX host of 2026-11-30, whole
+# forwards of four / five tokens took 1.07-1.14x / 1.22-1.24x less time on the tiles over 512 slots and 0.99-1.01x /
+# 1.06x over 7,500; of three 1.03-1.04x and 0.97-1.00x, and of two 0.96-1.03x and 0.96-0.98x (two runs).
+TILES_FROM, MAX_TILE_ROWS = 4, 32
 
 PACKED_FOR_ROWS = 4  # the row count oneDNN's reorder is told to expect: measured best over 1-32 rows here (hint 1 doubled 2 rows' cost)
 
@@ -141,15 +142,17 @@ class RowsKernel(CompiledLibrary):
         lib = self.library
         stored = blocks is not None and self.reads_stored(dtype, rows, format)
         if dtype == torch.bfloat16 and rows >= self.tiles_from and self.tiles:
-            return (lib.specstack_linear_rows_q4_1_bf16_tiles, blocks) if stored else (lib.specstack_linear_rows_bf16_tiles, weight)
+            return (getattr(lib, format.tiles_entry), blocks) if stored else (lib.specstack_linear_rows_bf16_tiles, weight)
         widened = "_widened" if dtype == torch.bfloat16 and not self.bf16_dots else ""  # entries every build has
         plain = lib.specstack_linear_rows_f32 if dtype == torch.float32 else getattr(lib, "specstack_linear_rows_bf16" + widened)
         return (getattr(lib, format.entries[dtype] + widened), blocks) if stored else (plain, weight)
 
     def reads_stored(self, dtype: torch.dtype, rows: int, format: WeightFormat) -> bool:
         """Whether a product of ``rows`` rows of ``dtype`` reads a weight stored in ``format`` rather than the weight
-        itself: where the format reads for the dtype, except on the tiles, which read Q4_1 blocks only."""
-        return format.reads(dtype) and (dtype != torch.bfloat16 or rows < self.tiles_from or not self.tiles or format is Q4_1)
+        itself: where the format reads for the dtype, and on the tiles where this build widens the format's tiles (a kernel
+        built from an older source may not)."""
+        on_tiles = dtype == torch.bfloat16 and rows >= self.tiles_from and self.tiles
+        return format.reads(dtype) and (not on_tiles or hasattr(self.library, format.tiles_entry or ""))
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, blocks: torch.Tensor | None = None,
                  format: WeightFormat = Q4_1) -> torch.Tensor:
@@ -177,9 +180,10 @@ def load_rows_kernel(cache: Path | None = None, source: Path = ROWS_SOURCE) -> R
         return None
     library, path = loaded
     widens = hasattr(library, WIDENED_ENTRIES[0])  # every build from this source has them; a kernel built from an older one has none
+    tile_entries = [name for name in TILES_ENTRIES if hasattr(library, name)]  # a kernel built from an older source may lack some
     for name in ("specstack_linear_rows_q4_1_f32", "specstack_linear_rows_q8_0_f32", "specstack_linear_rows_bf16_f32", "specstack_linear_rows_bf16",
                  "specstack_linear_rows_q4_1_bf16", "specstack_linear_rows_q8_0_bf16", "specstack_linear_rows_bf16_tiles",
-                 "specstack_linear_rows_q4_1_bf16_tiles", *(WIDENED_ENTRIES if widens else ())):
+                 *tile_entries, *(WIDENED_ENTRIES if widens else ())):
         entry = getattr(library, name)
         entry.restype, entry.argtypes = ctypes.c_int, argtypes
     built = library.specstack_linear_rows_bf16_dots() == 1
@@ -190,6 +194,8 @@ def load_rows_kernel(cache: Path | None = None, source: Path = ROWS_SOURCE) -> R
     return RowsKernel(library=library, path=path, bf16_dots_built=built, bf16_dots=dots, tiles=tiles, avx512=library.specstack_linear_rows_avx512() == 1)
 
 
+# The entries that widen stored blocks into AMX tiles (WeightFormat.tiles_entry)
+TILES_ENTRIES = tuple(format.tiles_entry for format in (Q4_1, Q8_0))
 # The bf16 entries widened to fp32 in every build (RowsKernel.entry takes them where bf16_dots is off)
 WIDENED_ENTRIES = ("specstack_linear_rows_bf16_widened", "specstack_linear_rows_q4_1_bf16_widened", "specstack_linear_rows_q8_0_bf16_widened")
 

@@ -48,6 +48,7 @@ class WeightFormat:
     block_bytes: int
     widen: Callable[[torch.Tensor], torch.Tensor] = attrs.field(repr=False)
     entries: Mapping[torch.dtype, str]
+    tiles_entry: str | None = None  # the entry that widens bf16 products' A tiles from the blocks (AMX builds), if any
 
     @property
     def bytes_per_weight(self) -> float:
@@ -143,12 +144,14 @@ def bf16_weights(rows: torch.Tensor) -> torch.Tensor:
 
 
 Q4_1 = WeightFormat(name="q4_1", block_bytes=24, widen=q4_1_weights,
-                    entries={torch.float32: "specstack_linear_rows_q4_1_f32", torch.bfloat16: "specstack_linear_rows_q4_1_bf16"})
+                    entries={torch.float32: "specstack_linear_rows_q4_1_f32", torch.bfloat16: "specstack_linear_rows_q4_1_bf16"},
+                    tiles_entry="specstack_linear_rows_q4_1_bf16_tiles")
 # bf16 rows widen each Q8_0 block to bf16 in registers (seven instructions a block). From grouped rows that costs
 # less than the bytes it saves at every row count the kernel takes: the bf16 target's LM head alone (49152 x 576,
 # AMD Zen 4, 2 threads) took 2.96x / 2.22x / 2.13x / 2.01x / 1.33x / 1.14x less time at 1 / 3 / 4 / 6 / 8 / 16 rows
 # than over the bf16 weight (rows stored one after another, it had lost from four rows on).
 Q8_0 = WeightFormat(name="q8_0", block_bytes=36, widen=q8_0_weights,
-                    entries={torch.float32: "specstack_linear_rows_q8_0_f32", torch.bfloat16: "specstack_linear_rows_q8_0_bf16"})
+                    entries={torch.float32: "specstack_linear_rows_q8_0_f32", torch.bfloat16: "specstack_linear_rows_q8_0_bf16"},
+                    tiles_entry="specstack_linear_rows_q8_0_bf16_tiles")
 BF16 = WeightFormat(name="bf16", block_bytes=64, widen=bf16_weights,
                     entries={torch.float32: "specstack_linear_rows_bf16_f32"})

@@ -178,8 +178,8 @@ def test_an_activation_table_is_refused_where_it_would_change_a_bit() -> None:
     silu = torch.nn.SiLU()
     assert activation_table(silu, 128, kernel) is not None
 
-    def one_bit_off(table, gate_up, out, rows, inner):
-        kernel(table, gate_up, out, rows, inner)
+    def one_bit_off(table, gate_up, out, rows, inner, threads):
+        kernel(table, gate_up, out, rows, inner, threads)
         word = ctypes.c_uint16.from_address(out + 2 * 777)
         word.value ^= 1
 

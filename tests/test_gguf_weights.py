@@ -181,8 +181,8 @@ def test_only_float32_weights_made_of_bf16_numbers_are_read_as_bf16() -> None:
 @pytest.mark.parametrize("out_features", [8, 10, 1, 40])
 @pytest.mark.parametrize("bias", [False, True])
 def test_rows_reading_blocks_are_the_same_bits_as_rows_reading_the_bf16_weight(kernel, format, out_features, bias) -> None:
-    """Every row count the kernel takes (on AMX tiles from TILES_FROM rows where there are tiles, which read
-    Q4_1 blocks and otherwise the weight), output counts that leave a short last group of four or of sixteen,
+    """Every row count the kernel takes (on AMX tiles from TILES_FROM rows where there are tiles, which widen
+    either kind of block), output counts that leave a short last group of four or of sixteen,
     with a bias; Q4_1 layer matrices and a Q8_0 embedding's LM head; bf16 dot products and widened, where both are built."""
     kind, make = STORED[format]
     layer = bf16_layer(make(out_features, 160, seed=out_features), bias, kind, kernel)
@@ -239,9 +239,8 @@ def test_the_embedded_targets_bf16_forward_reads_every_layer_matrix_as_blocks_wi
     most = ROWS_KERNEL.max_rows(torch.bfloat16)  # 16 (bf16 dot products or widened), or 32 on AMX tiles
     assert target.linear_bytes_per_weight(1) == target.linear_bytes_per_weight(most) == 0.75  # the floor counts the blocks' bytes
     assert target.linear_bytes_per_weight(most + 1) == 2  # wider products read the bf16 weights (oneDNN)
-    tiled = ROWS_KERNEL.tiles  # the tiles read the bf16 head, from TILES_FROM rows
     assert target.head_bytes_per_weight(1) == target.head_bytes_per_weight(3) == 1.125  # bf16 rows read the Q8_0 blocks
-    assert target.head_bytes_per_weight(most) == (2 if tiled else 1.125) and target.head_bytes_per_weight(most + 1) == 2
+    assert target.head_bytes_per_weight(most) == 1.125 and target.head_bytes_per_weight(most + 1) == 2  # on the tiles too
     tokens = [1, 504, 3458, 314, 253, 1345, 2330, 30]
 
     def logits() -> torch.Tensor:

@@ -167,7 +167,9 @@ int specstack_layer_step(const Model *m, const Step *s, int layer) {
 
 // act[i] = table[gate[i]] * up[i] for t rows of gate_up [t, 2 inner] (gate the first inner numbers of a row, up the
 // rest), act [t, inner], bfloat16: the activation read from its table, the product rounded as torch's bf16 multiply.
-void specstack_tabled_act(const uint16_t *table, const uint16_t *gate_up, uint16_t *act, int t, int inner) {
+// Rows are shared among `threads` threads where there are several (a verify's, which the other thread had waited out).
+void specstack_tabled_act(const uint16_t *table, const uint16_t *gate_up, uint16_t *act, int t, int inner, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static) if (t > 1 && threads > 1)
     for (int i = 0; i < t; ++i) {
         const uint16_t *gate = gate_up + (int64_t)i * 2 * inner, *up = gate + inner;
         uint16_t *out = act + (int64_t)i * inner;
@@ -184,7 +186,7 @@ int specstack_forward(const Model *m, const Step *s) {
         if (!m->layers[layer].act_table) return -1;
     for (int layer = 0; layer <= m->count; ++layer) {
         if (const int status = specstack_layer_step(m, s, layer)) return status;
-        if (layer < m->count) specstack_tabled_act(m->layers[layer].act_table, (const uint16_t *)s->gate_up, (uint16_t *)s->act, s->t, m->inner);
+        if (layer < m->count) specstack_tabled_act(m->layers[layer].act_table, (const uint16_t *)s->gate_up, (uint16_t *)s->act, s->t, m->inner, s->threads);
     }
     return 0;
 }

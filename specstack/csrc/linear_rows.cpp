@@ -657,15 +657,19 @@ int narrow_bf16_linear(const uint8_t *w, const uint16_t *x, const uint16_t *bias
 //
 // With more rows the dot products above stop being cheap next to the stream of weights (each Q4_1 block
 // is widened once, then takes one vdpbf16ps per row), and oneDNN's product reads the bf16 weights. Here
-// each group of sixteen output rows is one A tile per 32 columns (its weights as they lie, or its Q4_1
-// blocks widened whole into a panel in L1/L2), the input rows are B tiles (their column pairs interleaved
-// once per call), and tdpbf16ps sums 16 x 16 dot products of 32 columns at a time into float32 tiles. A
-// thread takes two groups side by side, so two chains of tile products (four from seventeen rows) overlap.
-// Each output is its row's sum over the column chunks in order, whatever the number of rows, so a token's
-// outputs are the same bits in any product of 1-32 rows on the tiles, from the bf16 weights or from the
-// blocks that widen to them (packed_linear.py sends TILES_FROM rows and more). A group's Q4_1 rows are
-// widened whole, each front to back as the streaming kernel reads it, while the next work item's rows are
-// fetched: widening tile by tile would read the blocks across 32 rows at once.
+// each group of sixteen output rows is one A tile per 32 columns (its weights as they lie, or its Q4_1 or
+// Q8_0 blocks widened tile by tile into a small room in L1), the input rows are B tiles (their column pairs
+// interleaved once per call), and tdpbf16ps sums 16 x 16 dot products of 32 columns at a time into float32
+// tiles. A thread takes two groups side by side, so two chains of tile products (four from seventeen rows)
+// overlap. Each output is its row's sum over the column chunks in order, whatever the number of rows, so a
+// token's outputs are the same bits in any product of 1-32 rows on the tiles, from the bf16 weights or from
+// the blocks that widen to them (packed_linear.py sends TILES_FROM rows and more).
+//
+// Widened tile by tile, the blocks of a work item are read across its 32 rows at once (eight streams of
+// grouped rows), each asked for one item ahead. Against widening each group's rows whole into a panel (18-48
+// KB, which the tile loads then read from L2), the bf16 target's forwards of 6, 8 and 16 tokens took
+// 1.05-1.07x less time over 512 slots on the AMX host (docs/benchmarks.md, "Tiles widened one at a time").
+// The LM head widens its Q8_0 blocks the same way instead of reading the bf16 embedding in place.
 
 constexpr int TILE = 16;           // output rows of a group; input rows of a B tile
 constexpr int PAIRS = 32;          // bf16 numbers in a 64-byte tile row
@@ -698,37 +702,11 @@ void interleave_rows(const uint16_t *x, int n, int64_t in, uint32_t *xv) {
     }
 }
 
-// A group's A tiles: the tile of column chunk s is the 16 rows at base + s * chunk, `stride` bytes apart.
-struct Panel {
-    const uint16_t *base;
-    int64_t chunk, stride;
+// Where one A tile lies: sixteen weight rows of 32 columns, `stride` bytes apart.
+struct Tile {
+    const uint16_t *rows;
+    int64_t stride;
 };
-
-// One work item: the sums c[group][half][o][row] = w_{first + 16 group + o} . x_{16 half + row} of one or two
-// groups (`two`) over the interleaved input rows xv.
-void tile_pair(const uint32_t *xv, int halves, int64_t steps, bool two, const Panel *a, float *c) {
-    _tile_zero(4);
-    _tile_zero(5);
-    _tile_zero(6);
-    _tile_zero(7);
-    for (int64_t s = 0; s < steps; ++s) {
-        const uint32_t *b = xv + s * TILE * TILE;
-        _tile_loadd(2, b, 64);
-        if (halves > 1) _tile_loadd(3, b + steps * TILE * TILE, 64);
-        _tile_loadd(0, a[0].base + s * a[0].chunk, a[0].stride);
-        if (two) _tile_loadd(1, a[1].base + s * a[1].chunk, a[1].stride);
-        _tile_dpbf16ps(4, 0, 2);
-        if (two) _tile_dpbf16ps(6, 1, 2);
-        if (halves > 1) {
-            _tile_dpbf16ps(5, 0, 3);
-            if (two) _tile_dpbf16ps(7, 1, 3);
-        }
-    }
-    _tile_stored(4, c, 64);
-    _tile_stored(5, c + TILE * TILE, 64);
-    _tile_stored(6, c + 2 * TILE * TILE, 64);
-    _tile_stored(7, c + 3 * TILE * TILE, 64);
-}
 
 // y[j, o0 .. o0 + count) = the C tile column j of c[half][o][row], plus the bias, rounded to nearest even.
 void store_group(const float *c, const uint16_t *bias, uint16_t *y, int n, int64_t out, int64_t o0, int count) {
@@ -742,13 +720,14 @@ void store_group(const float *c, const uint16_t *bias, uint16_t *y, int n, int64
     }
 }
 
-// y [n, out] bf16 from n <= 32 rows: work items of two groups of sixteen outputs shared among the threads,
-// bias added, rounded once. panel(first, count, room) gives the A tiles of the `count` outputs from `first`
-// (fewer than 16 only in a short last group), widening or copying them into `room` [in / 32][16][32] bf16
-// where they do not lie as tiles. A short group's A rows past `count` are left as they are: each A row makes
-// only its own C row, and store_group stores the first `count`.
-template <class MakePanel>
-void tile_outputs(const uint16_t *x, const uint16_t *bias, uint16_t *y, int n, int64_t out, int64_t in, int threads, MakePanel panel) {
+// y [n, out] bf16 from n <= 32 rows: work items of two groups of sixteen outputs shared among the threads, bias
+// added, rounded once. source.tile(first, count, s, room) gives the A tile of column chunk s of the `count` outputs from
+// `first` (fewer than 16 only in a short last group): where it lies, or widened or copied into `room` [16][32] bf16. A
+// short group's A rows past `count` are left as they are: each A row makes only its own C row, and store_group stores
+// the first `count`. The next chunk's A tiles are made before this chunk's tile loads, into the other of two rooms, so
+// that their stores have landed when the tiles load them and the widening overlaps the tile products.
+template <class Source>
+void tile_outputs(const uint16_t *x, const uint16_t *bias, uint16_t *y, int n, int64_t out, int64_t in, int threads, const Source &source) {
     const int64_t steps = in / PAIRS, items = (out + 2 * TILE - 1) / (2 * TILE);
     const int halves = (n + TILE - 1) / TILE;
     uint32_t *xv = (uint32_t *)aligned_alloc(64, (size_t)halves * steps * TILE * TILE * 4);
@@ -756,25 +735,87 @@ void tile_outputs(const uint16_t *x, const uint16_t *bias, uint16_t *y, int n, i
 #pragma omp parallel num_threads(threads)
     {
         configure_linear_tiles();
-        uint16_t *room = (uint16_t *)aligned_alloc(64, sizeof(uint16_t) * 2 * steps * TILE * PAIRS);  // two groups' A tiles
+        alignas(64) uint16_t rooms[2][2][TILE * PAIRS];  // [chunk parity][group]
         alignas(64) float c[2][2][TILE * TILE];
 #pragma omp for schedule(static)
         for (int64_t item = 0; item < items; ++item) {
             const int64_t first = item * 2 * TILE;
             int count[2];
-            Panel a[2];
             for (int g = 0; g < 2; ++g) {
                 const int64_t left = out - first - g * TILE;
                 count[g] = (int)(left < 0 ? 0 : left < TILE ? left : TILE);
-                if (count[g] > 0) a[g] = panel(first + g * TILE, count[g], room + g * steps * TILE * PAIRS);
             }
-            tile_pair(xv, halves, steps, count[1] > 0, a, &c[0][0][0]);
+            const bool two = count[1] > 0;
+            auto tiles = [&](int64_t s, Tile *a) {
+                for (int g = 0; g < 1 + two; ++g) a[g] = source.tile(first + g * TILE, count[g], s, rooms[s % 2][g]);
+            };
+            Tile a[2][2];  // [chunk parity][group]
+            tiles(0, a[0]);
+            _tile_zero(4);
+            _tile_zero(5);
+            _tile_zero(6);
+            _tile_zero(7);
+            for (int64_t s = 0; s < steps; ++s) {
+                if (s + 1 < steps) tiles(s + 1, a[(s + 1) % 2]);  // before this chunk's tile loads: its stores have landed by then
+                const Tile *t = a[s % 2];
+                const uint32_t *b = xv + s * TILE * TILE;
+                _tile_loadd(2, b, 64);
+                if (halves > 1) _tile_loadd(3, b + steps * TILE * TILE, 64);
+                _tile_loadd(0, t[0].rows, t[0].stride);
+                if (two) _tile_loadd(1, t[1].rows, t[1].stride);
+                _tile_dpbf16ps(4, 0, 2);
+                if (two) _tile_dpbf16ps(6, 1, 2);
+                if (halves > 1) {
+                    _tile_dpbf16ps(5, 0, 3);
+                    if (two) _tile_dpbf16ps(7, 1, 3);
+                }
+            }
+            _tile_stored(4, &c[0][0][0], 64);
+            _tile_stored(5, &c[0][1][0], 64);
+            _tile_stored(6, &c[1][0][0], 64);
+            _tile_stored(7, &c[1][1][0], 64);
             for (int g = 0; g < 2 && count[g] > 0; ++g) store_group(&c[g][0][0], bias, y, n, out, first + g * TILE, count[g]);
         }
         _tile_release();
-        free(room);
     }
     free(xv);
+}
+
+// A weight stored as Format's blocks (grouped: weight_formats.py) as A tiles: chunk s of each of the sixteen rows widened
+// to bf16 into the room, asking as it goes for the same chunk of the rows one work item on (two groups of sixteen).
+template <class Format>
+struct StoredTiles {
+    const uint8_t *w;
+    int64_t out, in;
+    Tile tile(int64_t first, int count, int64_t s, uint16_t *room) const {
+        const int64_t row_bytes = row_bytes_of<Format>(in), step = ROWS * Format::BLOCK_BYTES;  // a whole group's block s
+        const uint8_t *end = w + out * row_bytes;
+        if (count == TILE) {  // four whole groups: block s of each is `step` bytes in a row
+            for (int g = 0; g < TILE / ROWS; ++g) {
+                const uint8_t *blocks = w + (first + g * ROWS) * row_bytes + s * step, *ahead = blocks + 2 * TILE * row_bytes;
+                for (int64_t line = 0; line < step && ahead + line < end; line += 64) __builtin_prefetch(ahead + line, 0, 3);
+                for (int i = 0; i < ROWS; ++i) _mm512_store_si512(room + (g * ROWS + i) * PAIRS, Bf16Blocks<Format>::bf16(blocks + i * Format::BLOCK_BYTES));
+            }
+            return Tile{room, 64};
+        }
+        for (int o = 0; o < count; ++o) {
+            const GroupRow row = group_row<Format>(w, out, in, first + o);
+            if (row.i == 0)  // the group's block s, one item on
+                for (const uint8_t *at = block_of<Format>(row.group, row.rows, 0, s, in) + 2 * TILE * row_bytes,
+                                   *last = at + row.rows * Format::BLOCK_BYTES;
+                     at < last && at < end; at += 64)
+                    __builtin_prefetch(at, 0, 3);
+            _mm512_store_si512(room + o * PAIRS, Bf16Blocks<Format>::bf16(block_of<Format>(row.group, row.rows, row.i, s, in)));
+        }
+        return Tile{room, 64};
+    }
+};
+
+template <class Format>
+int stored_tiles(const uint8_t *w, const uint16_t *x, const uint16_t *bias, uint16_t *y, int n, int64_t out, int64_t in, int threads) {
+    if (!bf16_shape_taken(n, out, in, threads, MAX_TILE_ROWS) || !amx_permitted()) return -1;
+    tile_outputs(x, bias, y, n, out, in, threads, StoredTiles<Format>{w, out, in});
+    return 0;
 }
 #endif
 
@@ -909,12 +950,16 @@ int specstack_linear_rows_bf16_tiles(const uint16_t *w, const uint16_t *x, const
 #ifdef SPECSTACK_AMX
     if (!bf16_shape_taken(n, out, in, threads, MAX_TILE_ROWS) || !amx_permitted()) return -1;
     const int64_t steps = in / PAIRS;
-    tile_outputs(x, bias, y, n, out, in, threads, [&](int64_t first, int count, uint16_t *room) {
-        if (count == TILE) return Panel{w + first * in, PAIRS, in * 2};  // sixteen weight rows as they lie
-        for (int o = 0; o < count; ++o)
-            for (int64_t s = 0; s < steps; ++s) memcpy(room + (s * TILE + o) * PAIRS, w + (first + o) * in + s * PAIRS, 64);
-        return Panel{room, TILE * PAIRS, 64};
-    });
+    struct Rows {  // the weight's rows, in place where sixteen of them make a group; a short group's copied
+        const uint16_t *w;
+        int64_t in;
+        Tile tile(int64_t first, int count, int64_t s, uint16_t *room) const {
+            if (count == TILE) return Tile{w + first * in + s * PAIRS, in * 2};
+            for (int o = 0; o < count; ++o) memcpy(room + o * PAIRS, w + (first + o) * in + s * PAIRS, 64);
+            return Tile{room, 64};
+        }
+    };
+    tile_outputs(x, bias, y, n, out, in, threads, Rows{w, in});
     return 0;
 #else
     (void)w, (void)x, (void)bias, (void)y, (void)n, (void)out, (void)in, (void)threads;
@@ -922,24 +967,21 @@ int specstack_linear_rows_bf16_tiles(const uint16_t *w, const uint16_t *x, const
 #endif
 }
 
-// The same with W stored as Q4_1 blocks (w [out, in / 32 * 24]): each group's rows widened whole into L1/L2,
-// front to back as the few-row kernel reads them, to the bf16 weights they stand for, while the next work
-// item's rows are fetched; the same bits as specstack_linear_rows_bf16_tiles over those weights.
+// The same with W stored as Q4_1 blocks (w [out, in / 32 * 24]) or Q8_0 blocks (w [out, in / 32 * 36]), each tile's
+// blocks widened to the bf16 weights they stand for (StoredTiles): the same bits as specstack_linear_rows_bf16_tiles
+// over those weights.
 int specstack_linear_rows_q4_1_bf16_tiles(const uint8_t *w, const uint16_t *x, const uint16_t *bias, uint16_t *y, int n, int64_t out, int64_t in, int threads) {
 #ifdef SPECSTACK_AMX
-    if (!bf16_shape_taken(n, out, in, threads, MAX_TILE_ROWS) || !amx_permitted()) return -1;
-    const int64_t row_bytes = row_bytes_of<Q4_1>(in), steps = in / PAIRS;
-    tile_outputs(x, bias, y, n, out, in, threads, [&](int64_t first, int count, uint16_t *room) {
-        for (int o = 0; o < count; ++o) {
-            const GroupRow row = group_row<Q4_1>(w, out, in, first + o);
-            if (row.i == 0 && first + 2 * TILE + o < out)  // the same rows of the next work item (two groups on): 1.25x faster from memory
-                for (int64_t b = 0; b < row.rows * row_bytes; b += 64) __builtin_prefetch(row.group + 2 * TILE * row_bytes + b, 0, 3);
-            for (int64_t s = 0; s < steps; ++s)
-                _mm512_store_si512(room + (s * TILE + o) * PAIRS, Bf16Blocks<Q4_1>::bf16(block_of<Q4_1>(row.group, row.rows, row.i, s, in)));
-        }
-        return Panel{room, TILE * PAIRS, 64};
-    });
-    return 0;
+    return stored_tiles<Q4_1>(w, x, bias, y, n, out, in, threads);
+#else
+    (void)w, (void)x, (void)bias, (void)y, (void)n, (void)out, (void)in, (void)threads;
+    return -1;
+#endif
+}
+
+int specstack_linear_rows_q8_0_bf16_tiles(const uint8_t *w, const uint16_t *x, const uint16_t *bias, uint16_t *y, int n, int64_t out, int64_t in, int threads) {
+#ifdef SPECSTACK_AMX
+    return stored_tiles<Q8_0>(w, x, bias, y, n, out, in, threads);
 #else
     (void)w, (void)x, (void)bias, (void)y, (void)n, (void)out, (void)in, (void)threads;
     return -1;
