@@ -72,11 +72,14 @@ MAX_WIDENED_BF16_ROWS = 16
 # them instead. The target's 120 layer products of 8-32 rows over their Q4_1 blocks measured 1.47-1.57x
 # faster than oneDNN's; whole target forwards over 7,500 cached slots 1.05x (5 tokens) to 1.18x (8, 16)
 # faster than with the streaming kernel or oneDNN, and forwards of 3-4 tokens no faster on the tiles
-# (docs/benchmarks.md, "Five to 32 rows on AMX tiles"; examples/tile_products.py). From four since the tiles are
-# widened one at a time (docs/benchmarks.md, "Tiles widened one at a time"): on the AMX host of 2026-11-30, whole
-# forwards of four / five tokens took 1.07-1.14x / 1.22-1.24x less time on the tiles over 512 slots and 0.99-1.01x /
-# 1.06x over 7,500; of three 1.03-1.04x and 0.97-1.00x, and of two 0.96-1.03x and 0.96-0.98x (two runs).
-TILES_FROM, MAX_TILE_ROWS = 4, 32
+# (docs/benchmarks.md, "Five to 32 rows on AMX tiles"; examples/tile_products.py). From six: on the AMX host of
+# 2026-11-30, whole forwards of five tokens took 1.05-1.16x less time without the tiles, of six 1.03-1.06x more
+# (docs/benchmarks.md, "Tiles from six rows"). Since the tiles are widened one at a time, forwards of four and five
+# tokens take 1.07-1.24x less time on them over 512 slots but 0.99-1.06x over 7,500, and their products then round
+# otherwise than a step's: with tiles from four, the nine prompts' lookup stacks wrote autoregressive decoding's text
+# in 3 of 18 runs and reached medians of 2.06x / 2.69x, from six in 7 of 18 and 2.64x / 2.85x (docs/benchmarks.md,
+# "Tiles widened one at a time"). So a verify of up to five tokens keeps the step's products.
+TILES_FROM, MAX_TILE_ROWS = 6, 32
 
 PACKED_FOR_ROWS = 4  # the row count oneDNN's reorder is told to expect: measured best over 1-32 rows here (hint 1 doubled 2 rows' cost)
 
