@@ -811,13 +811,20 @@ struct StoredTiles {
     }
 };
 
+#endif
+
+// The bf16 product on AMX tiles with W stored as Format's blocks; -1 where it does not take it (or there are no tiles).
 template <class Format>
 int stored_tiles(const uint8_t *w, const uint16_t *x, const uint16_t *bias, uint16_t *y, int n, int64_t out, int64_t in, int threads) {
+#ifdef SPECSTACK_AMX
     if (!bf16_shape_taken(n, out, in, threads, MAX_TILE_ROWS) || !amx_permitted()) return -1;
     tile_outputs(x, bias, y, n, out, in, threads, StoredTiles<Format>{w, out, in});
     return 0;
-}
+#else
+    (void)w, (void)x, (void)bias, (void)y, (void)n, (void)out, (void)in, (void)threads;
+    return -1;
 #endif
+}
 
 // The bf16 product with W stored as Format: widened in registers to bf16 and taken with bf16 dot products where
 // there are any, else widened to float32 (the section "bfloat16 products widened to float32").
@@ -971,21 +978,11 @@ int specstack_linear_rows_bf16_tiles(const uint16_t *w, const uint16_t *x, const
 // blocks widened to the bf16 weights they stand for (StoredTiles): the same bits as specstack_linear_rows_bf16_tiles
 // over those weights.
 int specstack_linear_rows_q4_1_bf16_tiles(const uint8_t *w, const uint16_t *x, const uint16_t *bias, uint16_t *y, int n, int64_t out, int64_t in, int threads) {
-#ifdef SPECSTACK_AMX
     return stored_tiles<Q4_1>(w, x, bias, y, n, out, in, threads);
-#else
-    (void)w, (void)x, (void)bias, (void)y, (void)n, (void)out, (void)in, (void)threads;
-    return -1;
-#endif
 }
 
 int specstack_linear_rows_q8_0_bf16_tiles(const uint8_t *w, const uint16_t *x, const uint16_t *bias, uint16_t *y, int n, int64_t out, int64_t in, int threads) {
-#ifdef SPECSTACK_AMX
     return stored_tiles<Q8_0>(w, x, bias, y, n, out, in, threads);
-#else
-    (void)w, (void)x, (void)bias, (void)y, (void)n, (void)out, (void)in, (void)threads;
-    return -1;
-#endif
 }
 
 }  // extern "C"
