@@ -155,7 +155,7 @@ class RowsKernel(CompiledLibrary):
         itself: where the format reads for the dtype, and on the tiles where this build widens the format's tiles (a kernel
         built from an older source may not)."""
         on_tiles = dtype == torch.bfloat16 and rows >= self.tiles_from and self.tiles
-        return format.reads(dtype) and (not on_tiles or hasattr(self.library, format.tiles_entry or ""))
+        return format.reads(dtype) and (not on_tiles or (format.tiles_entry is not None and hasattr(self.library, format.tiles_entry)))
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, blocks: torch.Tensor | None = None,
                  format: WeightFormat = Q4_1) -> torch.Tensor:

@@ -45,9 +45,9 @@ inline void put(void *p, int64_t i, float x, int bf16) {
     else ((float *)p)[i] = x;
 }
 
-// add_rms_norm (below) in one dtype. Each row's squares are summed front to back; the sums of up to SUM_ROWS rows advance side by side, so that their
-// additions overlap instead of each waiting on the last (a verify's rows took as long each as a step's one). The add and
-// the scaling are element by element, in loops the compiler can vectorize.
+// add_rms_norm (below) in one dtype. Each row's squares are summed front to back; the sums of up to SUM_ROWS rows
+// advance side by side, so that their additions overlap instead of each waiting on the last (a verify's rows took as
+// long each as a step's one). The add and the scaling are element by element, in loops the compiler can vectorize.
 constexpr int SUM_ROWS = 16;
 
 template <int BF16>
