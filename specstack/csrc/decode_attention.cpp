@@ -1460,13 +1460,20 @@ void interleave_queries(const float *q, int rows, int d, uint16_t *qv) {
 }
 
 // vv[s][tile][pair][2 * col + i] = v[32 s + 2 pair + i][16 tile + col]: a block's 64 values (rows of d)
-// as the B operand of P x V (key pairs interleaved), two output tiles per 32 columns.
-void interleave_values(const uint16_t *v, int d, uint16_t *vv) {
+// as the B operand of P x V (key pairs interleaved), two output tiles per 32 columns. Where keys_ahead is not
+// null (the next block's keys, and values_ahead its values), each step asks for the lines it reads, a block on,
+// into L2.
+void interleave_values(const uint16_t *v, int d, uint16_t *vv, const char *keys_ahead, const char *values_ahead) {
     const __m512i low = pairs_low(), high = pairs_high();
     const int tiles = d / TILE;
     for (int j = 0; j < AMX_BLOCK; j += 2) {
         const int s = j / PAIRS, pair = j % PAIRS / 2;
         for (int c = 0; c < d; c += PAIRS) {
+            if (keys_ahead) {
+                const int64_t at = 2 * ((int64_t)j * d + c);  // bytes: keys (values) j and j + 1, columns c .. c+31
+                _mm_prefetch(keys_ahead + at, _MM_HINT_T1), _mm_prefetch(keys_ahead + at + 2 * d, _MM_HINT_T1);
+                _mm_prefetch(values_ahead + at, _MM_HINT_T1), _mm_prefetch(values_ahead + at + 2 * d, _MM_HINT_T1);
+            }
             const __m512i a = _mm512_loadu_si512(v + (int64_t)j * d + c), b = _mm512_loadu_si512(v + (int64_t)(j + 1) * d + c);
             uint16_t *out = vv + ((int64_t)(s * tiles + c / TILE) * TILE + pair) * PAIRS;
             _mm512_storeu_si512(out, _mm512_permutex2var_epi16(a, low, b));
@@ -1490,7 +1497,10 @@ void group_scores(const uint16_t *k, const uint16_t *qv, int d, float *st) {
 
 // The online softmax of one group down the block's len keys: st [64][16] scores in, weights out (zero
 // past len); the group's running maxima m and sums l (count rows) move on; returns each row's rescale.
-v16 group_softmax(float *st, int len, float scale, int count, float *m, float *l) {
+// Where keys_ahead is not null (the next block's 64 keys, and its values, rows of d bf16: d / 32 cache lines a
+// row), step j asks for key j's and value j's lines into L2: the next block's reads spread over this block's
+// arithmetic.
+v16 group_softmax(float *st, int len, float scale, int count, float *m, float *l, const char *keys_ahead, const char *values_ahead, int d) {
     v16 top = v16{} - INFINITY;
     for (int r = 0; r < count; ++r) top[r] = m[r];
     const v16 before = top;
@@ -1501,6 +1511,8 @@ v16 group_softmax(float *st, int len, float scale, int count, float *m, float *l
     const v16 rescale = expv<v16, v16i>(before - top);  // 0 on the first block (m = -inf)
     v16 sum{};
     for (int j = 0; j < AMX_BLOCK; ++j) {  // the scaled score recomputed, the same bits: no pass storing it
+        for (int line = 0; keys_ahead && line < d / PAIRS; ++line)  // key j's and value j's lines, a block on
+            _mm_prefetch(keys_ahead + 2 * d * j + 64 * line, _MM_HINT_T1), _mm_prefetch(values_ahead + 2 * d * j + 64 * line, _MM_HINT_T1);
         const v16 w = j < len ? expv<v16, v16i>(load16(st + j * TILE) * scale - top) : v16{};
         store16(st + j * TILE, w);
         sum += w;
@@ -1593,8 +1605,17 @@ void attend_range_amx(const float *q, int rows, int d, float scale, const uint16
             memset(padded, 0, sizeof(uint16_t) * 2 * AMX_BLOCK * d);
             memcpy(padded, kb, sizeof(uint16_t) * len * d), memcpy(padded + AMX_BLOCK * d, vb, sizeof(uint16_t) * len * d);
             kb = padded, vb = padded + AMX_BLOCK * d;
-        }  // no software prefetch: asking for the next block as the float32 path does measured 1.03-1.1x slower here
-        interleave_values(vb, d, vv);
+        }
+        // The next block asked for into L2 as this one is worked on: in the first group's softmax, spread over its 64
+        // steps, or where that group takes the row-by-row softmax, as the values are laid out. Against no asks, whole
+        // forwards of 2 / 4 / 6 / 8 / 16 tokens over 7,500 slots took 1.05 / 1.09 / 1.11 / 1.07 / 1.06x less time; asking
+        // as the values are laid out at every width, 1.03-1.04x more than in the softmax from 4 tokens; asking for a whole
+        // block (1, 2 or 4 ahead) at its start, no less or 1.03-1.1x more (docs/benchmarks.md, "The AMX attention asks").
+        const bool next_whole = b + 2 * AMX_BLOCK <= end;
+        const char *keys_ahead = next_whole ? (const char *)(k + (b + AMX_BLOCK) * d) : nullptr;
+        const char *values_ahead = next_whole ? (const char *)(v + (b + AMX_BLOCK) * d) : nullptr;
+        const bool few_first = (rows < TILE ? rows : TILE) <= FEW_ROWS;  // the first group's softmax is row by row
+        interleave_values(vb, d, vv, few_first ? keys_ahead : nullptr, values_ahead);
         for (int g = 0; g < groups; ++g) {
             const int first = g * TILE, count = rows - first < TILE ? rows - first : TILE;
             group_scores(kb, qv + (int64_t)g * d * TILE, d, st);
@@ -1602,7 +1623,7 @@ void attend_range_amx(const float *q, int rows, int d, float scale, const uint16
             if (count <= FEW_ROWS) {
                 rescale = few_rows_softmax(st, len, scale, count, m + first, l + first, p);
             } else {
-                rescale = group_softmax(st, len, scale, count, m + first, l + first);
+                rescale = group_softmax(st, len, scale, count, m + first, l + first, g == 0 ? keys_ahead : nullptr, values_ahead, d);
                 weights_by_rows(st, p);
             }
             group_values(p, vv, d, o);
