@@ -1437,10 +1437,14 @@ void attend_range_dp_rows_any(const float *q, int rows, int d, float scale, cons
 
 #ifdef SPECSTACK_AMX
 
-// Tiles 0-5 (per thread), each 16 rows of 64 bytes: 0 scores, 1 keys, 2 queries; 3 output, 4 weights, 5 values.
+// Tiles 0-7 (per thread), each 16 rows of 64 bytes. The scores: 0-1 two score tiles side by side, 2-5 keys, 6-7
+// queries; the outputs: 0-3 four output tiles side by side, 4-5 values in turn, 6-7 weights. Tiles are not
+// renamed, so a product that reuses the last one's accumulator or source tile waits for it to finish: with one
+// accumulator and one tile for each operand (as until 2026-11-30, sixth session) whole forwards of 2-16 tokens over
+// 7,500 slots took 1.01-1.04x more time (docs/benchmarks.md, "The AMX attention asks").
 void configure_tiles() {
     TileConfig config;
-    for (int i = 0; i < 6; ++i) config.colsb[i] = 64, config.rows[i] = TILE;
+    for (int i = 0; i < 8; ++i) config.colsb[i] = 64, config.rows[i] = TILE;
     _tile_loadconfig(&config);
 }
 
@@ -1482,16 +1486,32 @@ void interleave_values(const uint16_t *v, int d, uint16_t *vv, const char *keys_
     }
 }
 
-// st[j][row] = k_j . q_row for the block's 64 keys (rows of d bf16) and one group's interleaved queries.
+// st[j][row] = k_j . q_row for the block's 64 keys (rows of d bf16) and one group's interleaved queries:
+// sixteen keys' 32-column chunk in tiles 2-5, a chunk of the queries in tile 6 or 7, two score tiles (0, 1)
+// side by side.
 void group_scores(const uint16_t *k, const uint16_t *qv, int d, float *st) {
-    for (int t = 0; t < AMX_BLOCK / TILE; ++t) {
+    const int64_t next = (int64_t)TILE * d;  // the next sixteen keys
+    for (int t = 0; t < AMX_BLOCK / TILE; t += 2) {
         _tile_zero(0);
-        for (int s = 0; s < d / PAIRS; ++s) {
-            _tile_loadd(1, k + (int64_t)t * TILE * d + s * PAIRS, d * 2);  // sixteen keys, 32 of their columns
-            _tile_loadd(2, qv + (int64_t)s * TILE * PAIRS, 64);
-            _tile_dpbf16ps(0, 1, 2);
+        _tile_zero(1);
+        for (int s = 0; s < d / PAIRS; s += 2) {  // columns 32s .. 32s+63 (only 32s .. 32s+31 where d / 32 is odd and this is the last)
+            const uint16_t *ks = k + t * next + s * PAIRS, *qs = qv + (int64_t)s * TILE * PAIRS;
+            const bool two = s + 1 < d / PAIRS;
+            _tile_loadd(2, ks, d * 2);
+            _tile_loadd(3, ks + next, d * 2);
+            _tile_loadd(6, qs, 64);
+            _tile_dpbf16ps(0, 2, 6);
+            _tile_dpbf16ps(1, 3, 6);
+            if (two) {
+                _tile_loadd(4, ks + PAIRS, d * 2);
+                _tile_loadd(5, ks + next + PAIRS, d * 2);
+                _tile_loadd(7, qs + TILE * PAIRS, 64);
+                _tile_dpbf16ps(0, 4, 7);
+                _tile_dpbf16ps(1, 5, 7);
+            }
         }
         _tile_stored(0, st + t * TILE * TILE, 64);
+        _tile_stored(1, st + (t + 1) * TILE * TILE, 64);
     }
 }
 
@@ -1504,10 +1524,13 @@ v16 group_softmax(float *st, int len, float scale, int count, float *m, float *l
     v16 top = v16{} - INFINITY;
     for (int r = 0; r < count; ++r) top[r] = m[r];
     const v16 before = top;
+    v16 tops[4] = {top, top, top, top};  // four chains of maxima, not one dependent chain of 64
     for (int j = 0; j < len; ++j) {
         const v16 x = load16(st + j * TILE) * scale;
-        top = x > top ? x : top;
+        tops[j % 4] = x > tops[j % 4] ? x : tops[j % 4];
     }
+    tops[0] = tops[0] > tops[1] ? tops[0] : tops[1], tops[2] = tops[2] > tops[3] ? tops[2] : tops[3];
+    top = tops[0] > tops[2] ? tops[0] : tops[2];
     const v16 rescale = expv<v16, v16i>(before - top);  // 0 on the first block (m = -inf)
     v16 sum{};
     for (int j = 0; j < AMX_BLOCK; ++j) {  // the scaled score recomputed, the same bits: no pass storing it
@@ -1561,17 +1584,43 @@ v16 few_rows_softmax(const float *st, int len, float scale, int count, float *m,
     return rescale;
 }
 
-// o[row][0, d) = sum over the block's keys of p[row][key] v_key, float32.
+// o[row][0, d) = sum over the block's keys of p[row][key] v_key, float32: up to four output tiles side by side,
+// the weights of keys 0-31 in tile 6 and of keys 32-63 in tile 7.
 void group_values(const uint16_t *p, const uint16_t *vv, int d, float *o) {
-    const int tiles = d / TILE;
-    for (int t = 0; t < tiles; ++t) {
-        _tile_zero(3);
-        for (int s = 0; s < AMX_BLOCK / PAIRS; ++s) {
-            _tile_loadd(4, p + (int64_t)s * TILE * PAIRS, 64);
-            _tile_loadd(5, vv + (int64_t)(s * tiles + t) * TILE * PAIRS, 64);
-            _tile_dpbf16ps(3, 4, 5);
+    const int tiles = d / TILE;  // even: d is a multiple of 32
+    _tile_loadd(6, p, 64);
+    _tile_loadd(7, p + TILE * PAIRS, 64);
+    for (int t = 0; t < tiles; t += 4) {
+        const uint16_t *low = vv + (int64_t)t * TILE * PAIRS, *high = vv + (int64_t)(tiles + t) * TILE * PAIRS;  // keys 0-31, 32-63
+        const bool four = t + 4 <= tiles;
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_loadd(4, low, 64);
+        _tile_dpbf16ps(0, 6, 4);
+        _tile_loadd(5, low + TILE * PAIRS, 64);
+        _tile_dpbf16ps(1, 6, 5);
+        if (four) {
+            _tile_zero(2);
+            _tile_zero(3);
+            _tile_loadd(4, low + 2 * TILE * PAIRS, 64);
+            _tile_dpbf16ps(2, 6, 4);
+            _tile_loadd(5, low + 3 * TILE * PAIRS, 64);
+            _tile_dpbf16ps(3, 6, 5);
         }
-        _tile_stored(3, o + t * TILE, d * 4);
+        _tile_loadd(4, high, 64);
+        _tile_dpbf16ps(0, 7, 4);
+        _tile_loadd(5, high + TILE * PAIRS, 64);
+        _tile_dpbf16ps(1, 7, 5);
+        _tile_stored(0, o + t * TILE, d * 4);
+        _tile_stored(1, o + (t + 1) * TILE, d * 4);
+        if (four) {
+            _tile_loadd(4, high + 2 * TILE * PAIRS, 64);
+            _tile_dpbf16ps(2, 7, 4);
+            _tile_loadd(5, high + 3 * TILE * PAIRS, 64);
+            _tile_dpbf16ps(3, 7, 5);
+            _tile_stored(2, o + (t + 2) * TILE, d * 4);
+            _tile_stored(3, o + (t + 3) * TILE, d * 4);
+        }
     }
 }
 
