@@ -222,20 +222,25 @@ def test_the_bf16_targets_verify_of_up_to_five_tokens_gives_its_first_token_the_
         assert torch.equal(logits[:1].view(torch.int16), step.view(torch.int16)), t
 
 
-@needs_dot_products
-@pytest.mark.parametrize(("t", "d"), [(1, 64), (2, 128), (4, 64), (8, 64)])  # one group, two groups, block by block
-def test_scores_that_keep_rising_move_each_rows_reference_and_rescale_its_sums(t, d) -> None:
+@pytest.mark.parametrize("tiles", [False, True])
+@pytest.mark.parametrize(("t", "d"), [(1, 64), (2, 128), (4, 64), (8, 64), (16, 64)])  # one group, two groups, block by block
+def test_scores_that_keep_rising_move_each_rows_reference_and_rescale_its_sums(monkeypatch, tiles, t, d) -> None:
     """A row's weights are taken against a reference that moves up only when a block's scores rise more than e^8
-    over it. Keys drifting along the cache make each row's scores rise block after block, so the reference moves
-    many times over 3,000 keys, and every move must rescale the weight sums and weighted values so far: one that
-    rescaled only the sums, or only the values, puts the output far outside the weights' rounding."""
+    over it (on AMX tiles: sixteen rows at a time, or against the running maximum where six or fewer are row by
+    row). Keys drifting along the cache make each row's scores rise block after block, so the reference moves many
+    times over 3,000 keys, and every move must rescale the weight sums and weighted values so far: one that rescaled
+    only the sums, or only the values, or not the rows it moved, puts the output far outside the weights' rounding."""
+    if DOTS is None or (tiles and not KERNEL.amx):
+        pytest.skip("no AMX tiles here" if tiles else "no AVX-512 bf16 dot products here")
+    monkeypatch.setattr("specstack.decode_attention.AMX_MIN_KEYS", 0)  # short caches take the tiles too
+    kernel = KERNEL if tiles else attrs.evolve(DOTS, amx=False)  # the tiles send one token's three rows to the dot products
     query, keys, values, _ = bf16_inputs(t, 3_000, d, 1, 3, False)
     generator = torch.Generator().manual_seed(7)
     keys = (keys.float() + 0.004 * torch.arange(3_000)[:, None] * torch.randn(d, generator=generator)).bfloat16()  # [1, 1, n, D]
     query = (query.float() + 0.3 * (keys.float()[0, 0, -1] - keys.float()[0, 0, 0])).bfloat16()  # [1, 3, T, D]: the drift raises its scores
     scores = (query.double() @ keys[0, 0, :-t].double().T)[0, 0, 0] * d**-0.5  # [n - t], the first row's
     assert scores[-16:].mean() - scores[:16].mean() > 8 * 10  # the first row's reference moves ten times or more
-    got = attrs.evolve(DOTS, amx=False).attend(query, keys, values, None, None)  # [1, T, Hq, D]
+    got = kernel.attend(query, keys, values, None, None)  # [1, T, Hq, D]
     want = reference(query, keys, values, None)  # [1, T, Hq, D], float64
     bound = 2**-8 * want.abs() + 2**-9 * values.abs().amax()  # its own rounding, the weights'
     assert ((got.double() - want).abs() <= bound).all(), float((got.double() - want).abs().max())

@@ -1437,6 +1437,22 @@ void attend_range_dp_rows_any(const float *q, int rows, int d, float scale, cons
 
 #ifdef SPECSTACK_AMX
 
+// e^x for the tiles' softmax weights, which are rounded to bf16 next: 2^f for f = x log2(e) - n in [-1/2, 1/2] by
+// its Taylor polynomial of degree 6 (its relative error at most 1.6e-7, against the rounding's 2^-9 = 2e-3), scaled by 2^n
+// (vscalefps). Ten instructions against expv's sixteen; x must be finite.
+inline v16 exp_for_weights(v16 x) {
+    const __m512 y = _mm512_mul_ps((__m512)x, _mm512_set1_ps(1.44269504088896341f));
+    const __m512 n = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), f = _mm512_sub_ps(y, n);
+    __m512 p = _mm512_set1_ps(1.5403530e-4f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    return (v16)_mm512_scalef_ps(p, n);
+}
+
 // Tiles 0-7 (per thread), each 16 rows of 64 bytes. The scores: 0-1 two score tiles side by side, 2-5 keys, 6-7
 // queries; the outputs: 0-3 four output tiles side by side, 4-5 values in turn, 6-7 weights. Tiles are not
 // renamed, so a product that reuses the last one's accumulator or source tile waits for it to finish: with one
@@ -1536,12 +1552,37 @@ v16 group_softmax(float *st, int len, float scale, int count, float *m, float *l
     for (int j = 0; j < AMX_BLOCK; ++j) {  // the scaled score recomputed, the same bits: no pass storing it
         for (int line = 0; keys_ahead && line < d / PAIRS; ++line)  // key j's and value j's lines, a block on
             _mm_prefetch(keys_ahead + 2 * d * j + 64 * line, _MM_HINT_T1), _mm_prefetch(values_ahead + 2 * d * j + 64 * line, _MM_HINT_T1);
-        const v16 w = j < len ? expv<v16, v16i>(load16(st + j * TILE) * scale - top) : v16{};
+        const v16 w = j < len ? exp_for_weights(load16(st + j * TILE) * scale - top) : v16{};
         store16(st + j * TILE, w);
         sum += w;
     }
     for (int r = 0; r < count; ++r) l[r] = l[r] * rescale[r] + sum[r], m[r] = top[r];
     return rescale;
+}
+
+// The same where every row's scores stay within RESCALE_ABOVE of its reference m (the register path's
+// conditional rescaling): one pass, the weights against m, no maximum, a rescale of 1; the sums l move on.
+// Returns false, st then spoilt, where a row's score rose past that (and on a row's first block, m = -inf):
+// the caller scores the block again and takes group_softmax, which moves the references up to the maxima.
+bool group_softmax_held(float *st, int len, float scale, int count, const float *m, float *l, const char *keys_ahead,
+                        const char *values_ahead, int d) {
+    v16 ref{};  // rows past count: a finite reference (their zero queries score 0; their outputs are not read)
+    for (int r = 0; r < count; ++r) ref[r] = m[r];
+    const v16 limit = ref + RESCALE_ABOVE;  // -inf on a first block: every score is over it
+    v16i over{};
+    v16 sum{};
+    for (int j = 0; j < len; ++j) {
+        for (int line = 0; keys_ahead && line < d / PAIRS; ++line)  // key j's and value j's lines, a block on
+            _mm_prefetch(keys_ahead + 2 * d * j + 64 * line, _MM_HINT_T1), _mm_prefetch(values_ahead + 2 * d * j + 64 * line, _MM_HINT_T1);
+        const v16 x = load16(st + j * TILE) * scale, w = exp_for_weights(x - ref);
+        over |= x > limit;
+        store16(st + j * TILE, w);
+        sum += w;
+    }
+    if (_mm512_test_epi32_mask((__m512i)over, (__m512i)over) != 0) return false;
+    for (int j = len; j < AMX_BLOCK; ++j) store16(st + j * TILE, v16{});  // keys past len weigh nothing
+    for (int r = 0; r < count; ++r) l[r] += sum[r];
+    return true;
 }
 
 // p[s][row][key] = st[32 s + key][row] rounded to bf16: the weights as the A operand of P x V.
@@ -1593,15 +1634,15 @@ void group_values(const uint16_t *p, const uint16_t *vv, int d, float *o) {
     for (int t = 0; t < tiles; t += 4) {
         const uint16_t *low = vv + (int64_t)t * TILE * PAIRS, *high = vv + (int64_t)(tiles + t) * TILE * PAIRS;  // keys 0-31, 32-63
         const bool four = t + 4 <= tiles;
-        _tile_zero(0);
-        _tile_zero(1);
+        _tile_loadd(0, o + t * TILE, d * 4);
+        _tile_loadd(1, o + (t + 1) * TILE, d * 4);
         _tile_loadd(4, low, 64);
         _tile_dpbf16ps(0, 6, 4);
         _tile_loadd(5, low + TILE * PAIRS, 64);
         _tile_dpbf16ps(1, 6, 5);
         if (four) {
-            _tile_zero(2);
-            _tile_zero(3);
+            _tile_loadd(2, o + (t + 2) * TILE, d * 4);
+            _tile_loadd(3, o + (t + 3) * TILE, d * 4);
             _tile_loadd(4, low + 2 * TILE * PAIRS, 64);
             _tile_dpbf16ps(2, 6, 4);
             _tile_loadd(5, low + 3 * TILE * PAIRS, 64);
@@ -1627,26 +1668,31 @@ void group_values(const uint16_t *p, const uint16_t *vv, int d, float *o) {
 // Floats of scratch one AMX work item needs: a group's scores and weights, the block's interleaved
 // values, a group's weighted values, a short last block zero-padded, every group's interleaved queries.
 inline size_t amx_scratch_floats(int d) {
-    return (size_t)AMX_BLOCK * TILE + (size_t)TILE * AMX_BLOCK / 2 + (size_t)AMX_BLOCK * d / 2 + (size_t)TILE * d
+    return (size_t)AMX_BLOCK * TILE + (size_t)TILE * AMX_BLOCK / 2 + (size_t)AMX_BLOCK * d / 2 + (size_t)MAX_ROWS * d
            + (size_t)AMX_BLOCK * d + (size_t)MAX_ROWS * d / 2;
 }
 
 // One work item on AMX tiles: keys [begin, end) of one KV head (bfloat16, rows of d, d a multiple of 32)
-// into running maxima m, sums l and weighted values acc, as attend_range does. q [rows, d] holds the
-// unscaled queries (bf16 numbers); scores are scaled in float32.
+// into references m (running maxima, or the held references of group_softmax_held), sums l and weighted values
+// acc, as attend_range does. q [rows, d] holds the unscaled queries (bf16 numbers); scores are scaled in float32.
+// The weighted values accumulate on the tiles (loaded and stored a block at a time), rescaled in memory only
+// where a row's reference moved: since 2026-11-30 (sixth session), with the held references and exp_for_weights,
+// whole forwards of 8 / 16 tokens over 7,500 slots took 1.01-1.03 / 1.06-1.07x less time (over 32,000: 1.06 / 1.12x)
+// than with every group's maximum taken, its weighted values added in vectors and the float32-accurate expv
+// (docs/benchmarks.md, "The AMX attention asks").
 void attend_range_amx(const float *q, int rows, int d, float scale, const uint16_t *k, const uint16_t *v, int64_t begin, int64_t end,
                       float *scratch, float *m, float *l, float *acc) {
     float *st = scratch;                                    // [64 keys][16 rows]
     uint16_t *p = (uint16_t *)(st + AMX_BLOCK * TILE);      // [2][16 rows][32 keys]
     uint16_t *vv = p + TILE * AMX_BLOCK;                    // [2][d / 16][16 pairs][32]
-    float *o = (float *)(vv + AMX_BLOCK * d);               // [16 rows][d]
-    uint16_t *padded = (uint16_t *)(o + TILE * d);          // [64][d] keys, then [64][d] values
+    float *o = (float *)(vv + AMX_BLOCK * d);               // [groups * 16 rows][d]: the weighted values, whole groups
+    uint16_t *padded = (uint16_t *)(o + MAX_ROWS * d);      // [64][d] keys, then [64][d] values
     uint16_t *qv = padded + 2 * AMX_BLOCK * d;              // [groups][d / 32][16 pairs][32]
     const int groups = (rows + TILE - 1) / TILE;
     interleave_queries(q, rows, d, qv);
     configure_tiles();
     for (int r = 0; r < rows; ++r) m[r] = -INFINITY, l[r] = 0.0f;
-    for (int i = 0; i < rows * d; ++i) acc[i] = 0.0f;
+    memset(o, 0, sizeof(float) * groups * TILE * d);
     for (int64_t b = begin; b < end; b += AMX_BLOCK) {
         const int len = (int)(end - b < AMX_BLOCK ? end - b : AMX_BLOCK);
         const uint16_t *kb = k + b * d, *vb = v + b * d;
@@ -1667,21 +1713,27 @@ void attend_range_amx(const float *q, int rows, int d, float scale, const uint16
         interleave_values(vb, d, vv, few_first ? keys_ahead : nullptr, values_ahead);
         for (int g = 0; g < groups; ++g) {
             const int first = g * TILE, count = rows - first < TILE ? rows - first : TILE;
-            group_scores(kb, qv + (int64_t)g * d * TILE, d, st);
-            v16 rescale;
+            const uint16_t *qg = qv + (int64_t)g * d * TILE;
+            float *og = o + (int64_t)first * d;
+            group_scores(kb, qg, d, st);
+            v16 rescale = v16{} + 1.0f;
             if (count <= FEW_ROWS) {
                 rescale = few_rows_softmax(st, len, scale, count, m + first, l + first, p);
             } else {
-                rescale = group_softmax(st, len, scale, count, m + first, l + first, g == 0 ? keys_ahead : nullptr, values_ahead, d);
+                const char *ka = g == 0 ? keys_ahead : nullptr;
+                if (!group_softmax_held(st, len, scale, count, m + first, l + first, ka, values_ahead, d)) {
+                    group_scores(kb, qg, d, st);  // spoilt: scored again, the references moved up
+                    rescale = group_softmax(st, len, scale, count, m + first, l + first, nullptr, nullptr, d);
+                }
                 weights_by_rows(st, p);
             }
-            group_values(p, vv, d, o);
-            for (int r = 0; r < count; ++r) {
-                float *ar = acc + (int64_t)(first + r) * d;
-                for (int c = 0; c < d; c += TILE) store16(ar + c, load16(ar + c) * rescale[r] + load16(o + r * d + c));
-            }
+            for (int r = 0; r < count; ++r)
+                if (rescale[r] != 1.0f)
+                    for (int c = 0; c < d; c += TILE) store16(og + r * d + c, load16(og + r * d + c) * rescale[r]);
+            group_values(p, vv, d, og);
         }
     }
+    memcpy(acc, o, sizeof(float) * rows * d);
     _tile_release();
 }
 #endif  // SPECSTACK_AMX
