@@ -1533,10 +1533,7 @@ void group_scores(const uint16_t *k, const uint16_t *qv, int d, float *st) {
 
 // The online softmax of one group down the block's len keys: st [64][16] scores in, weights out (zero
 // past len); the group's running maxima m and sums l (count rows) move on; returns each row's rescale.
-// Where keys_ahead is not null (the next block's 64 keys, and its values, rows of d bf16: d / 32 cache lines a
-// row), step j asks for key j's and value j's lines into L2: the next block's reads spread over this block's
-// arithmetic.
-v16 group_softmax(float *st, int len, float scale, int count, float *m, float *l, const char *keys_ahead, const char *values_ahead, int d) {
+v16 group_softmax(float *st, int len, float scale, int count, float *m, float *l) {
     v16 top = v16{} - INFINITY;
     for (int r = 0; r < count; ++r) top[r] = m[r];
     const v16 before = top;
@@ -1550,8 +1547,6 @@ v16 group_softmax(float *st, int len, float scale, int count, float *m, float *l
     const v16 rescale = expv<v16, v16i>(before - top);  // 0 on the first block (m = -inf)
     v16 sum{};
     for (int j = 0; j < AMX_BLOCK; ++j) {  // the scaled score recomputed, the same bits: no pass storing it
-        for (int line = 0; keys_ahead && line < d / PAIRS; ++line)  // key j's and value j's lines, a block on
-            _mm_prefetch(keys_ahead + 2 * d * j + 64 * line, _MM_HINT_T1), _mm_prefetch(values_ahead + 2 * d * j + 64 * line, _MM_HINT_T1);
         const v16 w = j < len ? exp_for_weights(load16(st + j * TILE) * scale - top) : v16{};
         store16(st + j * TILE, w);
         sum += w;
@@ -1564,6 +1559,9 @@ v16 group_softmax(float *st, int len, float scale, int count, float *m, float *l
 // conditional rescaling): one pass, the weights against m, no maximum, a rescale of 1; the sums l move on.
 // Returns false, st then spoilt, where a row's score rose past that (and on a row's first block, m = -inf):
 // the caller scores the block again and takes group_softmax, which moves the references up to the maxima.
+// Where keys_ahead is not null (the next block's 64 keys, and values_ahead its values, rows of d bf16: d / 32
+// cache lines a row), step j asks for key j's and value j's lines into L2: the next block's reads spread over
+// this block's arithmetic.
 bool group_softmax_held(float *st, int len, float scale, int count, const float *m, float *l, const char *keys_ahead,
                         const char *values_ahead, int d) {
     v16 ref{};  // rows past count: a finite reference (their zero queries score 0; their outputs are not read)
@@ -1701,8 +1699,8 @@ void attend_range_amx(const float *q, int rows, int d, float scale, const uint16
             memcpy(padded, kb, sizeof(uint16_t) * len * d), memcpy(padded + AMX_BLOCK * d, vb, sizeof(uint16_t) * len * d);
             kb = padded, vb = padded + AMX_BLOCK * d;
         }
-        // The next block asked for into L2 as this one is worked on: in the first group's softmax, spread over its 64
-        // steps, or where that group takes the row-by-row softmax, as the values are laid out. Against no asks, whole
+        // The next block asked for into L2 as this one is worked on: in the first group's held softmax, spread over its
+        // 64 steps, or where that group takes the row-by-row softmax, as the values are laid out. Against no asks, whole
         // forwards of 2 / 4 / 6 / 8 / 16 tokens over 7,500 slots took 1.05 / 1.09 / 1.11 / 1.07 / 1.06x less time; asking
         // as the values are laid out at every width, 1.03-1.04x more than in the softmax from 4 tokens; asking for a whole
         // block (1, 2 or 4 ahead) at its start, no less or 1.03-1.1x more (docs/benchmarks.md, "The AMX attention asks").
@@ -1723,7 +1721,7 @@ void attend_range_amx(const float *q, int rows, int d, float scale, const uint16
                 const char *ka = g == 0 ? keys_ahead : nullptr;
                 if (!group_softmax_held(st, len, scale, count, m + first, l + first, ka, values_ahead, d)) {
                     group_scores(kb, qg, d, st);  // spoilt: scored again, the references moved up
-                    rescale = group_softmax(st, len, scale, count, m + first, l + first, nullptr, nullptr, d);
+                    rescale = group_softmax(st, len, scale, count, m + first, l + first);
                 }
                 weights_by_rows(st, p);
             }
