@@ -1479,6 +1479,12 @@ void interleave_queries(const float *q, int rows, int d, uint16_t *qv) {
                     }
 }
 
+// Bytes [from, from + bytes) of the next block's keys and of its values asked for into L2, a line at a time: the
+// AMX path's reads a block ahead, spread over this block's work (attend_range_amx says where).
+inline void ask_ahead(const char *keys_ahead, const char *values_ahead, int64_t from, int64_t bytes) {
+    for (int64_t at = from; at < from + bytes; at += 64) _mm_prefetch(keys_ahead + at, _MM_HINT_T1), _mm_prefetch(values_ahead + at, _MM_HINT_T1);
+}
+
 // vv[s][tile][pair][2 * col + i] = v[32 s + 2 pair + i][16 tile + col]: a block's 64 values (rows of d)
 // as the B operand of P x V (key pairs interleaved), two output tiles per 32 columns. Where keys_ahead is not
 // null (the next block's keys, and values_ahead its values), each step asks for the lines it reads, a block on,
@@ -1491,8 +1497,7 @@ void interleave_values(const uint16_t *v, int d, uint16_t *vv, const char *keys_
         for (int c = 0; c < d; c += PAIRS) {
             if (keys_ahead) {
                 const int64_t at = 2 * ((int64_t)j * d + c);  // bytes: keys (values) j and j + 1, columns c .. c+31
-                _mm_prefetch(keys_ahead + at, _MM_HINT_T1), _mm_prefetch(keys_ahead + at + 2 * d, _MM_HINT_T1);
-                _mm_prefetch(values_ahead + at, _MM_HINT_T1), _mm_prefetch(values_ahead + at + 2 * d, _MM_HINT_T1);
+                ask_ahead(keys_ahead, values_ahead, at, 64), ask_ahead(keys_ahead, values_ahead, at + 2 * d, 64);
             }
             const __m512i a = _mm512_loadu_si512(v + (int64_t)j * d + c), b = _mm512_loadu_si512(v + (int64_t)(j + 1) * d + c);
             uint16_t *out = vv + ((int64_t)(s * tiles + c / TILE) * TILE + pair) * PAIRS;
@@ -1570,8 +1575,7 @@ bool group_softmax_held(float *st, int len, float scale, int count, const float 
     v16i over{};
     v16 sum{};
     for (int j = 0; j < len; ++j) {
-        for (int line = 0; keys_ahead && line < d / PAIRS; ++line)  // key j's and value j's lines, a block on
-            _mm_prefetch(keys_ahead + 2 * d * j + 64 * line, _MM_HINT_T1), _mm_prefetch(values_ahead + 2 * d * j + 64 * line, _MM_HINT_T1);
+        if (keys_ahead) ask_ahead(keys_ahead, values_ahead, 2 * (int64_t)d * j, 2 * d);  // key j's and value j's lines, a block on
         const v16 x = load16(st + j * TILE) * scale, w = exp_for_weights(x - ref);
         over |= x > limit;
         store16(st + j * TILE, w);
@@ -1707,7 +1711,7 @@ void attend_range_amx(const float *q, int rows, int d, float scale, const uint16
         const bool next_whole = b + 2 * AMX_BLOCK <= end;
         const char *keys_ahead = next_whole ? (const char *)(k + (b + AMX_BLOCK) * d) : nullptr;
         const char *values_ahead = next_whole ? (const char *)(v + (b + AMX_BLOCK) * d) : nullptr;
-        const bool few_first = (rows < TILE ? rows : TILE) <= FEW_ROWS;  // the first group's softmax is row by row
+        const bool few_first = rows <= FEW_ROWS;  // one group, its softmax row by row (FEW_ROWS < TILE)
         interleave_values(vb, d, vv, few_first ? keys_ahead : nullptr, values_ahead);
         for (int g = 0; g < groups; ++g) {
             const int first = g * TILE, count = rows - first < TILE ? rows - first : TILE;
