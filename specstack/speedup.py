@@ -129,14 +129,16 @@ def best_length(acceptance, costs) -> int:
     return best_count(list(itertools.accumulate(acceptance, operator.mul)), costs)
 
 
-def chain_ceiling(acceptance: float, costs) -> tuple[float, int]:
-    """The most a level that verifies chains can gain over its own step, with drafting free: the speedup
-    c_0 · E(α, γ) / c_γ and the γ that reaches it (0: no draft pays), where every drafted token is accepted
-    with ``acceptance`` α once the tokens before it were and ``costs[m]`` = c_m is the seconds of a forward of
-    m + 1 tokens (``costs[0]``: the step). Any drafter's cost, or acceptance below α, only lowers it
-    (docs/benchmarks.md: what a verify over 32,000 keys costs on the third host)."""
-    gamma = best_length([acceptance] * (len(costs) - 1), costs)
-    return expected_emitted(acceptance, gamma) * costs[0] / costs[gamma], gamma
+def chain_ceiling(acceptance: float, costs, draft_cost: float = 0.0) -> tuple[float, int]:
+    """The most a level that verifies chains can gain over its own step: the speedup c_0 · E(α, γ) / (γ t + c_γ)
+    and the γ that reaches it (0: no draft pays), where every drafted token is accepted with ``acceptance`` α once
+    the tokens before it were, ``costs[m]`` = c_m is the seconds of a forward of m + 1 tokens (``costs[0]``: the
+    step) and each drafted token costs ``draft_cost`` t seconds (0: drafting free; a level below's one-token step:
+    TriForce's bound, its catch-up forwards and bookkeeping left out). Any higher cost, or acceptance below α, only
+    lowers it (docs/benchmarks.md: what a verify over 32,000 keys costs on the third host)."""
+    rounds = [cost + m * draft_cost for m, cost in enumerate(costs)]  # [γ + 1]: a round of m drafted tokens
+    gamma = best_length([acceptance] * (len(costs) - 1), rounds)
+    return expected_emitted(acceptance, gamma) * costs[0] / rounds[gamma], gamma
 
 
 Supply = Callable[[int], float]  # k -> expected seconds for a level to supply k drafted tokens to the level above

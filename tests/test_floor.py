@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from specstack import SpecstackError
 from specstack.batch import TokenBatch
-from specstack.bench.floor import Level, Row, ceilings, chain_costs, fill, measure, run_floor, time_forwards, tree_parents
+from specstack.bench.floor import Level, Row, ceiling_lines, ceilings, chain_costs, fill, measure, run_floor, time_forwards, tree_parents
 from specstack.cli import _parser, main
 from specstack.floor import Floor, Gemm, Machine, ModelShape, forward_floor, measure_machine
 from specstack.testing.llama import random_llama
@@ -210,6 +210,24 @@ def test_the_ceiling_prices_chains_from_the_measured_forwards_and_the_line_betwe
     assert [(c.level, c.cache, c.acceptance) for c in found] == [("L2 target+full", 100, 0.9), ("L2 target+full", 100, 0.1)]
     assert (found[0].gamma, found[0].longest) == (3, True) and found[0].speedup == pytest.approx(3.439 * 10 / 20)
     assert (found[1].gamma, found[1].longest) == (0, False) and found[1].speedup == pytest.approx(1.0)  # 1.1 x 10 / 12 < 1
+
+
+def test_the_full_levels_ceiling_drafted_by_the_retrieval_level_pays_a_retrieval_step_per_drafted_token() -> None:
+    """The full level's chains of 1, 2 and 4 tokens (10, 12, 20 ms) drafted by a retrieval level whose step takes 2 ms:
+    a round of m drafted tokens costs c_m + 2 m. At 0.9: one token 1.9 x 10 / 14 = 1.357x, two 2.71 x 10 / 20 = 1.355x,
+    three 3.439 x 10 / 26 = 1.323x, so γ 1 (drafting free chose γ 3). The retrieval level's own chains get no drafted
+    ceiling, and without its step timed there is none."""
+    retrieval = [Row(level="L1 target+retrieval", cache=16, tokens=t, tree=False, seconds=ms / 1e3,
+                     floor=Floor(bytes=1.0, flops=1.0, memory_s=1.0, compute_s=0.0)) for t, ms in ((1, 2.0), (2, 3.0))]
+    found = ceilings([_row(1, 10.0), _row(2, 12.0), _row(4, 20.0), *retrieval], acceptances=(0.9,))
+    drafted = [c for c in found if c.drafted_by]
+    assert [(c.level, c.cache, c.drafted_by) for c in drafted] == [("L2 target+full", 100, "L1 target+retrieval")]
+    assert drafted[0].gamma == 1 and drafted[0].speedup == pytest.approx(1.9 * 10 / 14)
+    free = {c.level: c for c in found if not c.drafted_by}
+    assert free["L2 target+full"].gamma == 3 and free["L1 target+retrieval"].speedup == pytest.approx(1.9 * 2 / 3)
+    assert not [c for c in ceilings([_row(1, 10.0), _row(2, 12.0)], acceptances=(0.9,)) if c.drafted_by]
+    lines = ceiling_lines(found)
+    assert lines[-2].startswith("ceiling with each drafted token") and lines[-1].startswith("L2 <- L1") and "γ 1" in lines[-1]
 
 
 # -- the command ----------------------------------------------------------------------------------

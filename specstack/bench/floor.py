@@ -189,37 +189,50 @@ class Ceiling:
     speedup: float
     gamma: int
     longest: bool  # gamma is the longest chain measured: longer forwards, had they been timed, might pay more
+    drafted_by: str = ""  # the level whose one-token step each drafted token costs (TriForce's bound); "": drafting free
 
     def as_dict(self) -> dict:
         return attrs.asdict(self)
 
 
 def ceilings(rows: Sequence[Row], acceptances: Sequence[float] = ACCEPTANCES) -> list[Ceiling]:
-    """A :class:`Ceiling` per acceptance for every level and cache whose chains were timed at one token and more."""
+    """A :class:`Ceiling` per acceptance for every level and cache whose chains were timed at one token and more,
+    drafting free; then, where the retrieval level's step was timed too, the full level's drafted by it, each drafted
+    token one retrieval step (TriForce's middle level drafting alone: the most its rounds can gain at that acceptance)."""
     groups: dict[tuple[str, int], list[Row]] = {}
     for row in rows:
         if not row.tree:
             groups.setdefault((row.level, row.cache), []).append(row)
+    paced = {"": 0.0}  # drafted_by -> seconds a drafted token
+    paced.update({row.level: row.seconds for row in rows if row.level == LEVELS["retrieval"] and row.tokens == 1 and not row.tree})
     found = []
-    for (level, cache), chains in groups.items():
-        if min(row.tokens for row in chains) != 1 or len(chains) < 2:
-            continue
-        costs = chain_costs(chains)
-        for acceptance in acceptances:
-            speedup, gamma = chain_ceiling(acceptance, costs)
-            found.append(Ceiling(level=level, cache=cache, acceptance=acceptance, speedup=speedup, gamma=gamma, longest=gamma == len(costs) - 1))
+    for drafted_by, draft_cost in paced.items():
+        for (level, cache), chains in groups.items():
+            if min(row.tokens for row in chains) != 1 or len(chains) < 2 or (drafted_by and level != LEVELS["full"]):
+                continue
+            costs = chain_costs(chains)
+            for acceptance in acceptances:
+                speedup, gamma = chain_ceiling(acceptance, costs, draft_cost)
+                found.append(Ceiling(level=level, cache=cache, acceptance=acceptance, speedup=speedup, gamma=gamma,
+                                     longest=gamma == len(costs) - 1, drafted_by=drafted_by))
     return found
 
 
 def ceiling_lines(found: Sequence[Ceiling]) -> list[str]:
-    """The report's closing lines: a level and cache a line, its ceiling at each acceptance."""
-    if not found:
-        return []
-    lines = ["", "ceiling with drafting free (chains whose drafted tokens are each accepted with α; forwards between the "
-                 "measured T on a line; *: the longest chain measured):"]
-    for (level, cache), group in itertools.groupby(found, key=lambda c: (c.level, c.cache)):  # ceilings() keeps a group together
-        lines.append(f"{level:<20} {cache:>6}  " + "  ".join(
-            f"α {c.acceptance:g}: {c.speedup:.2f}x (γ {c.gamma}{'*' if c.longest else ''})" for c in group))
+    """The report's closing lines: a level and cache a line, its ceiling at each acceptance; drafting free first, then
+    drafted by a level below."""
+    headings = {"": "ceiling with drafting free (chains whose drafted tokens are each accepted with α; forwards between the "
+                    "measured T on a line; *: the longest chain measured):",
+                "drafted": "ceiling with each drafted token one step of the level below (TriForce's middle level drafting alone):"}
+    lines: list[str] = []
+    for kind in headings:
+        chosen = [c for c in found if bool(c.drafted_by) == bool(kind)]
+        if chosen:
+            lines += ["", headings[kind]]
+        for (level, cache, below), group in itertools.groupby(chosen, key=lambda c: (c.level, c.cache, c.drafted_by)):  # kept together
+            label = f"{level.split()[0]} <- {below.split()[0]}" if below else level
+            lines.append(f"{label:<20} {cache:>6}  " + "  ".join(
+                f"α {c.acceptance:g}: {c.speedup:.2f}x (γ {c.gamma}{'*' if c.longest else ''})" for c in group))
     return lines
 
 
