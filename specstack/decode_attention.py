@@ -47,7 +47,7 @@ SOURCE = SOURCES / "decode_attention.cpp"
 # loses to SDPA's own bf16 kernel from six tokens; on AMX tiles it beat SDPA 1.9-2.2x from 1 to 16
 # tokens ("bf16 attention on AMX tiles"). Wider verifies and prefill chunks stay with SDPA.
 MAX_TOKENS = {torch.float32: 16, torch.bfloat16: 4}
-MAX_TOKENS_AMX = 16  # a bfloat16 cache where the kernel runs on AMX tiles
+MAX_TOKENS_AMX = 64  # a bfloat16 cache where the kernel runs on AMX tiles (192 rows: csrc/decode_attention.cpp, MAX_ROWS)
 # A bfloat16 cache on a CPU without AVX-512's bf16 dot products (AVX2), where SDPA's bf16 kernel has no bf16
 # instructions either: the widening kernel took 1.40-1.80x less time than the split SDPA path for 5-16 tokens
 # over 7,500 and 32,000 keys on the 2-core AMD host (docs/benchmarks.md, "bf16 on AVX2"; examples/bf16_widened.py

@@ -78,8 +78,11 @@ MAX_WIDENED_BF16_ROWS = 16
 # tokens take 1.07-1.24x less time on them over 512 slots but 0.99-1.06x over 7,500, and their products then round
 # otherwise than a step's: with tiles from four, the nine prompts' lookup stacks wrote autoregressive decoding's text
 # in 3 of 18 runs and reached medians of 2.06x / 2.69x, from six in 7 of 18 and 2.64x / 2.85x (docs/benchmarks.md,
-# "Tiles widened one at a time"). So a verify of up to five tokens keeps the step's products.
-TILES_FROM, MAX_TILE_ROWS = 6, 32
+# "Tiles widened one at a time"). So a verify of up to five tokens keeps the step's products. Up to 64 rows: from 33 on
+# the kernel takes them in two passes of 32 (csrc/linear_rows.cpp, MAX_TILE_PASS_ROWS), each reading the weight, so
+# that token trees and chains of 33-64 tokens stay off oneDNN's bf16 weight (docs/benchmarks.md, "Verifies of up to 64
+# tokens on the tiles").
+TILES_FROM, MAX_TILE_ROWS = 6, 64
 
 PACKED_FOR_ROWS = 4  # the row count oneDNN's reorder is told to expect: measured best over 1-32 rows here (hint 1 doubled 2 rows' cost)
 

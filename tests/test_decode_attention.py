@@ -107,6 +107,7 @@ def test_a_bfloat16_cache_is_read_as_its_float32_values(t, n, d, kv_heads, group
     (1, 7_000, 64, 3, 3), (4, 2_000, 64, 3, 3),  # the default target's step and a verify: one group of rows
     (8, 1_000, 64, 3, 3), (16, 900, 64, 3, 3),  # two and three groups of sixteen rows
     (8, 300, 64, 1, 8),  # 64 rows, four full groups
+    (24, 1_000, 64, 3, 3), (40, 301, 64, 3, 3), (64, 2_100, 64, 3, 3),  # verifies and trees of up to 64 tokens: 72-192 rows
     (1, 2, 64, 3, 3), (3, 70, 64, 3, 3),  # one cached key; a cache shorter than a block per thread
     (2, 515, 128, 2, 4), (3, 133, 96, 1, 8),  # wider heads; keys that end mid-block
     (2, 1_000, 64, 3, 3), (1, 133, 96, 2, 4),  # groups of six and four rows: the row-by-row softmax, one ending mid-block

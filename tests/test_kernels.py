@@ -13,6 +13,7 @@ import torch
 
 from specstack.native import find_compiler
 from specstack.packed_linear import MAX_STREAMED_ROWS, MAX_TILE_ROWS, MAX_WIDENED_BF16_ROWS, TILES_FROM, PackedLinear, RowsKernel, load_rows_kernel, onednn_available, onednn_bf16_available, pack_linears
+from specstack.weight_formats import Q4_1, q4_1_rows
 
 ROWS_KERNEL = load_rows_kernel()
 # the most fp32 rows the streaming kernel takes (sixteen on any build)
@@ -91,7 +92,7 @@ def test_fp32_takes_up_to_sixteen_rows() -> None:
 
 needs_bf16_rows = pytest.mark.skipif(ROWS_KERNEL is None, reason="no C++ compiler here: bf16 rows keep F.linear")
 needs_tiles = pytest.mark.skipif(ROWS_KERNEL is None or not ROWS_KERNEL.tiles, reason="no AMX tiles here: wider bf16 products take oneDNN")
-BF16_KERNEL_ROWS = ROWS_KERNEL.max_rows(torch.bfloat16) if ROWS_KERNEL is not None else 0  # 6, or 32 on AMX tiles
+BF16_KERNEL_ROWS = ROWS_KERNEL.max_rows(torch.bfloat16) if ROWS_KERNEL is not None else 0  # 16, or 64 on AMX tiles
 # bf16 products each way the kernel was built for: the way chosen here (specstack.bf16_products), and where it was built
 # with bf16 dot products the other way too (widened, or the dot products)
 BF16_WAYS = [] if ROWS_KERNEL is None else ROWS_KERNEL.bf16_ways()
@@ -168,6 +169,28 @@ def test_the_tiles_sum_what_the_streaming_kernel_sums() -> None:
     torch.testing.assert_close(tiled.double(), exact, rtol=2**-8, atol=1e-5)
 
 
+@needs_tiles
+@pytest.mark.parametrize("rows", [33, 47, 64])
+def test_tile_products_past_32_rows_take_a_second_pass_with_each_rows_own_bits(rows) -> None:
+    """Past 32 rows the tile entries take a second pass over the weight: each row's outputs are the bits a product of
+    its pass's rows alone gives it, within bf16 rounding of the exact product, for stored Q4_1 blocks and for a bf16
+    weight. A second pass skipped or fed the first pass's rows fails both."""
+    dense = packed(576, 1003, bias=True).to(torch.bfloat16)
+    stored = packed(576, 1536, bias=False).to(torch.bfloat16)
+    codes = torch.randint(0, 16, (1536, 18, 32), dtype=torch.uint8, generator=torch.Generator().manual_seed(5))  # [out, in / 32, 32]
+    scales = torch.tensor([0.01, -0.07], dtype=torch.float16).view(torch.uint8).expand(1536, 18, 4)  # d, m of every block
+    blocks = q4_1_rows(torch.cat([scales, codes[..., :16] | codes[..., 16:] << 4], dim=2).reshape(1536, -1))  # GGUF's 20 bytes a block
+    stored.weight.data = Q4_1.weights(blocks, torch.bfloat16)  # [out, in]: the numbers the blocks stand for
+    assert stored.attach_exact_blocks(blocks, Q4_1)
+    hidden = torch.randn(rows, 576, generator=torch.Generator().manual_seed(6)).bfloat16()  # [T, H]
+    with torch.inference_mode():
+        for layer in (dense, stored):
+            together = layer(hidden)  # [T, V]
+            assert torch.equal(together[:32], layer(hidden[:32])) and torch.equal(together[32:], layer(hidden[32:]))
+            exact = torch.nn.functional.linear(hidden.double(), layer.weight.double(), None if layer.bias is None else layer.bias.double())
+            torch.testing.assert_close(together.double(), exact, rtol=2**-7, atol=1e-2)
+
+
 @needs_compiler
 @pytest.mark.parametrize("bias", [False, True])
 def test_wider_bf16_products_without_onednn_bf16_kernels_are_the_fp32_product_rounded_once(bias) -> None:
@@ -176,7 +199,8 @@ def test_wider_bf16_products_without_onednn_bf16_kernels_are_the_fp32_product_ro
     half a bf16 step (plus the fp32 sum's error) of the float64 product; emulated bf16 F.linear rounds more often."""
     layer = packed(576, 1003, bias=bias).to(torch.bfloat16)
     layer._bf16_packs = False  # as on such a CPU
-    hidden = (3 * torch.randn(40, 576, generator=torch.Generator().manual_seed(4))).bfloat16()  # [T, H]
+    wider = (ROWS_KERNEL.max_rows(torch.bfloat16) if ROWS_KERNEL is not None else 32) + 8  # more rows than the kernel takes
+    hidden = (3 * torch.randn(wider, 576, generator=torch.Generator().manual_seed(4))).bfloat16()  # [T, H]
     with torch.inference_mode():
         got = layer(hidden)  # [T, V] bf16
     assert layer._packed is not None and layer._packed.dtype == torch.float32 and got.dtype == torch.bfloat16
@@ -248,7 +272,7 @@ def test_a_forward_recording_gradients_keeps_f_linear() -> None:
     assert torch.equal(out, torch.nn.functional.linear(hidden, layer.weight, layer.bias))
 
 
-@pytest.mark.parametrize("rows", [BF16_KERNEL_ROWS + 1, 64, 512])
+@pytest.mark.parametrize("rows", [BF16_KERNEL_ROWS + 1, BF16_KERNEL_ROWS + 31, 512])
 def test_wide_bf16_forwards_take_onednn_packed(rows) -> None:
     """A verify wider than the kernel takes, or a prefill chunk: oneDNN's packed bf16 product (where oneDNN
     has no bf16 kernels its fp32 product over the weight widened), the layer's own outputs up to bf16 rounding."""

@@ -89,7 +89,7 @@ typedef float vw __attribute__((vector_size(4 * W), aligned(4)));
 typedef int32_t vwi __attribute__((vector_size(4 * W), aligned(4)));
 
 constexpr int BLOCK = 64;       // keys scored at once: 16 KB of fp32 keys with D = 64
-constexpr int MAX_ROWS = 64;    // query rows per KV head (G * T)
+constexpr int MAX_ROWS = 192;   // query rows per KV head (G * T): 64 tokens of three query heads a KV head, on the tiles
 constexpr int MAX_DIM = 256;    // head dimension
 // From this many rows on a block is scored as a GEMM (docs/benchmarks.md; as_gemm). The GEMM transposes a
 // block's keys (and widens a bf16 block's values) at the same cost however few rows share them, while the

@@ -674,7 +674,8 @@ int narrow_bf16_linear(const uint8_t *w, const uint16_t *x, const uint16_t *bias
 
 constexpr int TILE = 16;           // output rows of a group; input rows of a B tile
 constexpr int PAIRS = 32;          // bf16 numbers in a 64-byte tile row
-constexpr int MAX_TILE_ROWS = 32;  // two B tiles
+constexpr int MAX_TILE_ROWS = 32;  // two B tiles: the rows of one pass of tile_outputs
+constexpr int MAX_TILE_PASS_ROWS = 64;  // rows the tile entries take, in passes of MAX_TILE_ROWS (tile_passes)
 
 inline __mmask16 first_lanes(int count) { return count >= TILE ? (__mmask16)0xFFFF : (__mmask16)((1u << count) - 1); }  // lanes 0 .. count-1
 inline __m512i lane_times(int step) { return _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), _mm512_set1_epi32(step)); }  // lane i: i * step
@@ -782,6 +783,14 @@ void tile_outputs(const uint16_t *x, const uint16_t *bias, uint16_t *y, int n, i
     free(xv);
 }
 
+// tile_outputs over n <= MAX_TILE_PASS_ROWS rows, in passes of MAX_TILE_ROWS: each pass reads the whole weight again
+// (from L3 where it stays there), and each row's outputs are the bits one pass of any row count gives it.
+template <class Source>
+void tile_passes(const uint16_t *x, const uint16_t *bias, uint16_t *y, int n, int64_t out, int64_t in, int threads, const Source &source) {
+    for (int first = 0; first < n; first += MAX_TILE_ROWS)
+        tile_outputs(x + first * in, bias, y + first * out, n - first < MAX_TILE_ROWS ? n - first : MAX_TILE_ROWS, out, in, threads, source);
+}
+
 // A weight stored as Format's blocks (grouped: weight_formats.py) as A tiles: chunk s of each of the sixteen rows widened
 // to bf16 into the room, asking as it goes for the same chunk of the rows one work item on (two groups of sixteen).
 template <class Format>
@@ -820,8 +829,8 @@ struct StoredTiles {
 template <class Format>
 int stored_tiles(const uint8_t *w, const uint16_t *x, const uint16_t *bias, uint16_t *y, int n, int64_t out, int64_t in, int threads) {
 #ifdef SPECSTACK_AMX
-    if (!bf16_shape_taken(n, out, in, threads, MAX_TILE_ROWS) || !amx_permitted()) return -1;
-    tile_outputs(x, bias, y, n, out, in, threads, StoredTiles<Format>{w, out, in});
+    if (!bf16_shape_taken(n, out, in, threads, MAX_TILE_PASS_ROWS) || !amx_permitted()) return -1;
+    tile_passes(x, bias, y, n, out, in, threads, StoredTiles<Format>{w, out, in});
     return 0;
 #else
     (void)w, (void)x, (void)bias, (void)y, (void)n, (void)out, (void)in, (void)threads;
@@ -954,11 +963,11 @@ int specstack_linear_rows_tiles_supported() {
 }
 
 // The bf16 product on AMX tiles (packed_linear.py sends TILES_FROM rows and more): w [out, in] bf16,
-// x [n, in] with n <= MAX_TILE_ROWS, bias [out] or null, y [n, out]. Returns 0, or -1 for what it does
-// not take (in not a multiple of 32, more than MAX_TILE_ROWS rows, no AMX here).
+// x [n, in] with n <= MAX_TILE_PASS_ROWS, bias [out] or null, y [n, out]. Returns 0, or -1 for what it does
+// not take (in not a multiple of 32, more than MAX_TILE_PASS_ROWS rows, no AMX here).
 int specstack_linear_rows_bf16_tiles(const uint16_t *w, const uint16_t *x, const uint16_t *bias, uint16_t *y, int n, int64_t out, int64_t in, int threads) {
 #ifdef SPECSTACK_AMX
-    if (!bf16_shape_taken(n, out, in, threads, MAX_TILE_ROWS) || !amx_permitted()) return -1;
+    if (!bf16_shape_taken(n, out, in, threads, MAX_TILE_PASS_ROWS) || !amx_permitted()) return -1;
     struct Rows {  // the weight's rows, in place where sixteen of them make a group; a short group's copied
         const uint16_t *w;
         int64_t in;
@@ -968,7 +977,7 @@ int specstack_linear_rows_bf16_tiles(const uint16_t *w, const uint16_t *x, const
             return Tile{room, 64};
         }
     };
-    tile_outputs(x, bias, y, n, out, in, threads, Rows{w, in});
+    tile_passes(x, bias, y, n, out, in, threads, Rows{w, in});
     return 0;
 #else
     (void)w, (void)x, (void)bias, (void)y, (void)n, (void)out, (void)in, (void)threads;
