@@ -203,10 +203,10 @@ def ceilings(rows: Sequence[Row], acceptances: Sequence[float] = ACCEPTANCES) ->
     for row in rows:
         if not row.tree:
             groups.setdefault((row.level, row.cache), []).append(row)
-    paced = {"": 0.0}  # drafted_by -> seconds a drafted token
-    paced.update({row.level: row.seconds for row in rows if row.level == LEVELS["retrieval"] and row.tokens == 1 and not row.tree})
+    draft_costs = {"": 0.0}  # drafted_by -> seconds a drafted token costs ("": drafting free)
+    draft_costs.update({row.level: row.seconds for row in rows if row.level == LEVELS["retrieval"] and row.tokens == 1 and not row.tree})
     found = []
-    for drafted_by, draft_cost in paced.items():
+    for drafted_by, draft_cost in draft_costs.items():
         for (level, cache), chains in groups.items():
             if min(row.tokens for row in chains) != 1 or len(chains) < 2 or (drafted_by and level != LEVELS["full"]):
                 continue
@@ -221,14 +221,14 @@ def ceilings(rows: Sequence[Row], acceptances: Sequence[float] = ACCEPTANCES) ->
 def ceiling_lines(found: Sequence[Ceiling]) -> list[str]:
     """The report's closing lines: a level and cache a line, its ceiling at each acceptance; drafting free first, then
     drafted by a level below."""
-    headings = {"": "ceiling with drafting free (chains whose drafted tokens are each accepted with α; forwards between the "
-                    "measured T on a line; *: the longest chain measured):",
-                "drafted": "ceiling with each drafted token one step of the level below (TriForce's middle level drafting alone):"}
+    headings = {False: "ceiling with drafting free (chains whose drafted tokens are each accepted with α; forwards between the "
+                       "measured T on a line; *: the longest chain measured):",
+                True: "ceiling with each drafted token one step of the level below (TriForce's middle level drafting alone):"}
     lines: list[str] = []
-    for kind in headings:
-        chosen = [c for c in found if bool(c.drafted_by) == bool(kind)]
+    for drafted, heading in headings.items():
+        chosen = [c for c in found if bool(c.drafted_by) == drafted]
         if chosen:
-            lines += ["", headings[kind]]
+            lines += ["", heading]
         for (level, cache, below), group in itertools.groupby(chosen, key=lambda c: (c.level, c.cache, c.drafted_by)):  # kept together
             label = f"{level.split()[0]} <- {below.split()[0]}" if below else level
             lines.append(f"{label:<20} {cache:>6}  " + "  ".join(

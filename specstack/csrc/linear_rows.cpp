@@ -783,8 +783,8 @@ void tile_outputs(const uint16_t *x, const uint16_t *bias, uint16_t *y, int n, i
     free(xv);
 }
 
-// tile_outputs over n <= MAX_TILE_PASS_ROWS rows, in passes of MAX_TILE_ROWS: each pass reads the whole weight again
-// (from L3 where it stays there), and each row's outputs are the bits one pass of any row count gives it.
+// tile_outputs over n <= MAX_TILE_PASS_ROWS rows, in passes of MAX_TILE_ROWS: each pass reads the whole weight again,
+// and each row's outputs are the bits one pass of any row count gives it.
 template <class Source>
 void tile_passes(const uint16_t *x, const uint16_t *bias, uint16_t *y, int n, int64_t out, int64_t in, int threads, const Source &source) {
     for (int first = 0; first < n; first += MAX_TILE_ROWS)
