@@ -13,7 +13,8 @@ import torch
 
 from specstack.native import find_compiler
 from specstack.packed_linear import MAX_STREAMED_ROWS, MAX_TILE_ROWS, MAX_WIDENED_BF16_ROWS, TILES_FROM, PackedLinear, RowsKernel, load_rows_kernel, onednn_available, onednn_bf16_available, pack_linears
-from specstack.weight_formats import Q4_1, q4_1_rows
+from specstack.weight_formats import Q4_1
+from tests.test_gguf_weights import bf16_layer, random_blocks
 
 ROWS_KERNEL = load_rows_kernel()
 # the most fp32 rows the streaming kernel takes (sixteen on any build)
@@ -176,11 +177,8 @@ def test_tile_products_past_32_rows_take_a_second_pass_with_each_rows_own_bits(r
     its pass's rows alone gives it, within bf16 rounding of the exact product, for stored Q4_1 blocks and for a bf16
     weight. A second pass skipped or fed the first pass's rows fails both."""
     dense = packed(576, 1003, bias=True).to(torch.bfloat16)
-    stored = packed(576, 1536, bias=False).to(torch.bfloat16)
-    codes = torch.randint(0, 16, (1536, 18, 32), dtype=torch.uint8, generator=torch.Generator().manual_seed(5))  # [out, in / 32, 32]
-    scales = torch.tensor([0.01, -0.07], dtype=torch.float16).view(torch.uint8).expand(1536, 18, 4)  # d, m of every block
-    blocks = q4_1_rows(torch.cat([scales, codes[..., :16] | codes[..., 16:] << 4], dim=2).reshape(1536, -1))  # GGUF's 20 bytes a block
-    stored.weight.data = Q4_1.weights(blocks, torch.bfloat16)  # [out, in]: the numbers the blocks stand for
+    blocks = random_blocks(1536, 576, seed=5)
+    stored = bf16_layer(blocks, bias=False)  # [out, in]: the numbers the blocks stand for
     assert stored.attach_exact_blocks(blocks, Q4_1)
     hidden = torch.randn(rows, 576, generator=torch.Generator().manual_seed(6)).bfloat16()  # [T, H]
     with torch.inference_mode():

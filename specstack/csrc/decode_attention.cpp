@@ -1668,7 +1668,7 @@ void group_values(const uint16_t *p, const uint16_t *vv, int d, float *o) {
 }
 
 // Floats of scratch one AMX work item needs: a group's scores and weights, the block's interleaved
-// values, a group's weighted values, a short last block zero-padded, every group's interleaved queries.
+// values, every group's weighted values, a short last block zero-padded, every group's interleaved queries.
 inline size_t amx_scratch_floats(int d) {
     return (size_t)AMX_BLOCK * TILE + (size_t)TILE * AMX_BLOCK / 2 + (size_t)AMX_BLOCK * d / 2 + (size_t)MAX_ROWS * d
            + (size_t)AMX_BLOCK * d + (size_t)MAX_ROWS * d / 2;
