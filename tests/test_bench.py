@@ -530,3 +530,21 @@ def test_a_tiny_grid_on_the_embedded_default(tmp_path) -> None:
     needle = [r for r in table.ok if r["task"] == "needle"]
     assert all(r["accuracy"] == 1.0 for r in needle)  # the 135M model finds a pass key in 512 tokens
     assert (tmp_path / "report.md").exists() and (tmp_path / "results.csv").exists()
+
+
+def test_the_acceptance_plot_leaves_out_a_level_that_was_offered_no_drafts(finished, tmp_path) -> None:
+    """A tuned γ of 0 below a level (``triforce:gamma=adaptive`` whose draft model did not pay) leaves that level
+    verifying nothing: its acceptance is None in the record. The plot draws the other levels' and the report is
+    written, instead of failing at the end of a grid on the missing rate."""
+    from specstack.bench import report
+
+    pytest.importorskip("matplotlib")
+    _, _, table = finished
+    runs = [r for r in table.ok if r["stack"] == "naive"]
+    idle = [{**r, "context_length": r["context_length"] * 2, "levels": [{**level, "drafted": 0, "accepted": 0, "acceptance_rate": None}
+                                                                            for level in r["levels"]]} for r in runs]
+    drawn = dict((title, file) for title, file, _ in report.draw_plots(runs + idle, tmp_path))
+    assert drawn["acceptance vs context length"] == "acceptance_vs_context_length.png"
+    plot = next(p for p in report.PLOTS if p.title == "acceptance vs context length")
+    points = [x for line in report._lines(plot, report.ACCEPTANCE, runs + idle).values() for x, _ in line]
+    assert points and set(points) == {r["context_length"] for r in runs}  # the idle runs' levels drew no point

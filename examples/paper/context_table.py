@@ -43,7 +43,7 @@ def row(record: dict) -> list[str]:
     target = record["levels"][-1]
     return [str(record["context_length"]), task_label(record), f"{record['temperature']:g}", record["stack"],
             f"{record['speedup']:.2f}×" if record["speedup"] else "–",
-            " → ".join(f"{level['acceptance_rate']:.2f}" for level in verifying(record)) or "–",
+            " → ".join("–" if level["acceptance_rate"] is None else f"{level['acceptance_rate']:.2f}" for level in verifying(record)) or "–",
             f"{record['new_tokens'] / max(target['forward_calls'], 1):.2f}",
             retrieval_fraction(record),
             " / ".join(f"{level.get('cache_bytes', 0) / 2**20:.0f}" for level in record["levels"]),

@@ -254,7 +254,8 @@ class Panel:
 
 
 def _acceptance(record: dict) -> list[tuple[str, float]]:
-    return [(level["name"], level["acceptance_rate"]) for level in verifying_levels(record)]
+    """Each verifying level's acceptance; none for a level offered no drafts (a tuned γ of 0 below it: no rate)."""
+    return [(level["name"], level["acceptance_rate"]) for level in verifying_levels(record) if level["acceptance_rate"] is not None]
 
 
 def _speedup(record: dict) -> list[tuple[str, float]]:
