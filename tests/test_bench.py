@@ -548,3 +548,27 @@ def test_the_acceptance_plot_leaves_out_a_level_that_was_offered_no_drafts(finis
     plot = next(p for p in report.PLOTS if p.title == "acceptance vs context length")
     points = [x for line in report._lines(plot, report.ACCEPTANCE, runs + idle).values() for x, _ in line]
     assert points and set(points) == {r["context_length"] for r in runs}  # the idle runs' levels drew no point
+
+
+def test_a_plot_that_fails_to_draw_is_named_in_the_report_and_the_rest_is_written(finished, tmp_path, monkeypatch) -> None:
+    """A fault while drawing one plot (a metric the plot did not expect) costs that plot, not the report of a grid
+    that may have run for hours: the report says which plot failed and why, and the other plots are drawn."""
+    from specstack.bench import report
+
+    pytest.importorskip("matplotlib")
+    _, _, table = finished
+    runs = [r for r in table.ok if r["stack"] == "naive"]
+    runs += [{**r, "context_length": r["context_length"] * 2} for r in runs]
+
+    def broken(record: dict) -> list[tuple[str, float]]:
+        raise ValueError("no such metric")
+
+    monkeypatch.setattr(report, "ACCEPTANCE", report.Panel(title="acceptance rate", values=broken))
+    monkeypatch.setattr(report, "PLOTS", tuple(attrs.evolve(p, panels=(report.ACCEPTANCE,)) if p.title.startswith("acceptance") else p
+                                               for p in report.PLOTS))
+    drawn = report.draw_plots(runs, tmp_path)
+    report.write_report(runs, tmp_path / "report.md", drawn)
+    text = (tmp_path / "report.md").read_text()
+    assert "- acceptance vs context length: not drawn; drawing it failed (ValueError: no such metric)." in text
+    assert "![speedup vs context length](speedup_vs_context_length.png)" in text
+    assert (tmp_path / "speedup_vs_context_length.png").exists() and not (tmp_path / "acceptance_vs_context_length.png").exists()

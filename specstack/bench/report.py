@@ -309,11 +309,16 @@ def draw_plots(records: Sequence[dict], out: Path) -> list[tuple[str, str | None
         if len(xs) < 2:
             done.append((plot.title, None, _why_not(plot, xs)))
             continue
-        figure = _figure(plot, runs)
+        try:
+            figure = _figure(plot, runs)
+            if figure is not None:
+                figure.savefig(out / plot.file, dpi=100)
+        except Exception as error:  # a plot only shows the records: its fault must not cost the grid its report, which names it
+            done.append((plot.title, None, f"drawing it failed ({type(error).__name__}: {error})"))
+            continue
         if figure is None:
             done.append((plot.title, None, "matplotlib is not installed (pip install matplotlib)"))
             continue
-        figure.savefig(out / plot.file, dpi=100)
         done.append((plot.title, plot.file, ""))
     return done
 
