@@ -572,3 +572,30 @@ def test_a_plot_that_fails_to_draw_is_named_in_the_report_and_the_rest_is_writte
     assert "- acceptance vs context length: not drawn; drawing it failed (ValueError: no such metric)." in text
     assert "![speedup vs context length](speedup_vs_context_length.png)" in text
     assert (tmp_path / "speedup_vs_context_length.png").exists() and not (tmp_path / "acceptance_vs_context_length.png").exists()
+
+
+def test_a_plot_draws_one_axes_per_task_and_temperature_and_a_stack_keeps_its_colour(finished) -> None:
+    """Against context length, runs of two tasks at two temperatures make four axes (as TriForce's Figure 1 draws a
+    panel per text), each with one line per stack, titled by its task and temperature; a stack has the same colour in
+    every axes, so that the one legend under them reads for all."""
+    from specstack.bench import report
+
+    pytest.importorskip("matplotlib")
+    _, _, table = finished
+    runs = [r for r in table.ok if r["stack"] in ("naive", "speculative")]
+    runs += [{**r, "context_length": r["context_length"] * 2, "speedup": r["speedup"] + 0.5} for r in runs]
+    plot = next(p for p in report.PLOTS if p.title == "speedup vs context length")
+    figure = report._figure(plot, runs)
+    drawn = [ax for ax in figure.axes if ax.get_lines()]
+    tasks, temperatures = {report.task_label(r) for r in runs}, {r["temperature"] for r in runs}
+    assert len(drawn) == len(tasks) * len(temperatures) == 4
+    assert sorted(ax.get_title() for ax in drawn) == sorted(f"{task}, T={t}" for task in tasks for t in temperatures)
+    stacks = {f"{task}, T={t}": sorted({report.label(r["stack"], r.get("options") or {}) for r in runs
+                                        if report.task_label(r) == task and r["temperature"] == t}) for task in tasks for t in temperatures}
+    colours: dict[str, tuple] = {}
+    for ax in drawn:
+        assert sorted(line.get_label() for line in ax.get_lines()) == stacks[ax.get_title()]
+        for line in ax.get_lines():
+            assert colours.setdefault(line.get_label(), line.get_color()) == line.get_color()
+            assert [x for x in line.get_xdata()] == sorted({r["context_length"] for r in runs})
+    assert len(figure.legends) == 1 and sorted(t.get_text() for t in figure.legends[0].get_texts()) == sorted(colours)

@@ -28,6 +28,7 @@ SCALARS = (
     "git_revision", "group",
 )
 LEGEND_ROWS = 24  # legend entries per column under a plot
+FACET_COLUMNS = 4  # a plot's facets side by side before the next row of them
 LEVEL_FIELDS = ("name", "rounds", "drafted", "accepted", "rejected", "acceptance_rate", "token_acceptance_rate", "mean_accepted_per_round",
                 "forward_calls", "forward_seconds", "bookkeeping_seconds", "gathers", "gather_seconds")
 
@@ -329,25 +330,53 @@ def _why_not(plot: Plot, xs: list) -> str:
 
 
 def _figure(plot: Plot, runs: list[dict]):
+    """One axes per facet (:func:`_facets`) and metric, a line per stack in each, a stack's colour the same in every
+    axes, one legend under them all."""
     try:
+        from matplotlib import colormaps
         from matplotlib.figure import Figure
     except ImportError:
         return None
-    lines = [_lines(plot, panel, runs) for panel in plot.panels]
-    columns = max(1, math.ceil(max(len(panel_lines) for panel_lines in lines) / LEGEND_ROWS))
-    rows = math.ceil(max(len(panel_lines) for panel_lines in lines) / columns)
-    figure = Figure(figsize=(max(6.4, 4.5 * columns) * len(plot.panels), 4.0 + 0.2 * rows), layout="constrained")
-    axes = figure.subplots(1, len(plot.panels), squeeze=False)[0]
-    for ax, panel, panel_lines in zip(axes, plot.panels, lines):
-        for name, points in panel_lines.items():
-            ax.plot([x for x, _ in points], [y for _, y in points], marker="o", label=name)
-        ax.set_xlabel(plot.x_label)
-        ax.set_ylabel(panel.title)
-        ax.grid(alpha=0.3)
-        if panel_lines:
-            ax.legend(fontsize="x-small", loc="upper center", bbox_to_anchor=(0.5, -0.18), frameon=False, ncols=columns)
+    facets = _facets(plot, runs)
+    lines = [[_lines(plot, panel, group) for panel in plot.panels] for _, group in facets]  # [facet][panel]: name -> points
+    names = sorted({name for facet in lines for panel_lines in facet for name in panel_lines})
+    palette = colormaps["tab10" if len(names) <= 10 else "tab20"]
+    colours = {name: palette(i % palette.N) for i, name in enumerate(names)}
+    across = min(len(facets), FACET_COLUMNS)
+    down = math.ceil(len(facets) / across) * len(plot.panels)
+    legend_columns = max(1, math.ceil(len(names) / LEGEND_ROWS))
+    figure = Figure(figsize=(max(6.4, 4.2 * across), 3.4 * down + 0.6 + 0.2 * math.ceil(len(names) / legend_columns)), layout="constrained")
+    axes = figure.subplots(down, across, squeeze=False)  # [facet row * panels + panel][facet column]
+    handles = {}
+    for f, ((title, _), facet_lines) in enumerate(zip(facets, lines)):
+        for p, (panel, panel_lines) in enumerate(zip(plot.panels, facet_lines)):
+            ax = axes[(f // across) * len(plot.panels) + p][f % across]
+            for name, points in panel_lines.items():
+                handles[name], = ax.plot([x for x, _ in points], [y for _, y in points], marker="o", label=name, color=colours[name])
+            ax.set(xlabel=plot.x_label, ylabel=panel.title, title=title)
+            ax.grid(alpha=0.3)
+    for f in range(len(facets), math.ceil(len(facets) / across) * across):  # the last row's empty places
+        for p in range(len(plot.panels)):
+            axes[(f // across) * len(plot.panels) + p][f % across].set_axis_off()
+    if handles:
+        figure.legend([handles[name] for name in names], names, loc="outside lower center", ncols=legend_columns, fontsize="x-small", frameon=False)
     figure.suptitle(plot.title)
     return figure
+
+
+def _facets(plot: Plot, runs: list[dict]) -> list[tuple[str, list[dict]]]:
+    """The runs split by each part of their series but the stack that differs between them (task, temperature, context
+    length: TriForce's Figure 1 draws a panel per text), each group titled by those parts, in their order."""
+    series = [plot.series(r) for r in runs]
+    varying = [k for k in (series[0] if series else {}) if k != "stack" and len({str(s[k]) for s in series}) > 1]
+    groups: dict[tuple, list[dict]] = defaultdict(list)
+    for record, parts in zip(runs, series):
+        groups[tuple(parts[k] for k in varying)].append(record)
+
+    def title(key: tuple) -> str:
+        return ", ".join(f"{value}" if k == "task" else f"{k}={value}" for k, value in zip(varying, key))
+
+    return [(title(key), groups[key]) for key in sorted(groups)]
 
 
 def _lines(plot: Plot, panel: Panel, runs: list[dict]) -> dict[str, list[tuple[Any, float]]]:
