@@ -22,20 +22,22 @@ from specstack.data import BOOKS, load_book
 from specstack.models import load_target
 
 
+def use_layers(module, layers: list) -> None:
+    """Make ``layers`` the module's decoder layers, in order (each told its new index)."""
+    module.model.layers = torch.nn.ModuleList(layers)
+    module.config.num_hidden_layers = len(layers)
+    for index, layer in enumerate(layers):
+        layer.self_attn.layer_idx = index
+
+
 def logits_without(module, layers: list, keep: list[int], ids: torch.Tensor) -> torch.Tensor:
     """[n, V] float32 logits of the module over ``ids`` [1, n] with only the decoder layers ``keep`` (in order)."""
-    module.model.layers = torch.nn.ModuleList(layers[i] for i in keep)
-    module.config.num_hidden_layers = len(keep)
-    for index, layer in enumerate(module.model.layers):
-        layer.self_attn.layer_idx = index
+    use_layers(module, [layers[i] for i in keep])
     try:
         with torch.inference_mode():
             return module(input_ids=ids, use_cache=False).logits[0].float()  # [n, V]
     finally:
-        module.model.layers = torch.nn.ModuleList(layers)
-        module.config.num_hidden_layers = len(layers)
-        for index, layer in enumerate(layers):
-            layer.self_attn.layer_idx = index
+        use_layers(module, layers)
 
 
 def agreement(full: torch.Tensor, other: torch.Tensor, temperature: float) -> tuple[float, float]:

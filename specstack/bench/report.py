@@ -312,13 +312,12 @@ def draw_plots(records: Sequence[dict], out: Path) -> list[tuple[str, str | None
             continue
         try:
             figure = _figure(plot, runs)
-            if figure is not None:
-                figure.savefig(out / plot.file, dpi=100)
+            if figure is None:
+                done.append((plot.title, None, "matplotlib is not installed (pip install matplotlib)"))
+                continue
+            figure.savefig(out / plot.file, dpi=100)
         except Exception as error:  # a plot only shows the records: its fault must not cost the grid its report, which names it
             done.append((plot.title, None, f"drawing it failed ({type(error).__name__}: {error})"))
-            continue
-        if figure is None:
-            done.append((plot.title, None, "matplotlib is not installed (pip install matplotlib)"))
             continue
         done.append((plot.title, plot.file, ""))
     return done
@@ -368,7 +367,7 @@ def _facets(plot: Plot, runs: list[dict]) -> list[tuple[str, list[dict]]]:
     """The runs split by each part of their series but the stack that differs between them (task, temperature, context
     length: TriForce's Figure 1 draws a panel per text), each group titled by those parts, in their order."""
     series = [plot.series(r) for r in runs]
-    varying = [k for k in (series[0] if series else {}) if k != "stack" and len({str(s[k]) for s in series}) > 1]
+    varying = [k for k in _varying(series) if k != "stack"]
     groups: dict[tuple, list[dict]] = defaultdict(list)
     for record, parts in zip(runs, series):
         groups[tuple(parts[k] for k in varying)].append(record)
@@ -379,10 +378,15 @@ def _facets(plot: Plot, runs: list[dict]) -> list[tuple[str, list[dict]]]:
     return [(title(key), groups[key]) for key in sorted(groups)]
 
 
+def _varying(series: list[dict[str, Any]]) -> list[str]:
+    """The parts of the runs' series (:meth:`Plot.series`) that differ between them, in the series' order."""
+    return [k for k in (series[0] if series else {}) if len({str(s[k]) for s in series}) > 1]
+
+
 def _lines(plot: Plot, panel: Panel, runs: list[dict]) -> dict[str, list[tuple[Any, float]]]:
     """Series name -> [(x, mean y)], the name showing only the parts that differ between series."""
     series = [plot.series(r) for r in runs]
-    varying = [k for k in (series[0] if series else {}) if len({str(s[k]) for s in series}) > 1] or ["stack"]
+    varying = _varying(series) or ["stack"]
     values: dict[str, dict[Any, list[float]]] = defaultdict(lambda: defaultdict(list))
     for record, parts in zip(runs, series):
         name = " ".join(f"{parts[k]}" if k == "stack" else f"{k}={parts[k]}" for k in varying)
