@@ -16,10 +16,10 @@ from .registry import Kind, Registry
 from .sampling import SamplingConfig, sample, warp
 from .stack import Level, SpeculationStack, SpeculativeLevel
 from .types import Capability, Draft, GenerationResult, LevelStats, Verdict
-from .verify import GreedyVerifier, SpeculativeSamplingVerifier, Verifier
+from .verify import BlockVerifier, GreedyVerifier, SpeculativeSamplingVerifier, Verifier
 
 __all__ = [
-    "CachePolicy", "CacheState", "EvictionPolicy", "GatheringPolicy", "CachedModel", "Capability", "CausalLM", "Draft", "Drafter", "FullCache",
+    "BlockVerifier", "CachePolicy", "CacheState", "EvictionPolicy", "GatheringPolicy", "CachedModel", "Capability", "CausalLM", "Draft", "Drafter", "FullCache",
     "GenerationResult", "GreedyVerifier", "KVCache", "Kind", "Level", "LevelStats", "LookupFirstDrafter", "MergedDrafter", "ModelDrafter",
     "PromptLookupDrafter", "Registry", "Retrieval", "SamplingConfig", "SpecstackError", "SpeculationStack",
     "SpeculativeLevel", "SpeculativeSamplingVerifier", "StackRecipe", "StreamingLLM", "Verdict", "Verifier",

@@ -14,7 +14,7 @@ from .policies import FullCache, StreamingLLM
 from .retrieval import AUTO, STRIDE, Retrieval
 from .recipes import StackRecipe
 from .stack import Level
-from .verify import GreedyVerifier, SequoiaVerifier, SpecInferVerifier, SpeculativeSamplingVerifier, TokenTreeVerifier
+from .verify import BlockVerifier, GreedyVerifier, SequoiaVerifier, SpecInferVerifier, SpeculativeSamplingVerifier, TokenTreeVerifier
 
 
 @hookimpl
@@ -29,7 +29,7 @@ def specstack_drafters() -> list:
 
 @hookimpl
 def specstack_verifiers() -> list:
-    return [GreedyVerifier, SpeculativeSamplingVerifier, SequoiaVerifier, SpecInferVerifier, TokenTreeVerifier]
+    return [GreedyVerifier, SpeculativeSamplingVerifier, BlockVerifier, SequoiaVerifier, SpecInferVerifier, TokenTreeVerifier]
 
 
 def _autoregressive(registry, *, target) -> list[Level]:

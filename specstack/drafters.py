@@ -77,6 +77,11 @@ class Drafter(abc.ABC):
         """Called once when the stack is built, for a drafter whose ``requires`` holds
         ``Capability.HIDDEN_STATES``: the channel to the hidden states of the level it drafts for."""
 
+    def attach_generator(self, generator: torch.Generator) -> None:
+        """Called once when the stack is built, for a drafter given to level 0 ready-made: the generator of the
+        device the level above runs on, which the stack seeds at every generation. A drafter that samples its
+        drafts draws from it (its draws then follow the seed, and never reuse the verifier's numbers)."""
+
 
 @attrs.define(eq=False, kw_only=True)
 class ModelLevel(Drafter):
@@ -370,10 +375,14 @@ class MergedDrafter(Drafter):
     verdicts on their own drafts (``observe``), which a merged draft does not give them. A verdict reaches a
     part only when the draft was that part's alone (``first_only``, or the other parts proposed nothing): a
     priced part (:meth:`price`, passed to every part) learns from it what its drafts are accepted.
+
+    A part whose siblings are sampled without replacement (Medusa heads with ``draft_temperature``) makes the
+    draft that kind instead, verified by Sequoia's rule, which reads each node's ``probs`` row: then only with
+    ``first_only`` (a union would break the order of the draws) and beside chains (verified by the same rule,
+    a chain being a tree of one child per node).
     """
 
     name: ClassVar[str] = "merged"
-    draft_kind: ClassVar[DraftKind] = DraftKind.TREE_DETERMINISTIC
 
     parts: tuple[Drafter, ...] = attrs.field(converter=tuple)
     first_only: bool = attrs.field(default=False, validator=lambda _, __, value: _check_flag("first_only", value))
@@ -385,7 +394,17 @@ class MergedDrafter(Drafter):
             raise SpecstackError(f"merged drafts take one or more model-free drafters; got {[type(p).__name__ for p in self.parts]}")
         if len({part.vocab_size for part in self.parts}) != 1:
             raise SpecstackError(f"merged drafters must share a vocabulary; got sizes {[part.vocab_size for part in self.parts]}")
+        kinds = {part.draft_kind for part in self.parts}
+        if DraftKind.TREE_WITHOUT_REPLACEMENT in kinds and (not self.first_only or kinds - {DraftKind.CHAIN, DraftKind.TREE_WITHOUT_REPLACEMENT}):
+            raise SpecstackError(f"merged drafts take a part that samples its siblings ({', '.join(p.name for p in self.parts)}) only with first_only=true "
+                                 f"and beside chains; got kinds {sorted(kind.value for kind in kinds)}, first_only={self.first_only}")
         self.stats = LevelStats(name="+".join(part.name for part in self.parts))
+
+    @property
+    def draft_kind(self) -> DraftKind:
+        """A deterministic tree, or a tree sampled without replacement where a part samples its siblings."""
+        sampled = any(part.draft_kind is DraftKind.TREE_WITHOUT_REPLACEMENT for part in self.parts)
+        return DraftKind.TREE_WITHOUT_REPLACEMENT if sampled else DraftKind.TREE_DETERMINISTIC
 
     @property
     def requires(self) -> frozenset[Capability]:
@@ -403,6 +422,10 @@ class MergedDrafter(Drafter):
         for part in self.parts:
             if Capability.HIDDEN_STATES in part.requires:
                 part.attach_hidden_states(channel)
+
+    def attach_generator(self, generator: torch.Generator) -> None:
+        for part in self.parts:
+            part.attach_generator(generator)
 
     def reset(self) -> None:
         self._sole = None

@@ -228,6 +228,8 @@ class SpeculationStack:
             _check_verifier(index, level, drafter, chosen, sampling)
             if Capability.HIDDEN_STATES in drafter.requires:
                 drafter.attach_hidden_states(lm.open_hidden_channel())
+            if index == 1 and levels[0].drafter is not None:
+                drafter.attach_generator(generators.on(lm.device))
             drafter = SpeculativeLevel(
                 drafter=drafter, lm=lm, verifier=chosen, gamma=level.gamma, sampling=sampling,
                 generator=generators.on(lm.device), stop_tokens=stops,

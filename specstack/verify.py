@@ -123,6 +123,70 @@ class SpeculativeSamplingVerifier(Verifier):
         return Verdict(accepted=tuple(range(m)), next_token=token, bonus=m == k)
 
 
+class BlockVerifier(Verifier):
+    """Block verification of a chain (Sun et al., 2024, "Block Verification Accelerates Speculative Decoding",
+    Algorithm 2): the optimal lossless verification of a chain drawn from q, which decides the block as a whole.
+
+    With x_1 … x_k drawn from q_0 … q_{k-1} and the verifying level's p_0 … p_k (p_i after x_1 … x_i), let
+    w_0 = 1 and w_i = min(1, w_{i-1} p_{i-1}(x_i) / q_{i-1}(x_i)), the residual r_i = max(w_i p_i - q_i, 0) (q_k = 0)
+    and its mass R_i = sum_x r_i(x), and h_i = R_i / (R_i + 1 - w_i) for 0 < i < k, h_k = w_k. Draw η_i ~ U[0, 1)
+    for i = 1 … k and keep τ, the largest i with η_i < h_i (0 if none): accept x_1 … x_τ and emit a token drawn
+    from r_τ normalised (from p_k when τ = k). Unlike token-by-token verification (:class:`SpeculativeSamplingVerifier`)
+    a rejected token does not end the block, and a later position may still accept it with what came before. The
+    emitted tokens are distributed exactly as p generates them, and a block emits at least as many tokens in
+    expectation (the paper's Theorem 2); ``tests/test_block_verify.py`` enumerates both exactly. With one-hot q
+    (prompt lookup) or one-hot p (temperature 0) it accepts what the token rule accepts, as often: the gain comes
+    from drafts sampled from a distribution, as TriForce's levels sample at T > 0, and a draft whose every token its
+    row gave probability 1 is verified by the token rule itself, whose verdicts it then shares in law. Otherwise one
+    pass over [k - 1, V] more than the token rule (the residual masses R_1 … R_{k-1}), and one host synchronisation
+    more (whether the rows were one-hot).
+    """
+
+    name = "block"
+
+    def verify(self, draft: Draft, p: torch.Tensor, generator: torch.Generator) -> Verdict:
+        self.check_draft(draft)
+        if not _is_chain(draft):
+            raise SpecstackError(f"verifier '{self.name}' verifies chains; this draft is a tree")
+        k = len(draft)
+        if k and bool((draft.probs[torch.arange(k, device=p.device), draft.tokens] == 1).all()):
+            return SpeculativeSamplingVerifier().verify(draft, p, generator)  # one-hot rows (prompt lookup): the same verdicts' law, cheaper
+        weight, hold = block_chances(draft, p)  # [k+1], [k+1]
+        eta = torch.rand(k, generator=generator, device=p.device)  # [k]
+        held = (eta < hold[1:]) * torch.arange(1, k + 1, device=p.device)  # [k]: i where position i holds, else 0
+        tau = torch.cat([held, held.new_zeros(1)]).max().reshape(1)  # [1]: the longest block that holds
+        token = draw(block_residual(draft, p, weight, tau), generator)  # [1]
+        tau, token = torch.cat([tau, token]).tolist()  # the round's one host synchronisation
+        return Verdict(accepted=tuple(range(tau)), next_token=token, bonus=tau == k)
+
+
+def block_chances(draft: Draft, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A chain's block weights w [k+1] and the chance h [k+1] that the block holds up to position i (h_0 = 0), as
+    :class:`BlockVerifier` defines them. w_i = min(1, w_{i-1} ρ_i) (ρ_i = p_{i-1}(x_i) / q_{i-1}(x_i)) is
+    exp(S_i - max_{j <= i} S_j) for S_i = sum_{j <= i} log ρ_j (S_0 = 0): a clamped product without a loop."""
+    k = len(draft)
+    rows = torch.arange(k, device=p.device)  # [k]
+    ratio = p[rows, draft.tokens] / draft.probs[rows, draft.tokens].clamp_min(torch.finfo(p.dtype).tiny)  # [k]
+    logs = torch.cat([ratio.new_zeros(1), ratio.log().cumsum(0)])  # [k+1]: S_0 … S_k
+    weight = (logs - logs.cummax(0).values).exp()  # [k+1]: w_0 = 1 … w_k
+    inner = weight[1:k]  # [k-1]: w_1 … w_{k-1}, the positions whose residual decides h
+    mass = (p[1:k] * inner[:, None] - draft.probs[1:k].to(p.dtype)).clamp_min_(0.0).sum(-1)  # [k-1]: R_1 … R_{k-1}
+    spare = mass + 1 - inner  # [k-1]
+    hold = torch.where(spare > 0, mass / spare.clamp_min(torch.finfo(p.dtype).tiny), 0.0)  # [k-1]
+    return weight, torch.cat([weight.new_zeros(1), hold, weight[k:] if k else weight[:0]])  # [k+1], [k+1]: 0, h_1 … h_{k-1}, h_k = w_k
+
+
+def block_residual(draft: Draft, p: torch.Tensor, weight: torch.Tensor, tau: torch.Tensor) -> torch.Tensor:
+    """The unnormalised distribution r_τ = max(w_τ p_τ - q_τ, 0) [V] the next token is drawn from after a block of
+    ``tau`` [1] accepted tokens (q_k = 0: p_k itself when τ = k; p_τ where rounding leaves r_τ no mass), chosen on
+    the device. Rows of [V] only: temporaries of [k + 1, V] cost page faults on the CPU, more than the arithmetic."""
+    k = len(draft)
+    p_tau = p.index_select(0, tau)[0]  # [V]
+    q_tau = draft.probs.index_select(0, tau.clamp(max=k - 1))[0].to(p.dtype) * (tau < k) if k else torch.zeros_like(p_tau)  # [V]
+    residual = (p_tau * weight.index_select(0, tau) - q_tau).clamp_min_(0.0)  # [V]
+    return torch.where(residual.sum() > 0, residual, p_tau)  # [V]
+
+
 def recovery_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     """normalize(max(p - q, 0)) for one position ([V], [V] -> [V]).
 

@@ -594,3 +594,90 @@ def test_a_drafter_that_lies_about_its_draws_is_caught() -> None:
     stack = SpeculationStack.build([Level(drafter=liar), Level(model=target, gamma=liar.step)], sampling=sampling, seed=3)
     assert stack.top.verifier.name == "speculative"
     assert stack_pvalue(stack, target, sampling, PROMPT) < ALPHA
+
+
+# -- drawn candidates (draft_temperature > 0) --------------------------------------------------------
+
+
+def _drawing(vocab: int, *, kind: str, temperature: float = 1.0, tree_size: int = 6) -> MedusaDrafter:
+    return MedusaDrafter(vocab=vocab, heads=synthetic_heads(vocab, **HEADS[kind]), tree_size=tree_size, draft_temperature=temperature)
+
+
+@pytest.mark.parametrize("kind", list(HEADS))
+@pytest.mark.parametrize("sampling", [SamplingConfig(temperature=0.8), SamplingConfig(temperature=0.9, top_p=0.8)], ids=["t0.8", "top_p"])
+def test_medusa_drawing_its_candidates_keeps_the_target_distribution(sampling: SamplingConfig, kind: str) -> None:
+    target = SyntheticLM(vocab_size=4, seed=11, sharpness=1.5)
+    drafter = _drawing(4, kind=kind)
+    stack = SpeculationStack.build([Level(drafter=drafter), Level(model=target, gamma=drafter.step)], sampling=sampling, seed=3)
+    assert stack.top.verifier.name == "sequoia" and drafter.draft_kind is DraftKind.TREE_WITHOUT_REPLACEMENT
+    assert stack_pvalue(stack, target, sampling, PROMPT) > ALPHA
+
+
+def test_drawn_candidates_are_each_parents_first_draws_and_follow_the_seed() -> None:
+    """Siblings are distinct (drawn without replacement), each node's row is its parent's distribution, the tree is the
+    one the ranks' probabilities choose, and the draws change with the stack's seed and repeat with it."""
+    target = SyntheticLM(vocab_size=8, seed=11, sharpness=1.5)
+    drafter = _drawing(8, kind="chained", tree_size=8)
+    stack = SpeculationStack.build([Level(drafter=drafter), Level(model=target, gamma=drafter.step)], sampling=SamplingConfig(temperature=1.0), seed=3)
+    texts = {seed: stack.generate([1, 2, 3], 12, seed=seed).tokens for seed in (0, 1, 0)}
+    assert len(texts) == 2  # seeds 0 and 1 differ; seed 0 twice gave one text
+    draft = drafter.propose([1, 2, 3, 4], 3)
+    assert draft.kind is DraftKind.TREE_WITHOUT_REPLACEMENT and len(draft) > 1
+    parents = draft.parent_index().tolist()
+    for parent in set(parents):
+        children = [i for i, p in enumerate(parents) if p == parent]
+        assert len({int(draft.tokens[i]) for i in children}) == len(children)  # without replacement
+        assert all(torch.equal(draft.probs[i], draft.probs[children[0]]) for i in children)  # siblings share their q
+        assert all(float(draft.probs[i, draft.tokens[i]]) > 0 for i in children)
+
+
+class DrawsAtAnotherTemperature(MedusaDrafter):
+    """Deliberately wrong: draws its candidates from q^4 renormalised (the heads at τ / 4) but hands the verifier q."""
+
+    def _first_draws(self, dist, parents, slots):
+        sharper = dist.pow(4)  # [f, R]
+        return super()._first_draws(sharper / sharper.sum(-1, keepdim=True), parents, slots)
+
+
+def test_a_drafter_that_draws_otherwise_than_it_says_is_caught() -> None:
+    sampling = SamplingConfig(temperature=1.0)
+    target = SyntheticLM(vocab_size=4, seed=11, sharpness=1.5)
+    liar = DrawsAtAnotherTemperature(vocab=4, heads=synthetic_heads(4, token_input=True), tree_size=2, draft_temperature=1.0)
+    stack = SpeculationStack.build([Level(drafter=liar), Level(model=target, gamma=liar.step)], sampling=sampling, seed=3)
+    assert stack_pvalue(stack, target, sampling, PROMPT) < ALPHA
+
+
+def test_drawn_candidates_merged_with_prompt_lookup_keep_the_target_distribution(registry) -> None:
+    """``medusa-lookup -o draft_temperature=…``: lookup's chain where it matches, else the drawn tree, both verified by
+    Sequoia's rule; a union of the two (``first_only=false``) is refused in one line."""
+    sampling = SamplingConfig(temperature=0.8)
+    target = SyntheticLM(vocab_size=4, seed=11, sharpness=1.5)
+    stack = registry.stack("medusa-lookup", target=target, heads=synthetic_heads(4, token_input=True), tree_size=6, sampling=sampling, seed=3,
+                           min_ngram=1, draft_temperature=1.0)
+    assert stack.top.verifier.name == "sequoia" and stack.top.drafter.draft_kind is DraftKind.TREE_WITHOUT_REPLACEMENT
+    assert stack_pvalue(stack, target, sampling, [1, 2, 3, 1, 2]) > ALPHA
+    with pytest.raises(SpecstackError, match="only with first_only=true and beside chains"):
+        registry.stack("medusa-lookup", target=target, heads=synthetic_heads(4, token_input=True), sampling=sampling, first_only=False,
+                       draft_temperature=1.0)
+
+
+def test_drawn_candidates_under_the_retrieval_level_keep_the_target_distribution(registry) -> None:
+    sampling = SamplingConfig(temperature=0.8)
+    target = SyntheticLM(vocab_size=4, seed=11, sharpness=1.5)
+    stack = registry.stack("triforce-medusa", target=target, heads=synthetic_heads(4, token_input=True), tree_size=6, sampling=sampling, seed=3,
+                           gamma2=3, draft_temperature=0.7, **SMALL)
+    assert stack_pvalue(stack, target, sampling, [1, 2, 3, 1, 2, 0] * 4) > ALPHA
+
+
+@pytest.mark.parametrize("kind", list(HEADS))
+def test_drawn_candidates_keep_greedy_output(kind: str) -> None:
+    target = SyntheticLM(vocab_size=6, seed=5, sharpness=2.0)
+    drafter = _drawing(6, kind=kind)
+    stack = SpeculationStack.build([Level(drafter=drafter), Level(model=target, gamma=drafter.step)])
+    assert list(stack.generate([1, 2], 30).tokens) == greedy_decode(target, [1, 2], 30)
+
+
+@pytest.mark.parametrize("value", [-0.5, float("inf"), True, "warm"])
+def test_a_bad_draft_temperature_is_one_line(value) -> None:
+    with pytest.raises(SpecstackError, match=f"medusa draft_temperature {value!r} is not allowed; use 0"):
+        MedusaDrafter(vocab=4, heads=synthetic_heads(4), draft_temperature=value)

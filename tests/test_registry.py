@@ -13,7 +13,7 @@ from specstack.registry import PluginWarning
 
 def test_builtins_are_registered_through_hooks(registry) -> None:
     assert registry.names(Kind.CACHE_POLICY) == ["full", "retrieval", "streaming"]
-    assert registry.names(Kind.VERIFIER) == ["greedy", "sequoia", "specinfer", "speculative", "token-tree"]
+    assert registry.names(Kind.VERIFIER) == ["block", "greedy", "sequoia", "specinfer", "speculative", "token-tree"]
     assert {"autoregressive", "speculative", "prompt-lookup"} <= set(registry.names(Kind.STACK))
     assert registry.entry(Kind.CACHE_POLICY, "full").plugin == "specstack.builtins"
 
@@ -28,7 +28,7 @@ def test_an_empty_registry_has_nothing() -> None:
 def test_unknown_names_list_what_is_available(registry) -> None:
     with pytest.raises(SpecstackError, match="unknown cache policy 'x'; available: full, retrieval, streaming"):
         registry.cache_policy("x")
-    with pytest.raises(SpecstackError, match="unknown verifier 'nope'; available: greedy, sequoia, specinfer, speculative, token-tree"):
+    with pytest.raises(SpecstackError, match="unknown verifier 'nope'; available: block, greedy, sequoia, specinfer, speculative, token-tree"):
         registry.verifier("nope")
 
 

@@ -15,9 +15,12 @@ tree is expanded depth by depth (one pass of the output head per depth).
 The draft is a token tree of rank paths (:mod:`specstack_medusa.tree`): deterministic candidates
 (``TREE_DETERMINISTIC``), verified losslessly by the greedy verifier at temperature 0 and by the
 token-tree verifier above it. (Medusa's "typical acceptance" is not offered: it changes the output
-distribution.) When the level holds no state for the prefix (a cache adopted from another stack;
-the level above rejected what the level emitted), the draft is empty and the level samples one
-token on its own, which gives the state for the next round.
+distribution.) With ``draft_temperature`` > 0 the same tree's candidates are drawn from the heads'
+distributions instead, each parent's children its first draws without replacement
+(``TREE_WITHOUT_REPLACEMENT``), verified by Sequoia's rule against those distributions. When the
+level holds no state for the prefix (a cache adopted from another stack; the level above rejected
+what the level emitted), the draft is empty and the level samples one token on its own, which gives
+the state for the next round.
 """
 
 from __future__ import annotations
@@ -51,6 +54,11 @@ def _probability(instance, attribute, value) -> None:
         raise SpecstackError(f"medusa {attribute.name} {value!r} is not allowed; use a number from 0 (keep every node) up to but not including 1")
 
 
+def _temperature(instance, attribute, value) -> None:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value < float("inf"):
+        raise SpecstackError(f"medusa {attribute.name} {value!r} is not allowed; use 0 (the heads' top ranks, deterministic) or a positive temperature")
+
+
 def _draft_vocab(instance, attribute, value) -> None:
     if value is not None and (not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= instance.vocab):
         raise SpecstackError(f"medusa draft_vocab {value!r} is not allowed; use 0 (the whole vocabulary) or an integer from 1 to {instance.vocab}")
@@ -77,13 +85,22 @@ class MedusaDrafter(Drafter):
     level above accepted a node at that depth against the path probabilities it was shown there). What is drafted
     depends on earlier rounds only, never on the level's draws in this one, so verification stays exact.
 
+    With ``draft_temperature`` = τ > 0 (for stacks that sample, T > 0) the candidates are drawn instead: a node's
+    children are its first draws without replacement (Gumbel top-k, Kool et al., 2019) from softmax(logits / τ) of
+    the state it leads to, and the draft is a tree sampled without replacement, verified by Sequoia's rule against
+    those distributions (EAGLE's sampled drafting, Li et al., 2024). That rule accepts a draw x with min(1, p(x) / q(x))
+    where a top rank is accepted with p(x) alone: at T = 0.6 the chained head's first step drawn at τ = 0.6 was
+    accepted at 0.51 on Austen and 0.35 on the Bible, its top rank at 0.43 and 0.33 (four candidates: 0.73 against
+    0.68, 0.60 against 0.57; docs/medusa.md, "Drawn candidates"). Which nodes are drafted is decided depth by depth
+    from the probabilities of their ranks, before anything at that depth is drawn, so a node's presence never depends
+    on its own draw (:meth:`_drawn`).
+
     Chained heads grow the tree depth by depth and stop at a depth none of whose nodes is worth verifying. The drafter
     takes its heads over: it moves them to the level's device and, on the CPU, gives their linears the few-row kernel
     over their weights rounded to bf16 (:func:`~specstack_medusa.heads.stream_on_cpu`)."""
 
     name: ClassVar[str] = "medusa"
     requires: ClassVar[frozenset[Capability]] = frozenset({Capability.HIDDEN_STATES})
-    draft_kind: ClassVar[DraftKind] = DraftKind.TREE_DETERMINISTIC
 
     vocab: int
     heads: str | MedusaHeads | None = None
@@ -91,6 +108,7 @@ class MedusaDrafter(Drafter):
     top_k: int = attrs.field(default=8, validator=_size)
     draft_vocab: int | None = attrs.field(default=None, validator=_draft_vocab)
     min_prob: float = attrs.field(default=MIN_PROB, validator=_probability)  # drop nodes the heads give a lower path probability
+    draft_temperature: float = attrs.field(default=0.0, validator=_temperature)  # > 0: candidates drawn at this temperature (T > 0 stacks)
     stats: LevelStats = attrs.field(factory=lambda: LevelStats(name="medusa"))
     _channel: HiddenStateChannel | None = attrs.field(init=False, default=None)
     _trees: dict[int, RankTree] = attrs.field(init=False, factory=dict)  # first head -> its tree of rank paths
@@ -100,6 +118,7 @@ class MedusaDrafter(Drafter):
     _model: MedusaHeads = attrs.field(init=False)
     _output: object = attrs.field(init=False, default=None)  # [n, H] -> [n, R] logits: the level's output head, or its draft_vocab rows
     _rows: torch.Tensor | None = attrs.field(init=False, default=None)  # [R] the token id of each logit column; None: all V
+    _generator: torch.Generator | None = attrs.field(init=False, default=None)  # the stack's, for drawn candidates
 
     def __attrs_post_init__(self) -> None:
         self._model = self.heads if isinstance(self.heads, MedusaHeads) else load_heads(self.heads or shipped_heads())
@@ -120,6 +139,13 @@ class MedusaDrafter(Drafter):
     @property
     def info(self) -> HeadsInfo:
         return self._model.info
+
+    @property
+    def draft_kind(self) -> DraftKind:
+        return DraftKind.TREE_WITHOUT_REPLACEMENT if self.draft_temperature else DraftKind.TREE_DETERMINISTIC
+
+    def attach_generator(self, generator: torch.Generator) -> None:
+        self._generator = generator
 
     @property
     def vocab_size(self) -> int:
@@ -174,6 +200,8 @@ class MedusaDrafter(Drafter):
         if not tree:  # no rank of the first head was ever right: nothing worth drafting
             return Draft.empty(self.vocab, device=self._channel.device)
         with torch.inference_mode():
+            if self.draft_temperature:
+                return self._drawn(state, after, first, tree)
             nodes = self._chained_nodes if self.info.chained else self._parallel_nodes
             picks, rows, node_probs = nodes(state, after, first, tree)  # [k'], [k', R], k' floats (k' <= k: the nodes grown)
         depths, parents = tree.depth[: len(node_probs)], tree.parent[: len(node_probs)]
@@ -181,11 +209,72 @@ class MedusaDrafter(Drafter):
         if self._verify_seconds:
             self._calibration.show(path, depths, worth)
             self._calibration.priced_out({depths[i] for i in kept} - {depths[i] for i in worth})
-        if not worth:
-            return Draft.empty(self.vocab, device=self._channel.device)
         index = torch.tensor(worth, dtype=torch.long, device=picks.device)  # [m]
-        return Draft(tokens=self._ids(picks[index]), probs=self._spread(rows[index]), kind=self.draft_kind,  # [m], [m, V]
-                     parents=torch.tensor(subtree_parents(worth, parents), dtype=torch.long, device=picks.device))  # [m]
+        return self._tree_draft(picks[index], rows[index], worth, parents)
+
+    def _tree_draft(self, picks: torch.Tensor, rows: torch.Tensor, nodes: list[int], parents: Sequence[int]) -> Draft:
+        """The draft of ``nodes`` (tree order, closed under parents) with their candidates [m] and the distributions
+        they came from [m, R], both over the draft vocabulary; empty where no node is."""
+        if not nodes:
+            return Draft.empty(self.vocab, device=self._channel.device)
+        return Draft(tokens=self._ids(picks), probs=self._spread(rows), kind=self.draft_kind,  # [m], [m, V]
+                     parents=torch.tensor(subtree_parents(nodes, parents), dtype=torch.long, device=picks.device))  # [m]
+
+    def _drawn(self, state, after, first, tree: RankTree) -> Draft:
+        """The tree of drawn candidates (``draft_temperature`` τ > 0), grown depth by depth from the root. At each depth
+        the nodes worth verifying are chosen first (:meth:`_worth`, over the nodes kept above and this depth's), each
+        node priced by the probability of its rank in its parent's distribution softmax(logits / τ): known before
+        anything at the depth is drawn, so no node's presence depends on its own draw. Each parent then gives its kept
+        children its first draws without replacement from that distribution (Gumbel top-k), in rank order. A depth's
+        nodes stay whatever the depths below bring (they are drawn), and the tree stops at a depth where none is kept."""
+        if self._generator is None:
+            raise SpecstackError("medusa draft_temperature > 0 draws its candidates with the stack's generator; use the drafter at level 0 of a stack")
+        device, chained = state.device, self.info.chained
+        heads = None if chained else torch.cat([state[None], self._head_states(state, after)])[first:]  # [d, H]: the parallel heads' states
+        frontier = self._step(state[None], torch.tensor([after], device=device)) if chained and first == 1 else state[None]  # [1, H]
+        node_probs, kept, above, picks, rows = [0.0] * len(tree), [], [-1], [], []  # above: the parents of this depth (-1: the root)
+        path = node_probs
+        for depth in range(tree.depths):
+            here = [i for i in tree.at(depth) if tree.parent[i] in above]
+            if not here:
+                break
+            dist = torch.softmax(self._output(frontier if chained else heads[depth : depth + 1]) / self.draft_temperature, dim=-1)  # [f, R]
+            slot = [above.index(tree.parent[i]) if chained else 0 for i in here]  # each node's parent's row of dist
+            ranked = dist.topk(min(self.top_k, dist.shape[-1])).values.tolist()  # [f][top_k]: each rank's probability, before any draw
+            for i, row in zip(here, slot):
+                node_probs[i] = ranked[row][tree.rank[i]]
+            end = here[-1] + 1
+            path, confident, worth = self._worth(node_probs[:end], tree.depth[:end], tree.parent[:end])
+            take = [i for i in here if i in set(worth)]
+            for i in set(here) - set(take):
+                node_probs[i] = 0.0  # not drafted: it prices nothing below
+            if self._verify_seconds and not take and any(i in set(confident) for i in here):
+                self._calibration.priced_out({depth})
+            if not take:
+                break
+            pick, row_of = self._first_draws(dist, [tree.parent[i] for i in take], [slot[here.index(i)] for i in take])  # [n], [n]
+            picks.append(pick)
+            rows.append(dist[row_of])  # [n, R]: each node's parent's distribution, siblings alike
+            kept += take
+            if chained and depth + 1 < tree.depths:
+                frontier = self._step(frontier[row_of], self._ids(pick))  # [n, H]: the states the drawn tokens lead to
+            above = take
+        if self._verify_seconds:
+            self._calibration.show(path, tree.depth, kept)
+        if not kept:
+            return Draft.empty(self.vocab, device=self._channel.device)
+        return self._tree_draft(torch.cat(picks), torch.cat(rows), kept, tree.parent)
+
+    def _first_draws(self, dist: torch.Tensor, parents: list[int], slots: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Nodes with ``parents`` (siblings in rank order) whose parents' distributions are ``dist`` rows ``slots``: a
+        parent's j-th child takes the parent's j-th draw without replacement (Gumbel top-k: the largest of log q + G, G
+        Gumbel noise from the stack's generator; each parent its own draws). -> tokens [n] (draft vocabulary), rows [n]."""
+        tokens = []
+        for parent, row in dict(zip(parents, slots)).items():
+            uniform = torch.rand(dist.shape[-1], generator=self._generator, device=dist.device).clamp_min_(torch.finfo(torch.float32).tiny)  # [R]
+            tokens.append((dist[row].log() - (-uniform.log()).log()).topk(parents.count(parent)).indices)  # [children]
+        row_of = torch.tensor(slots, dtype=torch.long, device=dist.device)  # [n]
+        return torch.cat(tokens), row_of  # siblings are contiguous in tree order, so the draws line up with them
 
     def _worth(self, node_probs: Sequence[float], depths: Sequence[int], parents: Sequence[int]) -> tuple[list[float], list[int], list[int]]:
         """Of nodes with the heads' probabilities ``node_probs`` of their own tokens (and their ``depths`` and
