@@ -52,6 +52,14 @@ class Verifier(abc.ABC):
         ...
 
 
+def _chain_length(verifier: Verifier, draft: Draft) -> int:
+    """len(draft), once ``verifier`` has checked its kind and that it is a chain (one error line otherwise)."""
+    verifier.check_draft(draft)
+    if not _is_chain(draft):
+        raise SpecstackError(f"verifier '{verifier.name}' verifies chains; this draft is a tree")
+    return len(draft)
+
+
 def _is_chain(draft: Draft) -> bool:
     """Whether every token's parent is the token before it (parents None, or spelled out)."""
     return draft.parents is None or bool((draft.parents == torch.arange(len(draft), device=draft.parents.device) - 1).all())
@@ -107,10 +115,7 @@ class SpeculativeSamplingVerifier(Verifier):
     name = "speculative"
 
     def verify(self, draft: Draft, p: torch.Tensor, generator: torch.Generator) -> Verdict:
-        self.check_draft(draft)
-        if not _is_chain(draft):
-            raise SpecstackError(f"verifier '{self.name}' verifies chains; this draft is a tree")
-        k = len(draft)
+        k = _chain_length(self, draft)
         rows = torch.arange(k, device=p.device)  # [k]
         p_x = p[rows, draft.tokens]  # [k]
         q_x = draft.probs[rows, draft.tokens]  # [k]
@@ -145,10 +150,7 @@ class BlockVerifier(Verifier):
     name = "block"
 
     def verify(self, draft: Draft, p: torch.Tensor, generator: torch.Generator) -> Verdict:
-        self.check_draft(draft)
-        if not _is_chain(draft):
-            raise SpecstackError(f"verifier '{self.name}' verifies chains; this draft is a tree")
-        k = len(draft)
+        k = _chain_length(self, draft)
         if k and bool((draft.probs[torch.arange(k, device=p.device), draft.tokens] == 1).all()):
             return SpeculativeSamplingVerifier().verify(draft, p, generator)  # one-hot rows (prompt lookup): the same verdicts' law, cheaper
         weight, hold = block_chances(draft, p)  # [k+1], [k+1]
