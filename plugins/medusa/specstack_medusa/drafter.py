@@ -240,16 +240,7 @@ class MedusaDrafter(Drafter):
                 break
             dist = torch.softmax(self._output(frontier if chained else heads[depth : depth + 1]) / self.draft_temperature, dim=-1)  # [f, R]
             slot = [above.index(tree.parent[i]) if chained else 0 for i in here]  # each node's parent's row of dist
-            ranked = dist.topk(min(self.top_k, dist.shape[-1])).values.tolist()  # [f][top_k]: each rank's probability, before any draw
-            for i, row in zip(here, slot):
-                node_probs[i] = ranked[row][tree.rank[i]]
-            end = here[-1] + 1
-            path, confident, worth = self._worth(node_probs[:end], tree.depth[:end], tree.parent[:end])
-            take = [i for i in here if i in set(worth)]
-            for i in set(here) - set(take):
-                node_probs[i] = 0.0  # not drafted: it prices nothing below
-            if self._verify_seconds and not take and any(i in set(confident) for i in here):
-                self._calibration.priced_out({depth})
+            take, path = self._chosen_at(tree, depth, here, dist.topk(min(self.top_k, dist.shape[-1])).values.tolist(), slot, node_probs)
             if not take:
                 break
             pick, row_of = self._first_draws(dist, [tree.parent[i] for i in take], [slot[here.index(i)] for i in take])  # [n], [n]
@@ -264,6 +255,23 @@ class MedusaDrafter(Drafter):
         if not kept:
             return Draft.empty(self.vocab, device=self._channel.device)
         return self._tree_draft(torch.cat(picks), torch.cat(rows), kept, tree.parent)
+
+    def _chosen_at(self, tree: RankTree, depth: int, here: list[int], ranked: list[list[float]], slot: list[int],
+                   node_probs: list[float]) -> tuple[list[int], list[float]]:
+        """Of ``here``, a depth's candidate nodes (their parents' rows ``slot`` of ``ranked``, each row's rank
+        probabilities), the ones worth verifying among those kept above (:meth:`_worth`), and every node's path
+        probability. ``node_probs`` (every node's, 0 where not drafted) takes this depth's: a rank's probability for
+        the kept, 0 for the others, so that they price nothing below."""
+        for i, row in zip(here, slot):
+            node_probs[i] = ranked[row][tree.rank[i]]
+        end = here[-1] + 1
+        path, confident, worth = self._worth(node_probs[:end], tree.depth[:end], tree.parent[:end])
+        take = [i for i in here if i in set(worth)]
+        for i in set(here) - set(take):
+            node_probs[i] = 0.0
+        if self._verify_seconds and not take and set(here) & set(confident):
+            self._calibration.priced_out({depth})
+        return take, path
 
     def _first_draws(self, dist: torch.Tensor, parents: list[int], slots: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Nodes with ``parents`` (siblings in rank order) whose parents' distributions are ``dist`` rows ``slots``: a
