@@ -245,6 +245,14 @@ def race_arrivals(probs: torch.Tensor, seed: int, positions: torch.Tensor, count
     return scores.topk(count, dim=-1).indices  # [..., count]
 
 
+def draw_without_replacement(q: torch.Tensor, count: int, generator: torch.Generator) -> torch.Tensor:
+    """[count] tokens drawn from q [V] one after another without replacement: the first arrivals of the exponential
+    race, arrival time -log(u) / q(x) for u uniform (the Gumbel top-k of Kool et al., 2019), on q's device. Past q's
+    support the rest are tokens of q = 0 in no particular order; a caller wanting draws only asks for at most as many."""
+    u = torch.rand(q.shape[0], generator=generator, device=q.device)  # [V]
+    return (u.log() / q).topk(count).indices  # [count]: the largest log(u) / q arrive first
+
+
 def sample(probs: torch.Tensor, generator: torch.Generator) -> int:
     """Draw one token from a single distribution ``probs`` [V] (non-negative, any positive finite total) with an
     explicit generator (:func:`draw`, after checking that it is a distribution)."""

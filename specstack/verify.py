@@ -122,8 +122,7 @@ class SpeculativeSamplingVerifier(Verifier):
         u = torch.rand(k, generator=generator, device=p.device)  # [k]
         accept = (u * q_x < p_x).long()  # [k]; u < p/q without dividing
         m = accept.cumprod(dim=0).sum().reshape(1)  # [1] accepted tokens
-        q_m = draft.probs.index_select(0, m.clamp(max=k - 1))[0] * (m < k) if k else torch.zeros_like(p[0])  # [V]; past the draft q = 0, the residual p: the bonus
-        token = draw(recovery_weights(p.index_select(0, m)[0], q_m), generator)  # [1]
+        token = draw(recovery_weights(p.index_select(0, m)[0], _proposal_row(draft, m, p)), generator)  # [1]; past the draft q = 0, the residual p: the bonus
         m, token = torch.cat([m, token]).tolist()  # the round's one host synchronisation
         return Verdict(accepted=tuple(range(m)), next_token=token, bonus=m == k)
 
@@ -182,11 +181,16 @@ def block_residual(draft: Draft, p: torch.Tensor, weight: torch.Tensor, tau: tor
     """The unnormalised distribution r_τ = max(w_τ p_τ - q_τ, 0) [V] the next token is drawn from after a block of
     ``tau`` [1] accepted tokens (q_k = 0: p_k itself when τ = k; p_τ where rounding leaves r_τ no mass), chosen on
     the device. Rows of [V] only: temporaries of [k + 1, V] cost page faults on the CPU, more than the arithmetic."""
-    k = len(draft)
     p_tau = p.index_select(0, tau)[0]  # [V]
-    q_tau = draft.probs.index_select(0, tau.clamp(max=k - 1))[0].to(p.dtype) * (tau < k) if k else torch.zeros_like(p_tau)  # [V]
-    residual = (p_tau * weight.index_select(0, tau) - q_tau).clamp_min_(0.0)  # [V]
+    residual = (p_tau * weight.index_select(0, tau) - _proposal_row(draft, tau, p)).clamp_min_(0.0)  # [V]
     return torch.where(residual.sum() > 0, residual, p_tau)  # [V]
+
+
+def _proposal_row(draft: Draft, m: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """q_m [V], the row draft token m + 1 was drawn from, chosen on the device by ``m`` [1]; zeros past the draft
+    (m = k), where the residual is p itself (the bonus)."""
+    k = len(draft)
+    return draft.probs.index_select(0, m.clamp(max=k - 1))[0] * (m < k) if k else torch.zeros_like(p[0])  # [V]
 
 
 def recovery_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:

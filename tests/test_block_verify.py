@@ -208,3 +208,13 @@ def test_the_block_verifier_is_registered_refuses_trees_and_uses_only_its_genera
         torch.manual_seed(torch.randint(0, 1000, ()).item())  # the global RNG must not matter
         runs.append([BlockVerifier().verify(draft, p, torch.Generator().manual_seed(7)) for _ in range(3)])
     assert runs[0] == runs[1]
+
+
+def test_a_stack_option_sets_the_block_verifier_at_every_level_and_an_unknown_one_is_one_line() -> None:
+    """``-o verifier=block`` (``Registry.stack(verifier=…)``) verifies every level's chains by blocks."""
+    target = SyntheticLM(vocab_size=8, seed=3, sharpness=1.5)
+    registry, sampling = Registry.create(), SamplingConfig(temperature=1.0)
+    stack = registry.stack("triforce-lookup", target=target, sampling=sampling, verifier="block", budget=16, chunk_size=4, stride=8)
+    assert [stack.top.verifier.name, stack.top.drafter.verifier.name] == ["block", "block"]
+    with pytest.raises(SpecstackError, match="unknown verifier 'blocks'; available: block, greedy"):
+        registry.stack("triforce-lookup", target=target, sampling=sampling, verifier="blocks")

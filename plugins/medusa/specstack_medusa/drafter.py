@@ -33,6 +33,7 @@ import torch
 from specstack import Draft, LevelStats, SpecstackError
 from specstack.channels import HiddenStateChannel
 from specstack.drafters import ACCEPTANCE_WEIGHT, Drafter
+from specstack.sampling import draw_without_replacement
 from specstack.speedup import paying_nodes, subtree_parents
 from specstack.types import Capability, DraftKind
 
@@ -275,12 +276,9 @@ class MedusaDrafter(Drafter):
 
     def _first_draws(self, dist: torch.Tensor, parents: list[int], slots: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Nodes with ``parents`` (siblings in rank order) whose parents' distributions are ``dist`` rows ``slots``: a
-        parent's j-th child takes the parent's j-th draw without replacement (Gumbel top-k: the largest of log q + G, G
-        Gumbel noise from the stack's generator; each parent its own draws). -> tokens [n] (draft vocabulary), rows [n]."""
-        tokens = []
-        for parent, row in dict(zip(parents, slots)).items():
-            uniform = torch.rand(dist.shape[-1], generator=self._generator, device=dist.device).clamp_min_(torch.finfo(torch.float32).tiny)  # [R]
-            tokens.append((dist[row].log() - (-uniform.log()).log()).topk(parents.count(parent)).indices)  # [children]
+        parent's j-th child takes the parent's j-th draw without replacement (:func:`~specstack.sampling.draw_without_replacement`
+        with the stack's generator; each parent its own draws). -> tokens [n] (draft vocabulary), rows [n]."""
+        tokens = [draw_without_replacement(dist[row], parents.count(parent), self._generator) for parent, row in dict(zip(parents, slots)).items()]
         row_of = torch.tensor(slots, dtype=torch.long, device=dist.device)  # [n]
         return torch.cat(tokens), row_of  # siblings are contiguous in tree order, so the draws line up with them
 

@@ -22,7 +22,7 @@ import torch
 from specstack import Draft, LevelStats, SpecstackError, warp
 from specstack.drafters import Drafter, LookupChances, ModelLevel
 from specstack.ngrams import LOOKBACK, NgramIndex, by_agreement
-from specstack.sampling import draw, race_arrivals
+from specstack.sampling import draw, draw_without_replacement, race_arrivals
 from specstack.speedup import paying_nodes, subtree_parents
 from specstack.types import DraftKind, as_tokens
 
@@ -64,9 +64,7 @@ def _kind(drafter: "SequoiaDrafter") -> DraftKind:
 def race(q: torch.Tensor, count: int, generator: torch.Generator) -> list[int]:
     """``count`` tokens drawn from q [V] one after another without replacement (fewer when q's
     support is smaller): the first arrivals of the exponential race, arrival time -log(u) / q(x)."""
-    count = min(count, int((q > 0).sum()))
-    u = torch.rand(q.shape[0], generator=generator, device=q.device)  # [V]
-    return (u.log() / q).topk(count).indices.tolist()  # the largest log(u) / q arrive first
+    return draw_without_replacement(q, min(count, int((q > 0).sum())), generator).tolist()
 
 
 @attrs.define(eq=False, kw_only=True)
