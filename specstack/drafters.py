@@ -77,10 +77,11 @@ class Drafter(abc.ABC):
         """Called once when the stack is built, for a drafter whose ``requires`` holds
         ``Capability.HIDDEN_STATES``: the channel to the hidden states of the level it drafts for."""
 
-    def attach_generator(self, generator: torch.Generator) -> None:
-        """Called once when the stack is built, for a drafter given to level 0 ready-made: the generator of the
-        device the level above runs on, which the stack seeds at every generation. A drafter that samples its
-        drafts draws from it (its draws then follow the seed, and never reuse the verifier's numbers)."""
+    def attach_sampling(self, sampling: SamplingConfig, generator: torch.Generator) -> None:
+        """Called once when the stack is built, before its verifiers are chosen, for a drafter given to level 0
+        ready-made: the stack's sampling settings and the generator of the device the level above runs on, which the
+        stack seeds at every generation. A drafter that samples its drafts draws from it (its draws then follow the
+        seed, and never reuse the verifier's numbers), and may choose its ``draft_kind`` by the settings."""
 
 
 @attrs.define(eq=False, kw_only=True)
@@ -394,11 +395,16 @@ class MergedDrafter(Drafter):
             raise SpecstackError(f"merged drafts take one or more model-free drafters; got {[type(p).__name__ for p in self.parts]}")
         if len({part.vocab_size for part in self.parts}) != 1:
             raise SpecstackError(f"merged drafters must share a vocabulary; got sizes {[part.vocab_size for part in self.parts]}")
-        kinds = {part.draft_kind for part in self.parts}
-        if DraftKind.TREE_WITHOUT_REPLACEMENT in kinds and (not self.first_only or kinds - {DraftKind.CHAIN, DraftKind.TREE_WITHOUT_REPLACEMENT}):
+        if not self._carries_draws():
             raise SpecstackError(f"merged drafts take a part that samples its siblings ({', '.join(p.name for p in self.parts)}) only with first_only=true "
-                                 f"and beside chains; got kinds {sorted(kind.value for kind in kinds)}, first_only={self.first_only}")
+                                 f"and beside chains; got kinds {sorted(part.draft_kind.value for part in self.parts)}, first_only={self.first_only}")
         self.stats = LevelStats(name="+".join(part.name for part in self.parts))
+
+    def _carries_draws(self) -> bool:
+        """Whether this merge can verify its parts' drafts as they are: sampled siblings only with ``first_only`` and
+        beside chains."""
+        kinds = {part.draft_kind for part in self.parts}
+        return DraftKind.TREE_WITHOUT_REPLACEMENT not in kinds or (self.first_only and not kinds - {DraftKind.CHAIN, DraftKind.TREE_WITHOUT_REPLACEMENT})
 
     @property
     def draft_kind(self) -> DraftKind:
@@ -423,9 +429,15 @@ class MergedDrafter(Drafter):
             if Capability.HIDDEN_STATES in part.requires:
                 part.attach_hidden_states(channel)
 
-    def attach_generator(self, generator: torch.Generator) -> None:
+    def attach_sampling(self, sampling: SamplingConfig, generator: torch.Generator) -> None:
+        """Passed to every part. Where a part would then sample its siblings and this merge cannot carry them (a
+        union; a deterministic tree beside), the parts are told the stack is deterministic instead, and choose as
+        for greedy decoding (a part given a draw temperature of its own was refused when the merge was made)."""
         for part in self.parts:
-            part.attach_generator(generator)
+            part.attach_sampling(sampling, generator)
+        if not self._carries_draws():
+            for part in self.parts:
+                part.attach_sampling(SamplingConfig(), generator)
 
     def reset(self) -> None:
         self._sole = None

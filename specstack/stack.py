@@ -223,13 +223,13 @@ class SpeculationStack:
         stops = frozenset(stop_tokens)
         lms = _cached_models(levels)
         drafter = levels[0].drafter or levels[0].model_drafter(lm=lms[0], sampling=sampling, generator=generators.on(lms[0].device), stop_tokens=stops)
+        if levels[0].drafter is not None:
+            drafter.attach_sampling(sampling, generators.on(lms[1].device))
         for index, (level, lm) in enumerate(zip(levels[1:], lms[1:]), start=1):
             chosen = level.verifier or verifier or default_verifier(drafter.draft_kind, sampling)
             _check_verifier(index, level, drafter, chosen, sampling)
             if Capability.HIDDEN_STATES in drafter.requires:
                 drafter.attach_hidden_states(lm.open_hidden_channel())
-            if index == 1 and levels[0].drafter is not None:
-                drafter.attach_generator(generators.on(lm.device))
             drafter = SpeculativeLevel(
                 drafter=drafter, lm=lm, verifier=chosen, gamma=level.gamma, sampling=sampling,
                 generator=generators.on(lm.device), stop_tokens=stops,

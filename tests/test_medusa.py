@@ -35,8 +35,8 @@ def registry() -> Registry:
 HEADS = {"state": {}, "state+token": {"token_input": True}, "chained": {"chained": True}}  # the kinds of heads
 
 
-def _medusa(vocab: int, *, tree_size: int = 8, kind: str = "state") -> MedusaDrafter:
-    return MedusaDrafter(vocab=vocab, heads=synthetic_heads(vocab, **HEADS[kind]), tree_size=tree_size)
+def _medusa(vocab: int, *, tree_size: int = 8, kind: str = "state", **options) -> MedusaDrafter:
+    return MedusaDrafter(vocab=vocab, heads=synthetic_heads(vocab, **HEADS[kind]), tree_size=tree_size, **options)
 
 
 # -- the tree of candidates ------------------------------------------------------------------------
@@ -522,8 +522,9 @@ def test_the_recipes_are_greedy_lossless(registry) -> None:
 @pytest.mark.parametrize("kind", list(HEADS))
 @pytest.mark.parametrize("sampling", [SamplingConfig(temperature=0.8), SamplingConfig(temperature=0.9, top_p=0.8)], ids=["t0.8", "top_p"])
 def test_sampled_medusa_keeps_the_target_distribution(sampling: SamplingConfig, kind: str) -> None:
+    """Candidates taken by rank (``draft_temperature=0``; drawn ones: below)."""
     target = SyntheticLM(vocab_size=4, seed=11, sharpness=1.5)
-    drafter = _medusa(4, tree_size=6, kind=kind)
+    drafter = _medusa(4, tree_size=6, kind=kind, draft_temperature=0)
     stack = SpeculationStack.build([Level(drafter=drafter), Level(model=target, gamma=drafter.step)], sampling=sampling, seed=3)
     assert stack.top.verifier.name == "token-tree"
     assert stack_pvalue(stack, target, sampling, PROMPT) > ALPHA
@@ -590,7 +591,7 @@ def test_a_drafter_that_lies_about_its_draws_is_caught() -> None:
     sampling = SamplingConfig(temperature=0.8)
     target = SyntheticLM(vocab_size=4, seed=11, sharpness=1.5)
     info = HeadsInfo(hidden_size=8, heads=3, vocab_size=4, accuracy=[[0.9, 0.01]] * 3)  # the tree is the top-1 chain
-    liar = ClaimsSampled(vocab=4, heads=MedusaHeads.random(info), tree_size=4)
+    liar = ClaimsSampled(vocab=4, heads=MedusaHeads.random(info), tree_size=4, draft_temperature=0)  # top ranks, said to be drawn
     stack = SpeculationStack.build([Level(drafter=liar), Level(model=target, gamma=liar.step)], sampling=sampling, seed=3)
     assert stack.top.verifier.name == "speculative"
     assert stack_pvalue(stack, target, sampling, PROMPT) < ALPHA
@@ -679,5 +680,54 @@ def test_drawn_candidates_keep_greedy_output(kind: str) -> None:
 
 @pytest.mark.parametrize("value", [-0.5, float("inf"), True, "warm"])
 def test_a_bad_draft_temperature_is_one_line(value) -> None:
-    with pytest.raises(SpecstackError, match=f"medusa draft_temperature {value!r} is not allowed; use 0"):
+    with pytest.raises(SpecstackError, match=f"medusa draft_temperature {value!r} is not allowed; use 'follow'"):
         MedusaDrafter(vocab=4, heads=synthetic_heads(4), draft_temperature=value)
+
+
+# -- draft_temperature="follow": drawn at the stack's temperature where it samples ---------------------------------
+
+
+@pytest.mark.parametrize(("sampling", "kind"), [
+    (SamplingConfig(temperature=0.8), DraftKind.TREE_WITHOUT_REPLACEMENT),
+    (SamplingConfig(), DraftKind.TREE_DETERMINISTIC),
+    (SamplingConfig(temperature=0.8, coupled=True), DraftKind.TREE_DETERMINISTIC),
+], ids=["sampled", "greedy", "coupled"])
+def test_follow_draws_where_the_stack_samples_and_ranks_elsewhere(sampling: SamplingConfig, kind: DraftKind) -> None:
+    target = SyntheticLM(vocab_size=4, seed=11, sharpness=1.5)
+    drafter = MedusaDrafter(vocab=4, heads=synthetic_heads(4, chained=True), tree_size=6, draft_temperature="follow")
+    assert drafter.draft_kind is DraftKind.TREE_DETERMINISTIC  # until a stack says
+    stack = SpeculationStack.build([Level(drafter=drafter), Level(model=target, gamma=drafter.step)], sampling=sampling, seed=3)
+    assert drafter.draft_kind is kind
+    assert stack.top.verifier.name == ("sequoia" if kind is DraftKind.TREE_WITHOUT_REPLACEMENT else "greedy")
+    if kind is DraftKind.TREE_WITHOUT_REPLACEMENT:
+        assert stack_pvalue(stack, target, sampling, PROMPT) > ALPHA
+
+
+def test_follow_draws_as_an_explicit_draft_temperature_of_the_stacks() -> None:
+    """At T = 0.7 ``follow`` writes the text, and drafts the tokens, that draft_temperature=0.7 does with the same
+    seed; the default, top ranks, drafts otherwise."""
+    sampling = SamplingConfig(temperature=0.7)
+    target = SyntheticLM(vocab_size=8, seed=11, sharpness=1.5)
+
+    def run(**options):
+        drafter = MedusaDrafter(vocab=8, heads=synthetic_heads(8, chained=True), tree_size=8, **options)
+        stack = SpeculationStack.build([Level(drafter=drafter), Level(model=target, gamma=drafter.step)], sampling=sampling, seed=3)
+        result = stack.generate([1, 2, 3], 24, seed=5)
+        return list(result.tokens), [(s.drafted, s.accepted) for s in result.levels]
+
+    assert run(draft_temperature="follow") == run(draft_temperature=0.7)
+    assert run(draft_temperature="follow") != run()
+
+
+def test_a_union_takes_following_heads_by_rank(registry) -> None:
+    """``medusa-lookup -o first_only=false -o draft_temperature=follow`` at T > 0: a union cannot carry drawn siblings,
+    so the heads take their top ranks there, and the stack keeps the target's distribution (a number is refused above)."""
+    sampling = SamplingConfig(temperature=0.8)
+    target = SyntheticLM(vocab_size=4, seed=11, sharpness=1.5)
+    stack = registry.stack("medusa-lookup", target=target, heads=synthetic_heads(4, token_input=True), tree_size=6, sampling=sampling, seed=3,
+                           min_ngram=1, first_only=False, draft_temperature="follow")
+    assert stack.top.drafter.draft_kind is DraftKind.TREE_DETERMINISTIC and stack.top.verifier.name == "token-tree"
+    assert stack_pvalue(stack, target, sampling, [1, 2, 3, 1, 2]) > ALPHA
+    merged = registry.stack("medusa-lookup", target=target, heads=synthetic_heads(4, token_input=True), sampling=sampling, min_ngram=1,
+                            draft_temperature="follow").top.drafter
+    assert merged.draft_kind is DraftKind.TREE_WITHOUT_REPLACEMENT  # first_only (the default) carries them

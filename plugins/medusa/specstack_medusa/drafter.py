@@ -15,9 +15,10 @@ tree is expanded depth by depth (one pass of the output head per depth).
 The draft is a token tree of rank paths (:mod:`specstack_medusa.tree`): deterministic candidates
 (``TREE_DETERMINISTIC``), verified losslessly by the greedy verifier at temperature 0 and by the
 token-tree verifier above it. (Medusa's "typical acceptance" is not offered: it changes the output
-distribution.) With ``draft_temperature`` > 0 the same tree's candidates are drawn from the heads'
-distributions instead, each parent's children its first draws without replacement
-(``TREE_WITHOUT_REPLACEMENT``), verified by Sequoia's rule against those distributions. When the
+distribution.) With a draw temperature (``draft_temperature`` > 0, or ``"follow"``: the stack's T where it
+samples) the same tree's candidates are drawn from the heads' distributions instead, each parent's children
+its first draws without replacement (``TREE_WITHOUT_REPLACEMENT``), verified by Sequoia's rule against those
+distributions. When the
 level holds no state for the prefix (a cache adopted from another stack; the level above rejected
 what the level emitted), the draft is empty and the level samples one token on its own, which gives
 the state for the next round.
@@ -33,7 +34,7 @@ import torch
 from specstack import Draft, LevelStats, SpecstackError
 from specstack.channels import HiddenStateChannel
 from specstack.drafters import ACCEPTANCE_WEIGHT, Drafter
-from specstack.sampling import draw_without_replacement
+from specstack.sampling import SamplingConfig, draw_without_replacement
 from specstack.speedup import paying_nodes, subtree_parents
 from specstack.types import Capability, DraftKind
 
@@ -43,6 +44,7 @@ from .tree import DepthCalibration, RankTree, choose_paths, confident_nodes, pat
 UNTRAINED_ACCURACY = (0.5, 0.1, 0.05)  # rank accuracies assumed for heads that carry no measurement
 RETRY = 0.02  # how far each round a depth is priced out moves its calibration toward 1, so that it is tried again
 MIN_PROB = 0.1  # the default min_prob: measured best or within 0.03x of it among 0-0.3 in fp32 (docs/medusa.md)
+FOLLOW = "follow"  # draft_temperature: draw at the stack's temperature where it samples, else take top ranks
 
 
 def _size(instance, attribute, value) -> None:
@@ -56,8 +58,9 @@ def _probability(instance, attribute, value) -> None:
 
 
 def _temperature(instance, attribute, value) -> None:
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value < float("inf"):
-        raise SpecstackError(f"medusa {attribute.name} {value!r} is not allowed; use 0 (the heads' top ranks, deterministic) or a positive temperature")
+    if value != FOLLOW and (not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value < float("inf")):
+        raise SpecstackError(f"medusa {attribute.name} {value!r} is not allowed; use {FOLLOW!r} (the stack's temperature where it samples), "
+                             f"0 (the heads' top ranks, deterministic) or a positive temperature")
 
 
 def _draft_vocab(instance, attribute, value) -> None:
@@ -86,7 +89,8 @@ class MedusaDrafter(Drafter):
     level above accepted a node at that depth against the path probabilities it was shown there). What is drafted
     depends on earlier rounds only, never on the level's draws in this one, so verification stays exact.
 
-    With ``draft_temperature`` = τ > 0 (for stacks that sample, T > 0) the candidates are drawn instead: a node's
+    With a draw temperature τ > 0 (``draft_temperature``; ``"follow"`` takes the stack's T where the stack samples,
+    T > 0 and not coupled, and 0 elsewhere; :meth:`attach_sampling`) the candidates are drawn instead: a node's
     children are its first draws without replacement (Gumbel top-k, Kool et al., 2019) from softmax(logits / τ) of
     the state it leads to, and the draft is a tree sampled without replacement, verified by Sequoia's rule against
     those distributions (EAGLE's sampled drafting, Li et al., 2024). That rule accepts a draw x with min(1, p(x) / q(x))
@@ -109,7 +113,7 @@ class MedusaDrafter(Drafter):
     top_k: int = attrs.field(default=8, validator=_size)
     draft_vocab: int | None = attrs.field(default=None, validator=_draft_vocab)
     min_prob: float = attrs.field(default=MIN_PROB, validator=_probability)  # drop nodes the heads give a lower path probability
-    draft_temperature: float = attrs.field(default=0.0, validator=_temperature)  # > 0: candidates drawn at this temperature (T > 0 stacks)
+    draft_temperature: float | str = attrs.field(default=0.0, validator=_temperature)  # 0: top ranks; > 0: drawn at it; "follow": the stack's T where it samples
     stats: LevelStats = attrs.field(factory=lambda: LevelStats(name="medusa"))
     _channel: HiddenStateChannel | None = attrs.field(init=False, default=None)
     _trees: dict[int, RankTree] = attrs.field(init=False, factory=dict)  # first head -> its tree of rank paths
@@ -120,6 +124,7 @@ class MedusaDrafter(Drafter):
     _output: object = attrs.field(init=False, default=None)  # [n, H] -> [n, R] logits: the level's output head, or its draft_vocab rows
     _rows: torch.Tensor | None = attrs.field(init=False, default=None)  # [R] the token id of each logit column; None: all V
     _generator: torch.Generator | None = attrs.field(init=False, default=None)  # the stack's, for drawn candidates
+    _tau: float = attrs.field(init=False, default=0.0)  # the temperature candidates are drawn at (0: top ranks), from draft_temperature and the stack's sampling
 
     def __attrs_post_init__(self) -> None:
         self._model = self.heads if isinstance(self.heads, MedusaHeads) else load_heads(self.heads or shipped_heads())
@@ -131,6 +136,7 @@ class MedusaDrafter(Drafter):
         if self.draft_vocab and self._model.token_rank is None:
             raise SpecstackError(f"medusa draft_vocab={self.draft_vocab} needs heads that carry the target's token ranking; "
                                  f"these do not: retrain them with `specstack train medusa`, or use draft_vocab=0")
+        self._tau = 0.0 if self.draft_temperature == FOLLOW else float(self.draft_temperature)
 
     @classmethod
     def conformance_instance(cls, vocab: int) -> "MedusaDrafter":
@@ -143,10 +149,14 @@ class MedusaDrafter(Drafter):
 
     @property
     def draft_kind(self) -> DraftKind:
-        return DraftKind.TREE_WITHOUT_REPLACEMENT if self.draft_temperature else DraftKind.TREE_DETERMINISTIC
+        return DraftKind.TREE_WITHOUT_REPLACEMENT if self._tau else DraftKind.TREE_DETERMINISTIC
 
-    def attach_generator(self, generator: torch.Generator) -> None:
+    def attach_sampling(self, sampling: SamplingConfig, generator: torch.Generator) -> None:
+        """``"follow"`` draws at the stack's temperature where each position's token is sampled, and takes top ranks
+        where it is a function of the logits (greedy, or coupled): a coupled race's winner is no draw of softmax(logits / T)."""
         self._generator = generator
+        if self.draft_temperature == FOLLOW:
+            self._tau = 0.0 if sampling.deterministic else sampling.temperature
 
     @property
     def vocab_size(self) -> int:
@@ -201,7 +211,7 @@ class MedusaDrafter(Drafter):
         if not tree:  # no rank of the first head was ever right: nothing worth drafting
             return Draft.empty(self.vocab, device=self._channel.device)
         with torch.inference_mode():
-            if self.draft_temperature:
+            if self._tau:
                 return self._drawn(state, after, first, tree)
             nodes = self._chained_nodes if self.info.chained else self._parallel_nodes
             picks, rows, node_probs = nodes(state, after, first, tree)  # [k'], [k', R], k' floats (k' <= k: the nodes grown)
@@ -222,24 +232,26 @@ class MedusaDrafter(Drafter):
                      parents=torch.tensor(subtree_parents(nodes, parents), dtype=torch.long, device=picks.device))  # [m]
 
     def _drawn(self, state, after, first, tree: RankTree) -> Draft:
-        """The tree of drawn candidates (``draft_temperature`` τ > 0), grown depth by depth from the root. At each depth
+        """The tree of drawn candidates (draw temperature τ > 0), grown depth by depth from the root. At each depth
         the nodes worth verifying are chosen first (:meth:`_worth`, over the nodes kept above and this depth's), each
         node priced by the probability of its rank in its parent's distribution softmax(logits / τ): known before
         anything at the depth is drawn, so no node's presence depends on its own draw. Each parent then gives its kept
         children its first draws without replacement from that distribution (Gumbel top-k), in rank order. A depth's
         nodes stay whatever the depths below bring (they are drawn), and the tree stops at a depth where none is kept."""
         if self._generator is None:
-            raise SpecstackError("medusa draft_temperature > 0 draws its candidates with the stack's generator; use the drafter at level 0 of a stack")
+            raise SpecstackError("medusa candidates drawn at a temperature take the stack's generator; use the drafter at level 0 of a stack")
         device, chained = state.device, self.info.chained
-        heads = None if chained else torch.cat([state[None], self._head_states(state, after)])[first:]  # [d, H]: the parallel heads' states
         frontier = self._step(state[None], torch.tensor([after], device=device)) if chained and first == 1 else state[None]  # [1, H]
+        if not chained:  # parallel heads: every depth's distribution at once, one pass of the output head
+            heads = torch.cat([state[None], self._head_states(state, after)])[first : first + tree.depths]  # [d, H]
+            dists = torch.softmax(self._output(heads) / self._tau, dim=-1)  # [d, R]
         node_probs, kept, above, picks, rows = [0.0] * len(tree), [], [-1], [], []  # above: the parents of this depth (-1: the root)
         path = node_probs
         for depth in range(tree.depths):
             here = [i for i in tree.at(depth) if tree.parent[i] in above]
             if not here:
                 break
-            dist = torch.softmax(self._output(frontier if chained else heads[depth : depth + 1]) / self.draft_temperature, dim=-1)  # [f, R]
+            dist = torch.softmax(self._output(frontier) / self._tau, dim=-1) if chained else dists[depth : depth + 1]  # [f, R]
             slot = [above.index(tree.parent[i]) if chained else 0 for i in here]  # each node's parent's row of dist
             take, path = self._chosen_at(tree, depth, here, dist.topk(min(self.top_k, dist.shape[-1])).values.tolist(), slot, node_probs)
             if not take:

@@ -22,24 +22,24 @@ def _synthetic_chain(vocab: int) -> dict:
 
 
 def _heads(registry, target, heads: str | MedusaHeads | None, tree_size: int, top_k: int, draft_vocab: int, min_prob: float,
-           draft_temperature: float) -> Level:
+           draft_temperature: float | str) -> Level:
     return Level(drafter=registry.drafter("medusa", vocab=target.vocab_size, heads=heads, tree_size=tree_size, top_k=top_k, draft_vocab=draft_vocab,
                                           min_prob=min_prob, draft_temperature=draft_temperature))
 
 
 def _medusa(registry, *, target, heads: str | MedusaHeads | None = None, tree_size: int = 4, top_k: int = 8, draft_vocab: int | None = None,
-            min_prob: float = MIN_PROB, draft_temperature: float = 0.0) -> list[Level]:
+            min_prob: float = MIN_PROB, draft_temperature: float | str = 0.0) -> list[Level]:
     level0 = _heads(registry, target, heads, tree_size, top_k, draft_vocab, min_prob, draft_temperature)
     return [level0, _full(target, level0.drafter.step)]
 
 
 def _medusa_chain(registry, *, target, heads: str | MedusaHeads | None = "chained", tree_size: int = 4, top_k: int = 8, draft_vocab: int | None = None,
-                  min_prob: float = MIN_PROB, draft_temperature: float = 0.0) -> list[Level]:
+                  min_prob: float = MIN_PROB, draft_temperature: float | str = 0.0) -> list[Level]:
     return _medusa(registry, target=target, heads=heads, tree_size=tree_size, top_k=top_k, draft_vocab=draft_vocab, min_prob=min_prob,
                    draft_temperature=draft_temperature)
 
 
-def _triforce_medusa(registry, *, target, heads: str | MedusaHeads | None = None, tree_size: int = 4, top_k: int = 8, draft_vocab: int | None = None, min_prob: float = MIN_PROB, draft_temperature: float = 0.0, gamma2: int = 6,
+def _triforce_medusa(registry, *, target, heads: str | MedusaHeads | None = None, tree_size: int = 4, top_k: int = 8, draft_vocab: int | None = None, min_prob: float = MIN_PROB, draft_temperature: float | str = 0.0, gamma2: int = 6,
                      budget: int | str = AUTO, chunk_size: int = 8, stride: int = STRIDE) -> list[Level]:
     level0 = _heads(registry, target, heads, tree_size, top_k, draft_vocab, min_prob, draft_temperature)
     return _over_retrieval(target, level0, gamma2, budget, chunk_size, stride)
@@ -52,7 +52,7 @@ def _over_retrieval(target, level0: Level, gamma2: int, budget: int | str, chunk
     return [level0, _view(target, retrieval, level0.drafter.step), _full(target, gamma2)]
 
 
-def _lookup_and_heads(registry, target, heads, tree_size: int, top_k: int, draft_vocab: int | None, min_prob: float, draft_temperature: float,
+def _lookup_and_heads(registry, target, heads, tree_size: int, top_k: int, draft_vocab: int | None, min_prob: float, draft_temperature: float | str,
                       max_ngram: int, min_ngram: int, first_only: bool, lookback: int) -> Level:
     """Level 0 of the lookup stacks: prompt lookup and the heads merged into one drafter."""
     level0 = _heads(registry, target, heads, tree_size, top_k, draft_vocab, min_prob, draft_temperature)
@@ -61,14 +61,14 @@ def _lookup_and_heads(registry, target, heads, tree_size: int, top_k: int, draft
 
 
 def _medusa_lookup(registry, *, target, heads: str | MedusaHeads | None = "chained", tree_size: int = 4, top_k: int = 8, draft_vocab: int | None = None,
-                   min_prob: float = MIN_PROB, draft_temperature: float = 0.0, max_ngram: int = 3, min_ngram: int = 3, first_only: bool = True, lookback: int = LOOKBACK) -> list[Level]:
+                   min_prob: float = MIN_PROB, draft_temperature: float | str = 0.0, max_ngram: int = 3, min_ngram: int = 3, first_only: bool = True, lookback: int = LOOKBACK) -> list[Level]:
     level0 = _lookup_and_heads(registry, target, heads, tree_size, top_k, draft_vocab, min_prob, draft_temperature, max_ngram, min_ngram, first_only,
                               lookback)
     return [level0, _full(target, level0.drafter.step)]
 
 
 def _triforce_medusa_lookup(registry, *, target, heads: str | MedusaHeads | None = "chained", tree_size: int = 4, top_k: int = 8,
-                            draft_vocab: int | None = None, min_prob: float = MIN_PROB, draft_temperature: float = 0.0, max_ngram: int = 3, min_ngram: int = 3,
+                            draft_vocab: int | None = None, min_prob: float = MIN_PROB, draft_temperature: float | str = 0.0, max_ngram: int = 3, min_ngram: int = 3,
                             first_only: bool = True, lookback: int = LOOKBACK, gamma2: int = 6, budget: int | str = AUTO, chunk_size: int = 8,
                             stride: int = STRIDE) -> list[Level]:
     level0 = _lookup_and_heads(registry, target, heads, tree_size, top_k, draft_vocab, min_prob, draft_temperature, max_ngram, min_ngram, first_only,
