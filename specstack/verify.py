@@ -253,6 +253,22 @@ class TreeVerifier(Verifier):
         return Verdict(accepted=tuple(accepted), next_token=sample(p[node + 1], generator), bonus=True)
 
 
+def expected_emitted(verifier: TreeVerifier, draft: Draft, p: torch.Tensor) -> float:
+    """The tokens a round emits in expectation when ``verifier`` judges ``draft`` against the level's rows ``p``
+    [k+1, V]: one (the token after the accepted path) plus, for each node, the chance that the walk accepts it, the
+    product of the verifier's chances of descending along the node's path (:meth:`TreeVerifier.step`). Exact for one
+    draft; over rounds of drawn drafts, an unbiased estimate of the drafter's figure."""
+    reach, total = {-1: 1.0}, 1.0
+    for node in [-1, *range(len(draft))]:  # a parent comes before its children
+        children = draft.children(node)
+        if children and reach.get(node):
+            accept = verifier.step(p[node + 1], draft.probs[children[0]], draft.tokens[children]).accept.tolist()  # [m]
+            for child, chance in zip(children, accept):
+                reach[child] = reach[node] * chance
+                total += reach[child]
+    return total
+
+
 def _choose(accept: torch.Tensor, generator: torch.Generator) -> int:
     """Draw j with probability accept[j], or m (stop) with the rest."""
     stop = (1 - accept.sum()).reshape(1)  # [1]

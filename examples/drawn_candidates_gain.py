@@ -1,0 +1,163 @@
+"""What drawn Medusa candidates (``-o draft_temperature=T``) buy over top ranks, on identical rounds.
+
+Whole runs compare different texts: every seed, and every stack, samples its own, and six seeds a text did not resolve
+the difference (docs/results.md, "Drawn candidates by default?"). Here one stack decodes as usual with the heads'
+top ranks, verified by the token-tree rule, and at every round of the top level the same drafter also draws a tree on
+the same prefix at the stack's temperature (its own generator, so the text is the ranks' run's), the target scores
+that tree in a forward of its own (dropped before the real one), and both trees' expected emitted tokens are
+computed exactly from the target's distributions p at their nodes:
+
+    E = 1 + sum over nodes of prod over the node's path of P(the verifier descends into that child)
+
+with the token-tree rule's P (p(x), the first child of each token) for the ranks and Sequoia's (min(1, p(x) / q(x))
+after the siblings tried before; :func:`specstack.verify.expected_emitted`) for the draws. Where prompt lookup's
+chain is the draft (``medusa-lookup``) the two are the same draft (a merged draft is a tree either way, so those
+rounds are scored too, and come out equal). Both trees are priced by the one calibration of
+the ranks' run (a drawn run would calibrate on its own verdicts), and at T < 1 a draw's rank probabilities, taken at
+τ = T, are sharper than the ranks' at 1, so the priced drawn trees come out larger. ``--shape fixed`` compares trees of
+one shape instead: no pricing, ``min_prob`` 0, every node of the heads' rank tree of ``tree_size`` nodes. Each propose is
+timed, so the two drafts' costs come with their tokens.
+
+    python examples/drawn_candidates_gain.py                          # medusa-lookup and medusa-chain, T = 0.6
+    python examples/drawn_candidates_gain.py --shape fixed            # both trees of the same 4 nodes
+    python examples/drawn_candidates_gain.py --stacks medusa --seeds 0 --max-new-tokens 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import attrs
+import torch
+
+from specstack import Registry, SamplingConfig, SpeculationStack
+from specstack.autotune import tuned
+from specstack.demo import QUESTION, task_prompt
+from specstack.models import load_default
+from specstack.stack import SpeculativeLevel, row_positions
+from specstack.verify import SequoiaVerifier, TokenTreeVerifier, expected_emitted
+
+
+@attrs.define(eq=False)
+class Paired:
+    """The top level's rounds, each with both trees' expected tokens, sizes and drafting times."""
+
+    rounds: list[dict] = attrs.field(factory=list)
+
+    def table_row(self) -> str:
+        rounds, trees = self.rounds, [r for r in self.rounds if r["drawn"] is not None]
+        for r in rounds:
+            r["either"] = r["ranks"] if r["drawn"] is None else r["drawn"]  # a chain drawn is the ranks' chain
+        ranks, drawn = _mean("ranks", rounds), _mean("either", rounds)
+        return (f"{len(rounds)} ({len(trees)}) | {_mean('rank_nodes', rounds):.2f}, {_mean('drawn_nodes', rounds):.2f} | "
+                f"{ranks:.3f} | {drawn:.3f} | {drawn / ranks:.3f} ({_mean('drawn', trees) / max(_mean('ranks', trees), 1e-9):.3f}) | "
+                f"{_mean('rank_ms', rounds):.2f}, {_mean('drawn_ms', rounds):.2f}")
+
+
+def _mean(key: str, rows: list[dict]) -> float:
+    return sum(r[key] for r in rows) / max(len(rows), 1)
+
+
+@attrs.define(eq=False)
+class RecordingTokenTree(TokenTreeVerifier):
+    """The token-tree rule, completing each round of ``paired`` with the ranks' expected tokens for the draft it judges."""
+
+    paired: Paired = attrs.field(factory=Paired)
+
+    def verify(self, draft, p, generator):
+        if self.paired.rounds and "ranks" not in self.paired.rounds[-1]:
+            self.paired.rounds[-1]["ranks"] = expected_emitted(self, draft, p)
+        return super().verify(draft, p, generator)
+
+
+def heads_of(drafter):
+    """The Medusa drafter at level 0 (alone, or a part of a merged draft)."""
+    return next(part for part in getattr(drafter, "parts", (drafter,)) if part.name == "medusa")
+
+
+def timed_propose(level: SpeculativeLevel, prefix, k: int, tau: float, generator: torch.Generator):
+    """Level 0's draft on ``prefix`` with the heads drawing at ``tau`` (0: their top ranks), and its seconds."""
+    heads = heads_of(level.drafter)
+    kept = (heads._tau, heads._generator)
+    heads._tau, heads._generator = tau, generator
+    began = time.perf_counter()
+    try:
+        return level.drafter.propose(prefix, k).head(k).stop_at(level.stop_tokens), time.perf_counter() - began
+    finally:
+        heads._tau, heads._generator = kept
+
+
+def paired_round(level: SpeculativeLevel, prefix, k: int, tau: float, generator: torch.Generator, paired: Paired) -> None:
+    """Before the real round: both drafts on ``prefix`` (timed, in alternating order, since the first after a forward
+    reads the heads' weights from memory), and the drawn tree scored by the level's model."""
+    order = (tau, 0.0) if len(paired.rounds) % 2 == 0 else (0.0, tau)
+    made = {t: timed_propose(level, prefix, k, t, generator) for t in order}
+    (drawn, drawn_seconds), (ranked, rank_seconds) = made[tau], made[0.0]
+    row = {"rank_nodes": len(ranked), "drawn_nodes": len(drawn), "rank_ms": rank_seconds * 1e3, "drawn_ms": drawn_seconds * 1e3, "drawn": None}
+    if drawn.is_tree:
+        p = level.warp(level.lm.tree_logits(prefix, drawn), row_positions(len(prefix), drawn))  # [k+1, V]
+        row["drawn"] = expected_emitted(SequoiaVerifier(), drawn, p)
+    paired.rounds.append(row)
+
+
+def compared_stack(registry, name: str, target, sampling, stops, seed: int, options: dict):
+    """The stack ``name`` with the heads' top ranks, its top level's verifier recording the ranks' expected tokens."""
+    levels = registry.stack_recipe(name).levels(registry, target=target, draft_temperature=0, **options)
+    recorder = RecordingTokenTree()
+    levels = [*levels[:-1], attrs.evolve(levels[-1], verifier=recorder)]
+    return SpeculationStack.build(levels, sampling=sampling, stop_tokens=stops, seed=seed), recorder.paired
+
+
+def run(registry, name: str, prompt, target, sampling, stops, seed: int, max_new_tokens: int, shape: str) -> Paired:
+    """One generation of ``name`` with top ranks, every top-level round paired with a drawn tree on its prefix."""
+    stack, paired = compared_stack(registry, name, target, sampling, stops, seed, {"min_prob": 0} if shape == "fixed" else {})
+    if shape == "priced":
+        tuned(stack, prompt, "auto", seed=seed)  # γ and the heads' prices, before the recording starts
+    paired.rounds.clear()
+    top, draws, original = stack.top, torch.Generator().manual_seed(1000 + seed), SpeculativeLevel.round
+
+    def round_(level, prefix, k):
+        if level is top and k:
+            paired_round(level, prefix, k, sampling.temperature, draws, paired)
+        return original(level, prefix, k)
+
+    SpeculativeLevel.round = round_
+    try:
+        stack.generate(prompt, max_new_tokens, seed=seed)
+    finally:
+        SpeculativeLevel.round = original
+    paired.rounds = [r for r in paired.rounds if "ranks" in r]  # a round the stack ended before verifying
+    return paired
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--stacks", nargs="+", default=["medusa-lookup", "medusa-chain"])
+    parser.add_argument("--temperature", type=float, default=0.6)
+    parser.add_argument("--books", nargs="+", default=["prideprejudice", "kjv"])
+    parser.add_argument("--prompt-tokens", type=int, default=7000)
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--shape", choices=["priced", "fixed"], default="priced",
+                        help="priced: gamma=auto, as the bench runs them; fixed: every node of the rank tree, in both")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    target, _, tokenizer = load_default(dtype=torch.bfloat16)
+    registry, stops = Registry.create(), [tokenizer.eos_token_id]
+    sampling = SamplingConfig(temperature=args.temperature)
+    print(f"bfloat16, T = {args.temperature}, draws at τ = T, {args.prompt_tokens}-token passages, {args.max_new_tokens} tokens, "
+          f"seeds {args.seeds}, " + ("gamma=auto (the ranks' calibration prices both trees)" if args.shape == "priced" else "every node of the rank tree"))
+    print("book | stack | seed | rounds (drawn trees scored) | nodes a round: ranks, drawn | tokens a round: ranks | drawn | drawn / ranks "
+          "(trees only) | a propose, ms: ranks, drawn")
+    for book in args.books:
+        prompt = task_prompt(tokenizer, book=book, length=args.prompt_tokens, request=QUESTION)
+        for name in args.stacks:
+            for seed in args.seeds:
+                paired = run(registry, name, prompt, target, sampling, stops, seed, args.max_new_tokens, args.shape)
+                print(f"{book} | {name} | {seed} | {paired.table_row()}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
