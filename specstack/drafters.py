@@ -81,7 +81,8 @@ class Drafter(abc.ABC):
         """Called once when the stack is built, before its verifiers are chosen, for a drafter given to level 0
         ready-made: the stack's sampling settings and the generator of the device the level above runs on, which the
         stack seeds at every generation. A drafter that samples its drafts draws from it (its draws then follow the
-        seed, and never reuse the verifier's numbers), and may choose its ``draft_kind`` by the settings."""
+        seed, and never reuse the verifier's numbers), and may choose its ``draft_kind`` by the settings. A drafter serves
+        the stack built last with it (as its hidden-state channel does): build each stack with drafters of its own."""
 
 
 @attrs.define(eq=False, kw_only=True)
