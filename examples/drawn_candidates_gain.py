@@ -1,4 +1,5 @@
-"""What drawn Medusa candidates (``-o draft_temperature=T``) buy over top ranks, on identical rounds.
+"""What drawn Medusa candidates (``-o draft_temperature=T``) buy over top ranks, on identical rounds; or a union of
+prompt lookup's chain and the heads' tree (``-o first_only=false``) over ``medusa-lookup``'s first proposal.
 
 Whole runs compare different texts: every seed, and every stack, samples its own, and six seeds a text did not resolve
 the difference (docs/results.md, "Drawn candidates by default?"). Here one stack decodes as usual with the heads'
@@ -21,11 +22,17 @@ timed, so the two drafts' costs come with their tokens.
     python examples/drawn_candidates_gain.py                          # medusa-lookup and medusa-chain, T = 0.6
     python examples/drawn_candidates_gain.py --shape fixed            # both trees of the same 4 nodes
     python examples/drawn_candidates_gain.py --stacks medusa --seeds 0 --max-new-tokens 64
+    python examples/drawn_candidates_gain.py --compare union --stacks medusa-lookup
+
+With ``--compare union`` the alternative on each prefix is the merged draft with ``first_only`` off: where lookup
+matched, its chain and the heads' tree together (one trie), else the heads' tree alone as in the real round; both
+are deterministic and judged by the token-tree rule.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import time
 
 import attrs
@@ -76,28 +83,49 @@ def heads_of(drafter):
     return next(part for part in getattr(drafter, "parts", (drafter,)) if part.name == "medusa")
 
 
-def timed_propose(level: SpeculativeLevel, prefix, k: int, tau: float, generator: torch.Generator):
-    """Level 0's draft on ``prefix`` with the heads drawing at ``tau`` (0: their top ranks), and its seconds."""
+@contextlib.contextmanager
+def drawn(level: SpeculativeLevel, tau: float, generator: torch.Generator):
+    """Within: the heads draw their candidates at ``tau`` with ``generator``."""
     heads = heads_of(level.drafter)
     kept = (heads._tau, heads._generator)
     heads._tau, heads._generator = tau, generator
-    began = time.perf_counter()
     try:
-        return level.drafter.propose(prefix, k).head(k).stop_at(level.stop_tokens), time.perf_counter() - began
+        yield
     finally:
         heads._tau, heads._generator = kept
 
 
-def paired_round(level: SpeculativeLevel, prefix, k: int, tau: float, generator: torch.Generator, paired: Paired) -> None:
+@contextlib.contextmanager
+def union(level: SpeculativeLevel):
+    """Within: the merged draft is the union of its parts' (``first_only`` off)."""
+    merged = level.drafter
+    kept, merged.first_only = merged.first_only, False
+    try:
+        yield
+    finally:
+        merged.first_only = kept
+
+
+def timed_propose(level: SpeculativeLevel, prefix, k: int, variant):
+    """Level 0's draft on ``prefix`` within ``variant`` (None: as the stack drafts), and its seconds."""
+    with variant or contextlib.nullcontext():
+        began = time.perf_counter()
+        return level.drafter.propose(prefix, k).head(k).stop_at(level.stop_tokens), time.perf_counter() - began
+
+
+def paired_round(level: SpeculativeLevel, prefix, k: int, alternative, verifier, paired: Paired) -> None:
     """Before the real round: both drafts on ``prefix`` (timed, in alternating order, since the first after a forward
-    reads the heads' weights from memory), and the drawn tree scored by the level's model."""
-    order = (tau, 0.0) if len(paired.rounds) % 2 == 0 else (0.0, tau)
-    made = {t: timed_propose(level, prefix, k, t, generator) for t in order}
-    (drawn, drawn_seconds), (ranked, rank_seconds) = made[tau], made[0.0]
-    row = {"rank_nodes": len(ranked), "drawn_nodes": len(drawn), "rank_ms": rank_seconds * 1e3, "drawn_ms": drawn_seconds * 1e3, "drawn": None}
-    if drawn.is_tree:
-        p = level.warp(level.lm.tree_logits(prefix, drawn), row_positions(len(prefix), drawn))  # [k+1, V]
-        row["drawn"] = expected_emitted(SequoiaVerifier(), drawn, p)
+    reads the heads' weights from memory), and the alternative (made within the context ``alternative()``) scored by
+    the level's model and judged by ``verifier``."""
+    first_alternative = len(paired.rounds) % 2 == 0
+    made = {}
+    for which in ((True, False) if first_alternative else (False, True)):
+        made[which] = timed_propose(level, prefix, k, alternative() if which else None)
+    (other, other_seconds), (ranked, rank_seconds) = made[True], made[False]
+    row = {"rank_nodes": len(ranked), "drawn_nodes": len(other), "rank_ms": rank_seconds * 1e3, "drawn_ms": other_seconds * 1e3, "drawn": None}
+    if other.is_tree:
+        p = level.warp(level.lm.tree_logits(prefix, other), row_positions(len(prefix), other))  # [k+1, V]
+        row["drawn"] = expected_emitted(verifier, other, p)
     paired.rounds.append(row)
 
 
@@ -109,17 +137,21 @@ def compared_stack(registry, name: str, target, sampling, stops, seed: int, opti
     return SpeculationStack.build(levels, sampling=sampling, stop_tokens=stops, seed=seed), recorder.paired
 
 
-def run(registry, name: str, prompt, target, sampling, stops, seed: int, max_new_tokens: int, shape: str) -> Paired:
+def run(registry, name: str, prompt, target, sampling, stops, seed: int, max_new_tokens: int, shape: str, compare: str) -> Paired:
     """One generation of ``name`` with top ranks, every top-level round paired with a drawn tree on its prefix."""
     stack, paired = compared_stack(registry, name, target, sampling, stops, seed, {"min_prob": 0} if shape == "fixed" else {})
     if shape == "priced":
         tuned(stack, prompt, "auto", seed=seed)  # γ and the heads' prices, before the recording starts
     paired.rounds.clear()
     top, draws, original = stack.top, torch.Generator().manual_seed(1000 + seed), SpeculativeLevel.round
+    if compare == "union" and not hasattr(top.drafter, "first_only"):
+        raise SystemExit(f"--compare union needs a merged draft at level 0 (medusa-lookup); {name} has {top.drafter.name}")
+    alternative, verifier = {"drawn": (lambda: drawn(top, sampling.temperature, draws), SequoiaVerifier()),
+                             "union": (lambda: union(top), TokenTreeVerifier())}[compare]
 
     def round_(level, prefix, k):
         if level is top and k:
-            paired_round(level, prefix, k, sampling.temperature, draws, paired)
+            paired_round(level, prefix, k, alternative, verifier, paired)
         return original(level, prefix, k)
 
     SpeculativeLevel.round = round_
@@ -142,20 +174,22 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--shape", choices=["priced", "fixed"], default="priced",
                         help="priced: gamma=auto, as the bench runs them; fixed: every node of the rank tree, in both")
+    parser.add_argument("--compare", choices=["drawn", "union"], default="drawn",
+                        help="the alternative: the heads' candidates drawn at T, or the union of lookup's chain and the heads' tree")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     target, _, tokenizer = load_default(dtype=torch.bfloat16)
     registry, stops = Registry.create(), [tokenizer.eos_token_id]
     sampling = SamplingConfig(temperature=args.temperature)
-    print(f"bfloat16, T = {args.temperature}, draws at τ = T, {args.prompt_tokens}-token passages, {args.max_new_tokens} tokens, "
+    print(f"bfloat16, T = {args.temperature}, alternative: {args.compare} (draws at τ = T), {args.prompt_tokens}-token passages, {args.max_new_tokens} tokens, "
           f"seeds {args.seeds}, " + ("gamma=auto (the ranks' calibration prices both trees)" if args.shape == "priced" else "every node of the rank tree"))
-    print("book | stack | seed | rounds (drawn trees scored) | nodes a round: ranks, drawn | tokens a round: ranks | drawn | drawn / ranks "
-          "(trees only) | a propose, ms: ranks, drawn")
+    print(f"book | stack | seed | rounds ({args.compare} trees scored) | nodes a round: ranks, {args.compare} | tokens a round: ranks | "
+          f"{args.compare} | {args.compare} / ranks (trees only) | a propose, ms: ranks, {args.compare}")
     for book in args.books:
         prompt = task_prompt(tokenizer, book=book, length=args.prompt_tokens, request=QUESTION)
         for name in args.stacks:
             for seed in args.seeds:
-                paired = run(registry, name, prompt, target, sampling, stops, seed, args.max_new_tokens, args.shape)
+                paired = run(registry, name, prompt, target, sampling, stops, seed, args.max_new_tokens, args.shape, args.compare)
                 print(f"{book} | {name} | {seed} | {paired.table_row()}", flush=True)
 
 
