@@ -1,5 +1,5 @@
-"""What drawn Medusa candidates (``-o draft_temperature=T``) buy over top ranks, on identical rounds; or a union of
-prompt lookup's chain and the heads' tree (``-o first_only=false``) over ``medusa-lookup``'s first proposal.
+"""Two drafts on identical rounds: what drawn Medusa candidates (``-o draft_temperature=T``) buy over top ranks, or a
+union of prompt lookup's chain and the heads' tree (``-o first_only=false``) over ``medusa-lookup``'s first proposal.
 
 Whole runs compare different texts: every seed, and every stack, samples its own, and six seeds a text did not resolve
 the difference (docs/results.md, "Drawn candidates by default?"). Here one stack decodes as usual with the heads'
@@ -19,10 +19,10 @@ the ranks' run (a drawn run would calibrate on its own verdicts), and at T < 1 a
 one shape instead: no pricing, ``min_prob`` 0, every node of the heads' rank tree of ``tree_size`` nodes. Each propose is
 timed, so the two drafts' costs come with their tokens.
 
-    python examples/drawn_candidates_gain.py                          # medusa-lookup and medusa-chain, T = 0.6
-    python examples/drawn_candidates_gain.py --shape fixed            # both trees of the same 4 nodes
-    python examples/drawn_candidates_gain.py --stacks medusa --seeds 0 --max-new-tokens 64
-    python examples/drawn_candidates_gain.py --compare union --stacks medusa-lookup
+    python examples/paired_rounds.py                          # medusa-lookup and medusa-chain, T = 0.6
+    python examples/paired_rounds.py --shape fixed            # both trees of the same 4 nodes
+    python examples/paired_rounds.py --stacks medusa --seeds 0 --max-new-tokens 64
+    python examples/paired_rounds.py --compare union --stacks medusa-lookup
 
 With ``--compare union`` the alternative on each prefix is the merged draft with ``first_only`` off: where lookup
 matched, its chain and the heads' tree together (one trie), else the heads' tree alone as in the real round; both
@@ -48,18 +48,19 @@ from specstack.verify import SequoiaVerifier, TokenTreeVerifier, expected_emitte
 
 @attrs.define(eq=False)
 class Paired:
-    """The top level's rounds, each with both trees' expected tokens, sizes and drafting times."""
+    """The top level's rounds, each with both drafts' expected tokens, sizes and drafting times (the real round's and the
+    other's)."""
 
     rounds: list[dict] = attrs.field(factory=list)
 
     def table_row(self) -> str:
-        rounds, trees = self.rounds, [r for r in self.rounds if r["drawn"] is not None]
+        rounds, trees = self.rounds, [r for r in self.rounds if r["other"] is not None]
         for r in rounds:
-            r["either"] = r["ranks"] if r["drawn"] is None else r["drawn"]  # a chain drawn is the ranks' chain
-        ranks, drawn = _mean("ranks", rounds), _mean("either", rounds)
-        return (f"{len(rounds)} ({len(trees)}) | {_mean('rank_nodes', rounds):.2f}, {_mean('drawn_nodes', rounds):.2f} | "
-                f"{ranks:.3f} | {drawn:.3f} | {drawn / ranks:.3f} ({_mean('drawn', trees) / max(_mean('ranks', trees), 1e-9):.3f}) | "
-                f"{_mean('rank_ms', rounds):.2f}, {_mean('drawn_ms', rounds):.2f}")
+            r["either"] = r["ranks"] if r["other"] is None else r["other"]  # an alternative chain is the real round's chain
+        ranks, other = _mean("ranks", rounds), _mean("either", rounds)
+        return (f"{len(rounds)} ({len(trees)}) | {_mean('rank_nodes', rounds):.2f}, {_mean('other_nodes', rounds):.2f} | "
+                f"{ranks:.3f} | {other:.3f} | {other / ranks:.3f} ({_mean('other', trees) / max(_mean('ranks', trees), 1e-9):.3f}) | "
+                f"{_mean('rank_ms', rounds):.2f}, {_mean('other_ms', rounds):.2f}")
 
 
 def _mean(key: str, rows: list[dict]) -> float:
@@ -122,10 +123,10 @@ def paired_round(level: SpeculativeLevel, prefix, k: int, alternative, verifier,
     for which in ((True, False) if first_alternative else (False, True)):
         made[which] = timed_propose(level, prefix, k, alternative() if which else None)
     (other, other_seconds), (ranked, rank_seconds) = made[True], made[False]
-    row = {"rank_nodes": len(ranked), "drawn_nodes": len(other), "rank_ms": rank_seconds * 1e3, "drawn_ms": other_seconds * 1e3, "drawn": None}
+    row = {"rank_nodes": len(ranked), "other_nodes": len(other), "rank_ms": rank_seconds * 1e3, "other_ms": other_seconds * 1e3, "other": None}
     if other.is_tree:
         p = level.warp(level.lm.tree_logits(prefix, other), row_positions(len(prefix), other))  # [k+1, V]
-        row["drawn"] = expected_emitted(verifier, other, p)
+        row["other"] = expected_emitted(verifier, other, p)
     paired.rounds.append(row)
 
 
