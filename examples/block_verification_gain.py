@@ -2,8 +2,8 @@
 
 The stacks decode with the token rule as usual. At every round of every chain level, a recording verifier also
 computes, for the same draft and the same distributions p, the expected number of tokens each rule emits:
-token rule 1 + sum_i prod_{j <= i} min(1, p(x_j) / q(x_j)); block rule 1 + sum_i P(τ >= i), P(τ >= i) =
-1 - prod_{j >= i} (1 - h_j) (:func:`specstack.verify.block_chances`). The ratio of their means is the gain in tokens
+token rule 1 + sum_i prod_{j <= i} min(1, p(x_j) / q(x_j)) (:func:`specstack.verify.expected_emitted`); block rule
+1 + sum_i P(τ >= i), P(τ >= i) = 1 - prod_{j >= i} (1 - h_j) (:func:`specstack.verify.block_chances`). The ratio of their means is the gain in tokens
 per round that the block rule would give on these rounds, free of the noise of comparing two different texts.
 The tokens the levels emit are the token rule's, as ``specstack generate`` writes them; the output is unchanged.
 
@@ -22,7 +22,7 @@ import torch
 from specstack import Registry, SamplingConfig, SpeculationStack, SpeculativeSamplingVerifier
 from specstack.demo import QUESTION, task_prompt
 from specstack.models import load_default
-from specstack.verify import block_chances
+from specstack.verify import SequoiaVerifier, block_chances, expected_emitted
 
 CONFIGS = [  # (stack, options): TriForce with the retrieval level drafting alone (γ1 = 0, as the tuner sets it at
     ("triforce", {"gamma1": 0, "gamma2": 3}),  # T = 0.6 here), with the draft model under it, with prompt lookup, and
@@ -41,12 +41,10 @@ class RecordingVerifier(SpeculativeSamplingVerifier):
 
     def verify(self, draft, p, generator):
         if len(draft):
-            rows = torch.arange(len(draft))  # [k]
-            reach = (p[rows, draft.tokens] / draft.probs[rows, draft.tokens]).clamp(max=1).cumprod(0)  # [k]: P(τ >= i), token rule
             hold = block_chances(draft, p)[1][1:]  # [k]: h_1 … h_k
             fail_after = torch.flip(torch.cumprod(torch.flip(1 - hold, (0,)), 0), (0,))  # [k]: prod_{j >= i} (1 - h_j)
             self.sums["rounds"] += 1
-            self.sums["token"] += 1 + float(reach.sum())
+            self.sums["token"] += expected_emitted(SequoiaVerifier(), draft, p)  # on a chain, Sequoia's rule is the token rule
             self.sums["block"] += 1 + float((1 - fail_after).sum())
             self.sums["drafted"] += len(draft)
         return super().verify(draft, p, generator)

@@ -21,7 +21,7 @@ import torch
 from specstack.data import book_tokens
 from specstack.models import load_target
 from specstack.sampling import draw_without_replacement
-from specstack.verify import multi_step_sampling, without_token
+from specstack.verify import SequoiaVerifier
 from specstack_medusa.heads import load_heads
 
 
@@ -69,8 +69,8 @@ def coverage(model, heads, rows: torch.Tensor, first: int, temperature: float, k
 def drawn_acceptance(p: torch.Tensor, q: torch.Tensor, k: int, generator: torch.Generator) -> float:
     """[N, V] target and head distributions -> the summed chance that Sequoia's rule accepts one of k candidates drawn
     from q without replacement (as the drafter draws them), one set of draws per row."""
-    return sum(float(multi_step_sampling(p[n], q[n], draw_without_replacement(q[n], k, generator), after_rejection=without_token).accept.sum())
-               for n in range(p.shape[0]))
+    rule = SequoiaVerifier()
+    return sum(float(rule.step(p[n], q[n], draw_without_replacement(q[n], k, generator)).accept.sum()) for n in range(p.shape[0]))
 
 
 def main() -> None:

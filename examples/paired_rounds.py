@@ -85,15 +85,15 @@ def heads_of(drafter):
 
 
 @contextlib.contextmanager
-def drawn(level: SpeculativeLevel, tau: float, generator: torch.Generator):
-    """Within: the heads draw their candidates at ``tau`` with ``generator``."""
+def drawn(level: SpeculativeLevel, sampling: SamplingConfig, generator: torch.Generator):
+    """Within: the heads (built to follow the stack's temperature) draw their candidates at ``sampling``'s, with
+    ``generator``; outside they take their top ranks, as for a deterministic stack."""
     heads = heads_of(level.drafter)
-    kept = (heads._tau, heads._generator)
-    heads._tau, heads._generator = tau, generator
+    heads.attach_sampling(sampling, generator)
     try:
         yield
     finally:
-        heads._tau, heads._generator = kept
+        heads.attach_sampling(SamplingConfig(), generator)
 
 
 @contextlib.contextmanager
@@ -131,11 +131,15 @@ def paired_round(level: SpeculativeLevel, prefix, k: int, alternative, verifier,
 
 
 def compared_stack(registry, name: str, target, sampling, stops, seed: int, options: dict):
-    """The stack ``name`` with the heads' top ranks, its top level's verifier recording the ranks' expected tokens."""
-    levels = registry.stack_recipe(name).levels(registry, target=target, draft_temperature=0, **options)
+    """The stack ``name`` with the heads' top ranks, its top level's verifier recording the ranks' expected tokens. The
+    heads follow the stack's temperature (``draft_temperature=follow``), attached as for a deterministic stack but
+    within :func:`drawn`."""
+    levels = registry.stack_recipe(name).levels(registry, target=target, draft_temperature="follow", **options)
     recorder = RecordingTokenTree()
     levels = [*levels[:-1], attrs.evolve(levels[-1], verifier=recorder)]
-    return SpeculationStack.build(levels, sampling=sampling, stop_tokens=stops, seed=seed), recorder.paired
+    stack = SpeculationStack.build(levels, sampling=sampling, stop_tokens=stops, seed=seed)
+    heads_of(stack.top.drafter).attach_sampling(SamplingConfig(), torch.Generator())  # top ranks in the real rounds
+    return stack, recorder.paired
 
 
 def run(registry, name: str, prompt, target, sampling, stops, seed: int, max_new_tokens: int, shape: str, compare: str) -> Paired:
@@ -147,7 +151,7 @@ def run(registry, name: str, prompt, target, sampling, stops, seed: int, max_new
     top, draws, original = stack.top, torch.Generator().manual_seed(1000 + seed), SpeculativeLevel.round
     if compare == "union" and not hasattr(top.drafter, "first_only"):
         raise SystemExit(f"--compare union needs a merged draft at level 0 (medusa-lookup); {name} has {top.drafter.name}")
-    alternative, verifier = {"drawn": (lambda: drawn(top, sampling.temperature, draws), SequoiaVerifier()),
+    alternative, verifier = {"drawn": (lambda: drawn(top, sampling, draws), SequoiaVerifier()),
                              "union": (lambda: union(top), TokenTreeVerifier())}[compare]
 
     def round_(level, prefix, k):

@@ -279,7 +279,8 @@ class MedusaDrafter(Drafter):
             node_probs[i] = ranked[row][tree.rank[i]]
         end = here[-1] + 1
         path, confident, worth = self._worth(node_probs[:end], tree.depth[:end], tree.parent[:end])
-        take = [i for i in here if i in set(worth)]
+        worth = set(worth)
+        take = [i for i in here if i in worth]
         for i in set(here) - set(take):
             node_probs[i] = 0.0
         if self._verify_seconds and not take and set(here) & set(confident):
