@@ -1,5 +1,6 @@
-"""Two drafts on identical rounds: what drawn Medusa candidates (``-o draft_temperature=T``) buy over top ranks, or a
-union of prompt lookup's chain and the heads' tree (``-o first_only=false``) over ``medusa-lookup``'s first proposal.
+"""Two drafts on identical rounds: what drawn Medusa candidates (``-o draft_temperature=T``) buy over top ranks, a
+union of prompt lookup's chain and the heads' tree (``-o first_only=false``) over ``medusa-lookup``'s first proposal,
+or other heads (``--compare heads --other-heads FILE``) over the stack's.
 
 Whole runs compare different texts: every seed, and every stack, samples its own, and six seeds a text did not resolve
 the difference (docs/results.md, "Drawn candidates by default?"). Here one stack decodes as usual with the heads'
@@ -27,6 +28,17 @@ timed, so the two drafts' costs come with their tokens.
 With ``--compare union`` the alternative on each prefix is the merged draft with ``first_only`` off: where lookup
 matched, its chain and the heads' tree together (one trie), else the heads' tree alone as in the real round; both
 are deterministic and judged by the token-tree rule.
+
+With ``--compare heads`` the alternative is the same drafter with the heads of ``--other-heads`` (a file from
+``specstack train medusa``) in place of the stack's, reading the same hidden states, taking top ranks, and judged by
+the token-tree rule. It takes ``--shape fixed``: a priced tree is sized by the calibration of the heads whose
+verdicts it observes, the stack's own.
+
+    python examples/paired_rounds.py --compare heads --other-heads /tmp/heads.safetensors --shape fixed
+
+``--heads`` gives every stack other heads of its own (a file or a shipped name), for any alternative:
+
+    python examples/paired_rounds.py --heads /tmp/heads.safetensors --shape fixed   # those heads' draws against their ranks
 """
 
 from __future__ import annotations
@@ -38,7 +50,7 @@ import time
 import attrs
 import torch
 
-from specstack import Registry, SamplingConfig, SpeculationStack
+from specstack import LevelStats, Registry, SamplingConfig, SpeculationStack
 from specstack.autotune import tuned
 from specstack.demo import QUESTION, task_prompt
 from specstack.models import load_default
@@ -107,6 +119,33 @@ def union(level: SpeculativeLevel):
         merged.first_only = kept
 
 
+@contextlib.contextmanager
+def other_heads(level: SpeculativeLevel, alternative):
+    """Within: level 0 drafts with ``alternative`` (a Medusa drafter) where it had its heads (alone, or a merged
+    draft's part)."""
+    drafter, heads = level.drafter, heads_of(level.drafter)
+    if drafter is heads:
+        level.drafter = alternative
+    else:
+        drafter.parts = tuple(alternative if part is heads else part for part in drafter.parts)
+    try:
+        yield
+    finally:
+        if drafter is heads:
+            level.drafter = drafter
+        else:
+            drafter.parts = tuple(heads if part is alternative else part for part in drafter.parts)
+
+
+def heads_drafter(level: SpeculativeLevel, path: str):
+    """The Medusa drafter of ``level`` with the heads in ``path``, reading the hidden states of the level's model and
+    taking top ranks."""
+    alternative = attrs.evolve(heads_of(level.drafter), heads=path, stats=LevelStats(name="medusa"))
+    alternative.attach_hidden_states(level.lm.open_hidden_channel())
+    alternative.attach_sampling(SamplingConfig(), torch.Generator())
+    return alternative
+
+
 def timed_propose(level: SpeculativeLevel, prefix, k: int, variant):
     """Level 0's draft on ``prefix`` within ``variant`` (None: as the stack drafts), and its seconds."""
     with variant or contextlib.nullcontext():
@@ -142,17 +181,24 @@ def compared_stack(registry, name: str, target, sampling, stops, seed: int, opti
     return stack, recorder.paired
 
 
-def run(registry, name: str, prompt, target, sampling, stops, seed: int, max_new_tokens: int, shape: str, compare: str) -> Paired:
-    """One generation of ``name`` with top ranks, every top-level round paired with a drawn tree on its prefix."""
-    stack, paired = compared_stack(registry, name, target, sampling, stops, seed, {"min_prob": 0} if shape == "fixed" else {})
+def run(registry, name: str, prompt, target, sampling, stops, seed: int, max_new_tokens: int, shape: str, compare: str,
+        other_heads_path: str | None = None, heads: str | None = None) -> Paired:
+    """One generation of ``name`` (with ``heads``, else its own) with top ranks, every top-level round paired with the
+    alternative on its prefix."""
+    options = {**({"min_prob": 0} if shape == "fixed" else {}), **({"heads": heads} if heads else {})}
+    stack, paired = compared_stack(registry, name, target, sampling, stops, seed, options)
     if shape == "priced":
         tuned(stack, prompt, "auto", seed=seed)  # γ and the heads' prices, before the recording starts
     paired.rounds.clear()
     top, draws, original = stack.top, torch.Generator().manual_seed(1000 + seed), SpeculativeLevel.round
     if compare == "union" and not hasattr(top.drafter, "first_only"):
         raise SystemExit(f"--compare union needs a merged draft at level 0 (medusa-lookup); {name} has {top.drafter.name}")
-    alternative, verifier = {"drawn": (lambda: drawn(top, sampling, draws), SequoiaVerifier()),
-                             "union": (lambda: union(top), TokenTreeVerifier())}[compare]
+    if compare == "heads":
+        other = heads_drafter(top, other_heads_path)
+        alternative, verifier = (lambda: other_heads(top, other)), TokenTreeVerifier()
+    else:
+        alternative, verifier = {"drawn": (lambda: drawn(top, sampling, draws), SequoiaVerifier()),
+                                 "union": (lambda: union(top), TokenTreeVerifier())}[compare]
 
     def round_(level, prefix, k):
         if level is top and k:
@@ -179,14 +225,21 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--shape", choices=["priced", "fixed"], default="priced",
                         help="priced: gamma=auto, as the bench runs them; fixed: every node of the rank tree, in both")
-    parser.add_argument("--compare", choices=["drawn", "union"], default="drawn",
-                        help="the alternative: the heads' candidates drawn at T, or the union of lookup's chain and the heads' tree")
+    parser.add_argument("--compare", choices=["drawn", "union", "heads"], default="drawn",
+                        help="the alternative: the heads' candidates drawn at T, the union of lookup's chain and the heads' tree, "
+                             "or the heads of --other-heads")
+    parser.add_argument("--other-heads", help="with --compare heads: a heads file (.safetensors) from `specstack train medusa`")
+    parser.add_argument("--heads", help="the stacks' own heads (a file or a shipped name); default: each stack's")
     args = parser.parse_args()
+    if (args.compare == "heads") != bool(args.other_heads) or (args.compare == "heads" and args.shape != "fixed"):
+        parser.error("--compare heads takes --other-heads FILE and --shape fixed; --other-heads goes with --compare heads only")
     torch.set_num_threads(args.threads)
     target, _, tokenizer = load_default(dtype=torch.bfloat16)
     registry, stops = Registry.create(), [tokenizer.eos_token_id]
     sampling = SamplingConfig(temperature=args.temperature)
-    print(f"bfloat16, T = {args.temperature}, alternative: {args.compare} (draws at τ = T), {args.prompt_tokens}-token passages, {args.max_new_tokens} tokens, "
+    heads_named = args.heads or "each stack's own"
+    print(f"bfloat16, T = {args.temperature}, alternative: {args.compare}{' (draws at τ = T)' if args.compare == 'drawn' else ''}{f' ({args.other_heads})' if args.other_heads else ''}, "
+          f"heads: {heads_named}, {args.prompt_tokens}-token passages, {args.max_new_tokens} tokens, "
           f"seeds {args.seeds}, " + ("gamma=auto (the ranks' calibration prices both trees)" if args.shape == "priced" else "every node of the rank tree"))
     print(f"book | stack | seed | rounds ({args.compare} trees scored) | nodes a round: ranks, {args.compare} | tokens a round: ranks | "
           f"{args.compare} | {args.compare} / ranks (trees only) | a propose, ms: ranks, {args.compare}")
@@ -194,7 +247,7 @@ def main() -> None:
         prompt = task_prompt(tokenizer, book=book, length=args.prompt_tokens, request=QUESTION)
         for name in args.stacks:
             for seed in args.seeds:
-                paired = run(registry, name, prompt, target, sampling, stops, seed, args.max_new_tokens, args.shape, args.compare)
+                paired = run(registry, name, prompt, target, sampling, stops, seed, args.max_new_tokens, args.shape, args.compare, args.other_heads, args.heads)
                 print(f"{book} | {name} | {seed} | {paired.table_row()}", flush=True)
 
 

@@ -261,8 +261,11 @@ def test_a_smoke_medusa_training_gives_heads_that_a_lossless_stack_runs(tmp_path
     assert "labelled" in capsys.readouterr().out
     chained = tmp_path / "chained.safetensors"
     chain_argv = [str(chained) if arg == str(out) else arg for arg in argv]
-    assert main(chain_argv + ["--data", str(tmp_path / "data.pt"), "--set", "chained=true", "--set", "draft_vocab=64"]) == 0
+    assert main(chain_argv + ["--data", str(tmp_path / "data.pt"), "--set", "chained=true", "--set", "draft_vocab=64",
+                              "--set", "soft_temperature=0.6"]) == 0
     assert "labelled data read from" in capsys.readouterr().out  # the same data, read back: the target writes nothing
+    soft = json.loads(chained.with_suffix(".json").read_text())["held_out"]["persuasion:greedy"]["first_candidate_mass"]
+    assert len(soft) == 2 and all(0.0 < m < 1.0 for m in soft)  # soft labels: the top candidates' p at T = 0.6, per step
     metrics = json.loads(out.with_suffix(".json").read_text())
     assert metrics["steps"] >= 1 and set(metrics["held_out"]) == {"persuasion:text", "persuasion:greedy"}
     assert all(0.0 <= a <= 1.0 for a in metrics["held_out"]["persuasion:greedy"]["top1"])
@@ -298,3 +301,69 @@ def test_the_shipped_shared_draft_loads_with_the_targets_layers_and_agrees_with_
     with torch.no_grad():
         agree = (draft.module(input_ids=ids).logits.argmax(-1) == target.module(input_ids=ids).logits.argmax(-1)).float().mean().item()
     assert agree > 0.35
+
+
+def _soft_label_data(seed: int = 3):
+    """Random states [N, T, H], an LM head [V, H] and the greedy tokens it gives: what labelling stores."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    states, lm_head = torch.randn(3, 10, 8, generator=gen), torch.randn(40, 8, generator=gen)  # [N, T, H], [V, H]
+    return states, lm_head, (states @ lm_head.T).argmax(-1)  # ..., [N, T]
+
+
+def test_soft_labels_are_the_targets_distribution_where_each_hard_label_is_its_argmax() -> None:
+    """Head k on the state at (row, col) learns p_T(. | h_{col+k}); its argmax is the hard label a_{col+k}.
+    A teacher read one position off (h_{col+k-1}) gives other argmaxes and fails this."""
+    import torch
+
+    from specstack_training.medusa import targets, teacher_probs
+
+    states, lm_head, greedy = _soft_label_data()
+    rows, cols = torch.tensor([0, 1, 2, 2, 0]), torch.tensor([0, 3, 5, 8, 9])  # [n]: the last two run past the row's end
+    labels = targets(greedy, 3, rows, cols)  # [n, K]
+    probs = teacher_probs(lm_head, states, rows, cols, 3, 0.6)  # [K, n, V]
+    assert probs.shape == (3, 5, 40) and torch.allclose(probs.sum(-1), torch.ones(3, 5))
+    inside = labels.T >= 0  # [K, n]
+    assert int(inside.sum()) == 10  # three positions with all 3 heads; (row 2, col 8) with one; (row 0, col 9) with none
+    assert torch.equal(probs.argmax(-1)[inside], labels.T[inside])
+    sharper = teacher_probs(lm_head, states, rows, cols, 3, 0.3)  # [K, n, V]
+    assert torch.all(sharper.max(-1).values >= probs.max(-1).values)
+
+
+def test_the_precomputed_soft_labels_are_the_targets_top_tokens_renormalised() -> None:
+    """All V tokens kept: exactly the target's distribution at each position; fewer: its most likely ones,
+    renormalised, in its order. A label computed at another temperature than asked fails this."""
+    import torch
+
+    from specstack_training.medusa import soft_labels, teacher_probs
+
+    states, lm_head, greedy = _soft_label_data()
+    rows, cols = torch.arange(3).repeat_interleave(10), torch.arange(10).repeat(3)  # every position
+    exact = teacher_probs(lm_head, states, rows, cols - 1, 1, 0.6)[0]  # [30, V]: head 1 at col - 1 reads position col
+    probs, ids = soft_labels(lm_head, states, 0.6, 40)  # [N, T, V] each
+    assert torch.allclose(torch.zeros(30, 40).scatter(1, ids.flatten(0, 1).long(), probs.flatten(0, 1)), exact, atol=1e-6)
+    top_probs, top_ids = soft_labels(lm_head, states, 0.6, 4)  # [N, T, 4] each
+    assert torch.equal(top_ids[..., 0], greedy)
+    assert torch.allclose(top_probs, probs[..., :4] / probs[..., :4].sum(-1, keepdim=True), atol=1e-6)
+
+
+def test_the_soft_label_loss_tends_to_the_hard_one_as_the_temperature_falls_and_skips_positions_past_the_row() -> None:
+    """As T -> 0 the soft label is one-hot on a_{t+k}, so the loss is the hard cross-entropy; positions
+    without a label weigh nothing, whatever their logits."""
+    import torch
+
+    from specstack_training.medusa import loss_of, soft_labels
+
+    states, lm_head, greedy = _soft_label_data()
+    rows, cols = torch.tensor([0, 1, 2, 2, 0]), torch.tensor([0, 3, 5, 8, 9])  # [n]
+    logits = torch.randn(3, 5, 40, generator=torch.Generator().manual_seed(4))  # [K, n, V]
+    hard = loss_of(logits, greedy, None, rows, cols)
+    assert torch.allclose(loss_of(logits, greedy, soft_labels(lm_head, states, 1e-4, 8), rows, cols), hard, atol=1e-4)
+    soft = soft_labels(lm_head, states, 0.6, 8)
+    warm = loss_of(logits, greedy, soft, rows, cols)
+    assert not torch.allclose(warm, hard, atol=1e-2)
+    moved = logits.clone()
+    moved[:, 4] += 5 * torch.randn(3, 40)  # (row 0, col 9): no head has a label there
+    moved[1:, 3] -= 7 * torch.randn(2, 40)  # (row 2, col 8): heads 2 and 3 run past the row
+    assert torch.allclose(loss_of(moved, greedy, soft, rows, cols), warm)

@@ -10,7 +10,14 @@ ran 4.7x faster on 2 threads of a CPU with AMX: 3,021 against 649 tokens/s); ``-
 
 Loss: head k (k = 1 … K) on h_t, through the target's own frozen LM head, is trained by cross-entropy
 to predict a_{t+k}: the target's greedy token k positions further on, what the level it drafts for will
-accept at temperature 0. Heads with ``token_input`` also read the embedding of x_{t+1}, the chunk's
+accept at temperature 0. With ``soft_temperature`` τ > 0 it is trained instead by cross-entropy to the
+target's distribution there, p_τ = softmax(LM head(h_{t+k}) / τ) over its ``soft_top`` most likely tokens,
+renormalised (soft labels, as in Medusa-2's self-distillation; computed once from the stored states before
+training), whose argmax is a_{t+k}: a token tree verifies a deterministic candidate with
+the target's probability of it at the stack's T, so candidates ranked by E[p_τ] cover the most of
+it at T = τ, where hard labels rank by how often a token is the argmax and give no weight to a
+reliable runner-up. The held-out score is then that coverage: the mean p_τ of every head's top
+candidate. Heads with ``token_input`` also read the embedding of x_{t+1}, the chunk's
 next token (:mod:`specstack_medusa.heads`). Chained heads (one head, K steps) are trained unrolled: step k
 reads its own step k - 1 and the embedding of x_{t+k}, the row's token, and is trained to predict
 a_{t+k}, with the same loss, labels and evaluation as parallel head k. Only the heads learn (AdamW, warm-up then cosine decay, all driven by the
@@ -68,9 +75,11 @@ DEFAULTS = dict(
     draft_vocab=8192,  # the heads' default draft vocabulary: the tokens the target chose most often in the training data (0: all)
     teacher_bf16=True,  # a bfloat16 copy of the target writes and labels the training data (held-out data: always float32)
     autocast=True,  # bfloat16 autocast for the heads' forward and backward
+    soft_temperature=0.0,  # > 0: learn the target's distribution at this temperature (soft labels), not its greedy token
+    soft_top=32,  # soft labels: the target's most likely tokens kept at each position (renormalised)
 )
 
-COUNTS = ("heads", "layers", "seq_len", "positions", "label_batch", "gen_batch", "eval_chunks", "top_k", "threads")  # each at least 1
+COUNTS = ("heads", "layers", "seq_len", "positions", "label_batch", "gen_batch", "eval_chunks", "top_k", "threads", "soft_top")  # each at least 1
 
 DATA_KEYS = ("seq_len", "chunks", "generations", "prompt_len", "gen_temperature", "teacher_bf16")  # what the labelled data depends on
 
@@ -171,6 +180,59 @@ def head_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1).float(), labels.T.flatten(), ignore_index=-1)
 
 
+@torch.no_grad()
+def teacher_probs(lm_head: torch.Tensor, states: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, heads: int,
+                  temperature: float) -> torch.Tensor:
+    """[K, n, V] the target's distribution at ``temperature`` where head k on the state at (row, col) predicts:
+    softmax(LM head(h_{col+k}) / T), whose argmax is the label a_{col+k} (past the row's end: the last
+    position's, and :func:`targets` marks it -1)."""
+    ahead = (cols[:, None] + torch.arange(1, heads + 1)).clamp_max(states.shape[1] - 1)  # [n, K]
+    return torch.softmax(target_logits(lm_head, states[rows[:, None], ahead].transpose(0, 1)) / temperature, dim=-1)  # [K, n, V]
+
+
+def target_logits(lm_head: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+    """[..., H] stored states -> [..., V] the target's logits, in float32, computed in the states' dtype (the
+    labelling target's) as that target computed them."""
+    return (hidden @ lm_head.T.to(hidden.dtype)).float()
+
+
+@torch.inference_mode()
+def soft_labels(lm_head: torch.Tensor, states: torch.Tensor, temperature: float, top: int, batch: int = 2048) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every position's soft label, computed once before training: the target's distribution at ``temperature``
+    over its ``top`` most likely tokens, renormalised ([N, T, top] probabilities), and those tokens' ids
+    ([N, T, top]), from the stored states [N, T, H] through the LM head [V, H] in the labelling target's dtype."""
+    flat = states.flatten(0, 1)  # [N*T, H]
+    probs, ids = [], []
+    for first in range(0, flat.shape[0], batch):
+        hidden = flat[first : first + batch]  # [b, H]
+        values, index = target_logits(lm_head, hidden).topk(min(top, lm_head.shape[0]), dim=-1)  # [b, top]
+        probs.append(torch.softmax(values / temperature, dim=-1))
+        ids.append(index.int())
+    return torch.cat(probs).view(*states.shape[:2], -1), torch.cat(ids).view(*states.shape[:2], -1)
+
+
+def soft_head_loss(logits: torch.Tensor, labels: tuple[torch.Tensor, torch.Tensor], rows: torch.Tensor, cols: torch.Tensor,
+                   inside: torch.Tensor) -> torch.Tensor:
+    """Mean soft cross-entropy of every head's ``logits`` [K, n, V] (head k on the state at (row, col)) to the
+    soft label at (row, col + k) (:func:`soft_labels`), over the positions with a label (``inside`` [n, K])."""
+    probs, ids = labels  # [N, T, top] each
+    ahead = (cols[:, None] + torch.arange(1, logits.shape[0] + 1)).clamp_max(probs.shape[1] - 1)  # [n, K]
+    q, index = probs[rows[:, None], ahead].transpose(0, 1), ids[rows[:, None], ahead].transpose(0, 1).long()  # [K, n, top] each
+    each = -(q * torch.log_softmax(logits.float(), dim=-1).gather(-1, index)).sum(-1)  # [K, n]
+    weight = inside.T.float()  # [K, n]
+    return (each * weight).sum() / weight.sum().clamp_min(1)
+
+
+def loss_of(logits: torch.Tensor, greedy: torch.Tensor, soft: tuple[torch.Tensor, torch.Tensor] | None, rows: torch.Tensor,
+            cols: torch.Tensor) -> torch.Tensor:
+    """The training loss of the heads' ``logits`` [K, n, V] at (``rows``, ``cols``): cross-entropy to the greedy
+    tokens, or with ``soft`` (:func:`soft_labels`) to the target's distributions."""
+    labels = targets(greedy, logits.shape[0], rows, cols)  # [n, K]
+    if soft is None:
+        return head_loss(logits, labels)
+    return soft_head_loss(logits, soft, rows, cols, labels >= 0)
+
+
 @torch.inference_mode()
 def rank_accuracy(heads, lm_head: torch.Tensor, embedding: torch.Tensor, data: tuple[torch.Tensor, torch.Tensor, torch.Tensor], top_k: int,
                   batch: int = 512) -> list[list[float]]:
@@ -193,6 +255,27 @@ def rank_accuracy(heads, lm_head: torch.Tensor, embedding: torch.Tensor, data: t
     return (hits / counted.clamp_min(1)[:, None]).tolist()
 
 
+@torch.inference_mode()
+def first_candidate_mass(heads, lm_head: torch.Tensor, embedding: torch.Tensor, data: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+                         temperature: float, batch: int = 512) -> list[float]:
+    """[K]: over every position of ``data`` with a label, the mean probability the target gives, at
+    ``temperature``, to head k's top candidate: the chance a token tree accepts it at that T
+    (teacher-forced)."""
+    tokens, states, greedy = data
+    n, t, _ = states.shape
+    rows, cols = torch.meshgrid(torch.arange(n), torch.arange(t), indexing="ij")
+    rows, cols = rows.reshape(-1), cols.reshape(-1)
+    mass, counted = torch.zeros(heads.info.heads), torch.zeros(heads.info.heads)  # [K], [K]
+    for first in range(0, rows.shape[0], batch):
+        r, c = rows[first : first + batch], cols[first : first + batch]
+        inside = (targets(greedy, heads.info.heads, r, c) >= 0).T.float()  # [K, b]
+        top = head_logits(heads, lm_head, embedding, tokens, states, r, c).argmax(-1, keepdim=True)  # [K, b, 1]
+        p = teacher_probs(lm_head, states, r, c, heads.info.heads, temperature).gather(-1, top)[..., 0]  # [K, b]
+        mass += (p * inside).sum(1)
+        counted += inside.sum(1)
+    return (mass / counted.clamp_min(1)).tolist()
+
+
 def train(heads, lm_head: torch.Tensor, embedding: torch.Tensor, data: tuple[torch.Tensor, torch.Tensor, torch.Tensor], hp: dict, seconds: float,
           evaluate, log, seed: int) -> dict:
     """Train ``heads`` on ``data`` (tokens, states, greedy tokens) for ``seconds`` of wall-clock time; keep
@@ -201,6 +284,11 @@ def train(heads, lm_head: torch.Tensor, embedding: torch.Tensor, data: tuple[tor
     generator = torch.Generator().manual_seed(seed)
     tokens, states, greedy = data
     n, t, _ = states.shape
+    soft = None
+    if hp["soft_temperature"]:
+        began = time.time()
+        soft = soft_labels(lm_head, states, hp["soft_temperature"], hp["soft_top"])  # [N, T, top] probabilities and ids
+        log(f"soft labels (the target's top {hp['soft_top']} at T = {hp['soft_temperature']}) in {time.time() - began:.0f} s")
     best = {"score": evaluate(), "state": {k: v.clone() for k, v in heads.state_dict().items()}, "step": 0}
     log(f"step 0: held-out score {best['score']:.4f}")
     began, steps, last_eval, losses = time.time(), 0, time.time(), []
@@ -211,7 +299,7 @@ def train(heads, lm_head: torch.Tensor, embedding: torch.Tensor, data: tuple[tor
         cols = torch.randint(t - 1, (hp["positions"],), generator=generator)  # [n]
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=hp["autocast"]):
             logits = head_logits(heads, lm_head, embedding, tokens, states, rows, cols)  # [K, n, V]
-        loss = head_loss(logits, targets(greedy, heads.info.heads, rows, cols))
+        loss = loss_of(logits, greedy, soft, rows, cols)
         optimizer.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(heads.parameters(), 1.0)
@@ -256,7 +344,7 @@ def train_medusa(*, target_dir: str, texts: list[str], out: str, minutes: float,
     training = cached_prepare(writer, encode(tokenizer, texts), hp, seed, log, data)  # (tokens, states, greedy)
     del writer
     held_out = {f"{name}:{kind}": data for name, text in (eval_texts or {}).items()
-                for kind, data in _held_out(target, encode(tokenizer, [text])[0], hp, seed, log).items()}
+                for kind, data in label_held_out(target, encode(tokenizer, [text])[0], hp, seed, log).items()}
     config = target.config
     heads = MedusaHeads(HeadsInfo(hidden_size=config.hidden_size, heads=hp["heads"], layers=hp["layers"], vocab_size=config.vocab_size,
                                   token_input=hp["token_input"] or hp["chained"], chained=hp["chained"], target=Path(target_dir).name))
@@ -265,7 +353,9 @@ def train_medusa(*, target_dir: str, texts: list[str], out: str, minutes: float,
     first = next(iter(eval_texts or {}), None)
     score_on = held_out.get(f"{first}:greedy") or tuple(part[: hp["eval_chunks"]] for part in training)
 
-    def evaluate() -> float:  # the mean top-1 accuracy over heads: what a greedy stack gets
+    def evaluate() -> float:  # the mean top-1 accuracy over heads (what a greedy stack gets), or their top candidates' p_τ
+        if hp["soft_temperature"]:
+            return float(np.mean(first_candidate_mass(heads, lm_head, embedding, score_on, hp["soft_temperature"])))
         return float(np.mean([row[0] for row in rank_accuracy(heads, lm_head, embedding, score_on, 1)]))
 
     began = time.time()
@@ -278,13 +368,15 @@ def train_medusa(*, target_dir: str, texts: list[str], out: str, minutes: float,
     metrics = {**run, "train_minutes": (time.time() - began) / 60, "training_tokens": int(training[2].numel()), "hyperparams": hp, "seed": seed,
                "held_out": {name: {"positions": int(held[2].numel()), "top1": [row[0] for row in accuracy[name]],
                                    "top5": [sum(row[:5]) for row in accuracy[name]], "rank_accuracy": accuracy[name],
-                                   "draft_vocab_coverage": {size: coverage(heads.token_rank, held[2], size) for size in COVERAGE_SIZES}}
+                                   "draft_vocab_coverage": {size: coverage(heads.token_rank, held[2], size) for size in COVERAGE_SIZES},
+                                   **({"first_candidate_mass": first_candidate_mass(heads, lm_head, embedding, held, hp["soft_temperature"])}
+                                      if hp["soft_temperature"] else {})}
                             for name, held in held_out.items()}}
     Path(out).with_suffix(".json").write_text(json.dumps(metrics, indent=2) + "\n")
     return metrics
 
 
-def _held_out(target, tokens: np.ndarray, hp: dict, seed: int, log) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+def label_held_out(target, tokens: np.ndarray, hp: dict, seed: int, log) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """Held-out data, labelled: ``text`` (chunks of the held-out text) and ``greedy`` (the target's greedy
     continuations of prompts from it)."""
     if hp["eval_chunks"] == 0:
