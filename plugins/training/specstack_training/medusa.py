@@ -147,11 +147,17 @@ def cached_prepare(target, token_arrays: list[np.ndarray], hp: dict, seed: int, 
     return tokens, states, greedy
 
 
+def positions_ahead(cols: torch.Tensor, heads: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[n, K] the position whose label head k (1 … K) on column ``col`` learns, col + k (the row's last past its end),
+    and [n, K] whether col + k is inside a row of ``length``."""
+    ahead = cols[:, None] + torch.arange(1, heads + 1)  # [n, K]
+    return ahead.clamp_max(length - 1), ahead < length
+
+
 def targets(greedy: torch.Tensor, heads: int, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
     """[n, K] what head k (1 … K) on the state at (row, col) predicts: a_{col+k}, or -1 past the row's end."""
-    ahead = cols[:, None] + torch.arange(1, heads + 1)  # [n, K]
-    inside = ahead < greedy.shape[1]  # [n, K]
-    return torch.where(inside, greedy[rows[:, None], ahead.clamp_max(greedy.shape[1] - 1)], -1)  # [n, K]
+    ahead, inside = positions_ahead(cols, heads, greedy.shape[1])  # [n, K] each
+    return torch.where(inside, greedy[rows[:, None], ahead], -1)  # [n, K]
 
 
 COVERAGE_SIZES = (4096, 8192, 16384)  # draft vocabularies whose coverage of the held-out greedy tokens is reported
@@ -169,7 +175,7 @@ def head_logits(heads, lm_head: torch.Tensor, embedding: torch.Tensor, tokens: t
     after = None
     if heads.info.token_input:
         steps = heads.info.heads if heads.info.chained else 1
-        ahead = (cols[None] + torch.arange(1, steps + 1)[:, None]).clamp_max(tokens.shape[1] - 1)  # [S, n]
+        ahead = positions_ahead(cols, steps, tokens.shape[1])[0].T  # [S, n]
         after = embedding[tokens[rows[None], ahead]]  # [S, n, H]
         after = after if heads.info.chained else after[0]  # chained: [K, n, H]; else [n, H]
     return heads(states[rows, cols].float(), after) @ lm_head.T  # [K, n, V]
@@ -186,7 +192,7 @@ def teacher_probs(lm_head: torch.Tensor, states: torch.Tensor, rows: torch.Tenso
     """[K, n, V] the target's distribution at ``temperature`` where head k on the state at (row, col) predicts:
     softmax(LM head(h_{col+k}) / T), whose argmax is the label a_{col+k} (past the row's end: the last
     position's, and :func:`targets` marks it -1)."""
-    ahead = (cols[:, None] + torch.arange(1, heads + 1)).clamp_max(states.shape[1] - 1)  # [n, K]
+    ahead, _ = positions_ahead(cols, heads, states.shape[1])  # [n, K]
     return torch.softmax(target_logits(lm_head, states[rows[:, None], ahead].transpose(0, 1)) / temperature, dim=-1)  # [K, n, V]
 
 
@@ -216,7 +222,7 @@ def soft_head_loss(logits: torch.Tensor, labels: tuple[torch.Tensor, torch.Tenso
     """Mean soft cross-entropy of every head's ``logits`` [K, n, V] (head k on the state at (row, col)) to the
     soft label at (row, col + k) (:func:`soft_labels`), over the positions with a label (``inside`` [n, K])."""
     probs, ids = labels  # [N, T, top] each
-    ahead = (cols[:, None] + torch.arange(1, logits.shape[0] + 1)).clamp_max(probs.shape[1] - 1)  # [n, K]
+    ahead, _ = positions_ahead(cols, logits.shape[0], probs.shape[1])  # [n, K]
     q, index = probs[rows[:, None], ahead].transpose(0, 1), ids[rows[:, None], ahead].transpose(0, 1).long()  # [K, n, top] each
     each = -(q * torch.log_softmax(logits.float(), dim=-1).gather(-1, index)).sum(-1)  # [K, n]
     weight = inside.T.float()  # [K, n]
