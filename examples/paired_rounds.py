@@ -120,30 +120,25 @@ def union(level: SpeculativeLevel):
 
 
 @contextlib.contextmanager
-def other_heads(level: SpeculativeLevel, alternative):
-    """Within: level 0 drafts with ``alternative`` (a Medusa drafter) where it had its heads (alone, or a merged
-    draft's part)."""
-    drafter, heads = level.drafter, heads_of(level.drafter)
-    if drafter is heads:
-        level.drafter = alternative
-    else:
-        drafter.parts = tuple(alternative if part is heads else part for part in drafter.parts)
+def drafting_with(level: SpeculativeLevel, drafter):
+    """Within: level 0 is ``drafter``."""
+    kept, level.drafter = level.drafter, drafter
     try:
         yield
     finally:
-        if drafter is heads:
-            level.drafter = drafter
-        else:
-            drafter.parts = tuple(heads if part is alternative else part for part in drafter.parts)
+        level.drafter = kept
 
 
-def heads_drafter(level: SpeculativeLevel, path: str):
-    """The Medusa drafter of ``level`` with the heads in ``path``, reading the hidden states of the level's model and
-    taking top ranks."""
-    alternative = attrs.evolve(heads_of(level.drafter), heads=path, stats=LevelStats(name="medusa"))
-    alternative.attach_hidden_states(level.lm.open_hidden_channel())
-    alternative.attach_sampling(SamplingConfig(), torch.Generator())
-    return alternative
+def with_other_heads(level: SpeculativeLevel, path: str):
+    """Level 0's drafter with the heads in ``path`` in place of its own (alone, or as a merged draft's part), reading
+    the hidden states of the level's model and taking top ranks."""
+    heads = heads_of(level.drafter)
+    other = attrs.evolve(heads, heads=path, stats=LevelStats(name="medusa"))
+    other.attach_hidden_states(level.lm.open_hidden_channel())
+    other.attach_sampling(SamplingConfig(), torch.Generator())
+    if level.drafter is heads:
+        return other
+    return attrs.evolve(level.drafter, parts=[other if part is heads else part for part in level.drafter.parts])
 
 
 def timed_propose(level: SpeculativeLevel, prefix, k: int, variant):
@@ -194,8 +189,8 @@ def run(registry, name: str, prompt, target, sampling, stops, seed: int, max_new
     if compare == "union" and not hasattr(top.drafter, "first_only"):
         raise SystemExit(f"--compare union needs a merged draft at level 0 (medusa-lookup); {name} has {top.drafter.name}")
     if compare == "heads":
-        other = heads_drafter(top, other_heads_path)
-        alternative, verifier = (lambda: other_heads(top, other)), TokenTreeVerifier()
+        other = with_other_heads(top, other_heads_path)
+        alternative, verifier = (lambda: drafting_with(top, other)), TokenTreeVerifier()
     else:
         alternative, verifier = {"drawn": (lambda: drawn(top, sampling, draws), SequoiaVerifier()),
                                  "union": (lambda: union(top), TokenTreeVerifier())}[compare]

@@ -239,6 +239,15 @@ def loss_of(logits: torch.Tensor, greedy: torch.Tensor, soft: tuple[torch.Tensor
     return soft_head_loss(logits, soft, rows, cols, labels >= 0)
 
 
+def every_position(states: torch.Tensor, batch: int):
+    """The (rows [b], cols [b]) of every position of ``states`` [N, T, H], ``batch`` at a time, row by row."""
+    n, t, _ = states.shape
+    rows, cols = torch.meshgrid(torch.arange(n), torch.arange(t), indexing="ij")
+    rows, cols = rows.reshape(-1), cols.reshape(-1)
+    for first in range(0, rows.shape[0], batch):
+        yield rows[first : first + batch], cols[first : first + batch]
+
+
 @torch.inference_mode()
 def rank_accuracy(heads, lm_head: torch.Tensor, embedding: torch.Tensor, data: tuple[torch.Tensor, torch.Tensor, torch.Tensor], top_k: int,
                   batch: int = 512) -> list[list[float]]:
@@ -246,13 +255,9 @@ def rank_accuracy(heads, lm_head: torch.Tensor, embedding: torch.Tensor, data: t
     with a label, the fraction whose head-k rank-r candidate is the target's greedy token a_{t+k} (top-1
     is column 0)."""
     tokens, states, greedy = data
-    n, t, _ = states.shape
-    rows, cols = torch.meshgrid(torch.arange(n), torch.arange(t), indexing="ij")
-    rows, cols = rows.reshape(-1), cols.reshape(-1)
     hits = torch.zeros(heads.info.heads, top_k)  # [K, top_k]
     counted = torch.zeros(heads.info.heads)  # [K]
-    for first in range(0, rows.shape[0], batch):
-        r, c = rows[first : first + batch], cols[first : first + batch]
+    for r, c in every_position(states, batch):
         labels = targets(greedy, heads.info.heads, r, c)  # [b, K]
         ranks = head_logits(heads, lm_head, embedding, tokens, states, r, c).topk(top_k, dim=-1).indices  # [K, b, top_k]
         hit = (ranks == labels.T[:, :, None]) & (labels.T[:, :, None] >= 0)  # [K, b, top_k]
@@ -268,12 +273,8 @@ def first_candidate_mass(heads, lm_head: torch.Tensor, embedding: torch.Tensor, 
     ``temperature``, to head k's top candidate: the chance a token tree accepts it at that T
     (teacher-forced)."""
     tokens, states, greedy = data
-    n, t, _ = states.shape
-    rows, cols = torch.meshgrid(torch.arange(n), torch.arange(t), indexing="ij")
-    rows, cols = rows.reshape(-1), cols.reshape(-1)
     mass, counted = torch.zeros(heads.info.heads), torch.zeros(heads.info.heads)  # [K], [K]
-    for first in range(0, rows.shape[0], batch):
-        r, c = rows[first : first + batch], cols[first : first + batch]
+    for r, c in every_position(states, batch):
         inside = (targets(greedy, heads.info.heads, r, c) >= 0).T.float()  # [K, b]
         top = head_logits(heads, lm_head, embedding, tokens, states, r, c).argmax(-1, keepdim=True)  # [K, b, 1]
         p = teacher_probs(lm_head, states, r, c, heads.info.heads, temperature).gather(-1, top)[..., 0]  # [K, b]
