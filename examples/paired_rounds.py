@@ -1,6 +1,7 @@
 """Two drafts on identical rounds: what drawn Medusa candidates (``-o draft_temperature=T``) buy over top ranks, a
 union of prompt lookup's chain and the heads' tree (``-o first_only=false``) over ``medusa-lookup``'s first proposal,
-or other heads (``--compare heads --other-heads FILE``) over the stack's.
+other heads (``--compare heads --other-heads FILE``) over the stack's, or EAGLE's draft layer (``--compare eagle``)
+over the stack's heads.
 
 Whole runs compare different texts: every seed, and every stack, samples its own, and six seeds a text did not resolve
 the difference (docs/results.md, "Drawn candidates by default?"). Here one stack decodes as usual with the heads'
@@ -35,6 +36,13 @@ the token-tree rule. It takes ``--shape fixed``: a priced tree is sized by the c
 verdicts it observes, the stack's own.
 
     python examples/paired_rounds.py --compare heads --other-heads /tmp/heads.safetensors --shape fixed
+
+With ``--compare eagle`` the alternative is the EAGLE drafter (:mod:`specstack_medusa.eagle_drafter`) with the heads
+drafter's options, its layer the shipped one or ``--other-heads`` (a file from ``specstack train eagle``), reading the
+same hidden states, taking top ranks, judged by the token-tree rule; ``--shape fixed`` too (trees of as many nodes,
+each shaped by its own draft's measured accuracies).
+
+    python examples/paired_rounds.py --compare eagle --shape fixed --temperature 0
 
 ``--heads`` gives every stack other heads of its own (a file or a shipped name), for any alternative:
 
@@ -141,6 +149,19 @@ def with_other_heads(level: SpeculativeLevel, path: str):
     return attrs.evolve(level.drafter, parts=[other if part is heads else part for part in level.drafter.parts])
 
 
+def with_eagle(registry, level: SpeculativeLevel, path: str | None):
+    """Level 0's drafter with an EAGLE drafter (the layer in ``path``, else the shipped one) in place of its heads, with
+    their options, reading the hidden states of the level's model and taking top ranks."""
+    heads = heads_of(level.drafter)
+    eagle = registry.drafter("eagle", vocab=heads.vocab, heads=path or "eagle", tree_size=heads.tree_size, top_k=heads.top_k,
+                             min_prob=heads.min_prob)
+    eagle.attach_hidden_states(level.lm.open_hidden_channel())
+    eagle.attach_sampling(SamplingConfig(), torch.Generator())
+    if level.drafter is heads:
+        return eagle
+    return attrs.evolve(level.drafter, parts=[eagle if part is heads else part for part in level.drafter.parts])
+
+
 def timed_propose(level: SpeculativeLevel, prefix, k: int, variant):
     """Level 0's draft on ``prefix`` within ``variant`` (None: as the stack drafts), and its seconds."""
     with variant or contextlib.nullcontext():
@@ -188,8 +209,8 @@ def run(registry, name: str, prompt, target, sampling, stops, seed: int, max_new
     top, draws, original = stack.top, torch.Generator().manual_seed(1000 + seed), SpeculativeLevel.round
     if compare == "union" and not hasattr(top.drafter, "first_only"):
         raise SystemExit(f"--compare union needs a merged draft at level 0 (medusa-lookup); {name} has {top.drafter.name}")
-    if compare == "heads":
-        other = with_other_heads(top, other_heads_path)
+    if compare in ("heads", "eagle"):
+        other = with_other_heads(top, other_heads_path) if compare == "heads" else with_eagle(registry, top, other_heads_path)
         alternative, verifier = (lambda: drafting_with(top, other)), TokenTreeVerifier()
     else:
         alternative, verifier = {"drawn": (lambda: drawn(top, sampling, draws), SequoiaVerifier()),
@@ -220,14 +241,17 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--shape", choices=["priced", "fixed"], default="priced",
                         help="priced: gamma=auto, as the bench runs them; fixed: every node of the rank tree, in both")
-    parser.add_argument("--compare", choices=["drawn", "union", "heads"], default="drawn",
+    parser.add_argument("--compare", choices=["drawn", "union", "heads", "eagle"], default="drawn",
                         help="the alternative: the heads' candidates drawn at T, the union of lookup's chain and the heads' tree, "
-                             "or the heads of --other-heads")
-    parser.add_argument("--other-heads", help="with --compare heads: a heads file (.safetensors) from `specstack train medusa`")
+                             "the heads of --other-heads, or EAGLE's draft layer")
+    parser.add_argument("--other-heads", help="with --compare heads: a heads file (.safetensors) from `specstack train medusa`; "
+                                              "with --compare eagle: a layer file from `specstack train eagle` (default: the shipped layer)")
     parser.add_argument("--heads", help="the stacks' own heads (a file or a shipped name); default: each stack's")
     args = parser.parse_args()
-    if (args.compare == "heads") != bool(args.other_heads) or (args.compare == "heads" and args.shape != "fixed"):
-        parser.error("--compare heads takes --other-heads FILE and --shape fixed; --other-heads goes with --compare heads only")
+    if (args.compare == "heads" and not args.other_heads) or (args.other_heads and args.compare not in ("heads", "eagle")) \
+            or (args.compare in ("heads", "eagle") and args.shape != "fixed"):
+        parser.error("--compare heads takes --other-heads FILE and --shape fixed, --compare eagle --shape fixed; "
+                     "--other-heads goes with those only")
     torch.set_num_threads(args.threads)
     target, _, tokenizer = load_default(dtype=torch.bfloat16)
     registry, stops = Registry.create(), [tokenizer.eos_token_id]

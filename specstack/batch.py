@@ -41,7 +41,8 @@ class TokenBatch:
     record_attention: bool = False
     attend: Select | None = None
     keep_hidden: bool = False  # asked of a model with Capability.HIDDEN_STATES
-    hidden: torch.Tensor | None = None  # [num_logits, H]: left here by the model when keep_hidden is set
+    hidden_rows: int = 0  # with keep_hidden: leave the states of the last max(num_logits, hidden_rows) tokens
+    hidden: torch.Tensor | None = None  # [max(num_logits, hidden_rows), H]: left here by the model when keep_hidden is set
     _masks: dict = attrs.field(init=False, factory=dict)
 
     @classmethod

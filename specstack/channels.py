@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING, Protocol, Sequence, runtime_checkable
 import attrs
 import torch
 
+from .errors import SpecstackError
+
 if TYPE_CHECKING:
     from .model import CachedModel, KVCache
     from .policies import GatheringPolicy
@@ -179,9 +181,10 @@ class HiddenLog:
     positions of one level, in a ring of ``room`` positions: O(1) memory in the context.
 
     A forward that writes positions from ``start`` on makes every state at ``start`` or later stale
-    (``forget_from``), then ``record``s the states of the rows it scored."""
+    (``forget_from``), then ``record``s the states of the rows it scored, and of its last ``recent`` rows."""
 
     room: int = HIDDEN_ROOM
+    recent: int = 0  # the level logs the states of the last `recent` rows of every forward, beyond the rows it scores
     _positions: torch.Tensor = attrs.field(init=False)  # [room] int64 on the host: the position held in each slot, -1: none
     _states: torch.Tensor | None = attrs.field(init=False, default=None)  # [room, H]
 
@@ -205,6 +208,18 @@ class HiddenLog:
         """[H] the state of ``position``, or None if it is not held."""
         slot = position % self.room
         return self._states[slot].clone() if position >= 0 and int(self._positions[slot]) == position else None  # [H], not a view of the ring
+
+    def run(self, start: int, stop: int) -> tuple[int, torch.Tensor | None]:
+        """(first, states [stop - first, H]) of the longest run of held positions that ends at ``stop`` - 1 and
+        starts at ``start`` or later; (stop, None) when ``stop`` - 1 is not held."""
+        start = max(start, stop - self.room, 0)
+        positions = torch.arange(start, stop)  # [n]
+        held = (self._positions[positions % self.room] == positions).flip(0)  # [n], from stop - 1 back
+        missing = torch.nonzero(~held)
+        first = stop - (int(missing[0]) if missing.numel() else positions.shape[0])
+        if first == stop or self._states is None:
+            return stop, None
+        return first, self._states[(torch.arange(first, stop) % self.room).to(self._states.device)]  # [stop - first, H]
 
 
 @attrs.define(eq=False)
@@ -235,6 +250,21 @@ class HiddenStateChannel:
             if state is not None:
                 return q, state
         return None
+
+    def keep_recent(self, rows: int) -> None:
+        """Ask the level to log the states of the last ``rows`` rows of each of its forwards, a prompt's prefill
+        included, not only of the rows it scores (a drafter that reads the states of every committed position)."""
+        if not 0 <= rows <= self.log.room:
+            raise SpecstackError(f"a hidden-state channel keeps the states of at most {self.log.room} recent rows; {rows} asked")
+        self.log.recent = max(self.log.recent, rows)
+
+    def run(self, prefix: Sequence[int], start: int, stop: int) -> tuple[int, torch.Tensor | None]:
+        """(first, states [stop - first, H]): the states of positions ``first`` … ``stop`` - 1 of ``prefix``, the
+        longest run ending at ``stop`` - 1 that the level holds from ``start`` on (an EAGLE draft reads every
+        committed position's state); (stop, None) when it does not hold ``stop`` - 1."""
+        if self._source.fed_prefix(prefix) < stop:
+            return stop, None
+        return self.log.run(start, stop)
 
     def output_logits(self, states: torch.Tensor) -> torch.Tensor:
         """[n, H] hidden states -> [n, V] float32 logits through the level's own output head."""

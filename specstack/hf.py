@@ -361,8 +361,8 @@ class HFCausalLM:
             logits = self.graphs.forward(batch, cache, rope)  # [num_logits, V]
         else:
             tokens, rope = batch.tokens[None].to(self.device), rope[None].to(self.device)  # [1, T] each
-            logits, hidden = self._run(tokens, rope, StoreCache(cache), batch.num_logits, specstack_batch=batch, specstack_store=cache,
-                                      specstack_attention_kernel=self.attention_kernel)
+            logits, hidden = self._run(tokens, rope, StoreCache(cache), batch.num_logits, batch.hidden_rows, specstack_batch=batch,
+                                      specstack_store=cache, specstack_attention_kernel=self.attention_kernel)
             batch.hidden = hidden if batch.keep_hidden else None
         cache.commit()
         return logits
@@ -371,17 +371,19 @@ class HFCausalLM:
         """The forward a CUDA graph captures: static device inputs, the store seen through ``view``."""
         return self._run(tokens, rope, StoreCache(store, view), num_logits, specstack_view=view, specstack_store=store)[0]
 
-    def _run(self, tokens: torch.Tensor, rope: torch.Tensor, cache: StoreCache, num_logits: int, **attention) -> tuple[torch.Tensor, torch.Tensor]:
-        """The module over tokens and rotary positions [1, T] -> the logits [num_logits, V] and last hidden
-        states [num_logits, H] of the last ``num_logits`` tokens, as the model's own forward computes them
-        (its decoder, then its LM head over those rows only): on the CPU through the lean decoder where
-        there is one, else through the module."""
+    def _run(self, tokens: torch.Tensor, rope: torch.Tensor, cache: StoreCache, num_logits: int, hidden_rows: int = 0,
+             **attention) -> tuple[torch.Tensor, torch.Tensor]:
+        """The module over tokens and rotary positions [1, T] -> the logits [num_logits, V] of the last
+        ``num_logits`` tokens and the last hidden states [n, H] of the last n = max(num_logits, ``hidden_rows``), as
+        the model's own forward computes them (its decoder, then its LM head over the logits' rows only): on the CPU
+        through the lean decoder where there is one, else through the module."""
         if self.decoder is not None and self.decoder.applies(tokens):
             states = self.decoder.run(tokens, rope, cache, grouped_attention, **attention)  # [1, T, H]
         else:
             states = self.module.model(input_ids=tokens, position_ids=rope, past_key_values=cache, use_cache=True, **attention).last_hidden_state  # [1, T, H]
-        hidden = states[0, states.shape[1] - num_logits :]  # [num_logits, H]
-        return self._logits(hidden), hidden  # [num_logits, V], [num_logits, H]
+        rows = min(max(num_logits, hidden_rows), states.shape[1])
+        hidden = states[0, states.shape[1] - rows :]  # [n, H]
+        return self._logits(hidden[rows - num_logits :]), hidden  # [num_logits, V], [n, H]
 
     @torch.inference_mode()
     def _rerotate(self, keys: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:

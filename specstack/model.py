@@ -275,6 +275,7 @@ class CachedModel:
         batch.record_attention = Capability.ATTENTION_WEIGHTS in self.policy.requires
         batch.attend = self.policy.attend if Capability.SPARSE_ATTENTION in self.policy.requires else None
         batch.keep_hidden = self._hidden is not None
+        batch.hidden_rows = self._hidden.recent if self._hidden is not None else 0
         began = time.perf_counter()
         out = self.model.forward(batch, self.cache)  # [num_logits, V]
         self._log_hidden(batch)
@@ -295,8 +296,8 @@ class CachedModel:
         self._hidden.forget_from(int(batch.positions[0]))
         if not batch.is_chain:
             self._tree_hidden = batch.hidden  # [k+1, H]
-        elif batch.num_logits:
-            self._hidden.record(batch.positions[len(batch) - batch.num_logits :], batch.hidden)  # [num_logits], [num_logits, H]
+        elif len(batch.hidden):
+            self._hidden.record(batch.positions[len(batch) - len(batch.hidden) :], batch.hidden)  # [n], [n, H]: the last n rows
 
     def _check_window(self, batch: TokenBatch) -> None:
         """A level whose rotary positions are sequence positions must stay inside its model's window

@@ -128,7 +128,8 @@ class SyntheticLM:
         contexts = [ids[seen[i]].tolist() for i in range(t - batch.num_logits, t)]
         logits = torch.stack([self.logits_for(c) for c in contexts]) if contexts else torch.empty(0, self.vocab_size, device="cpu")  # [num_logits, V]
         if batch.keep_hidden:
-            batch.hidden = torch.stack([self.hidden_for(c) for c in contexts]) if contexts else torch.empty(0, self.hidden_size, device="cpu")  # [num_logits, H]
+            stated = [ids[seen[i]].tolist() for i in range(t - min(t, max(batch.num_logits, batch.hidden_rows)), t)]  # the rows whose states are kept
+            batch.hidden = torch.stack([self.hidden_for(c) for c in stated]) if stated else torch.empty(0, self.hidden_size, device="cpu")  # [n, H]
         return logits.to(self.device)
 
     def _visible(self, queries: torch.Tensor, keys: torch.Tensor, batch: TokenBatch, cache: KVStore) -> torch.Tensor:

@@ -21,7 +21,13 @@ def error_line(capsys) -> str:
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["train"], "specstack train: error: name what to train; allowed: draft, medusa"),
+    (["train"], "specstack train: error: name what to train; allowed: draft, medusa, eagle"),
+    (["train", "eagle", "--text", "emma", "--out", "l.safetensors", "--set", "window=250"],
+     "specstack train: error: hyperparameter window=250 is not allowed with steps=5; use at most 188 (a held-out continuation's positions less the steps)"),
+    (["train", "eagle", "--text", "emma", "--out", "l.safetensors", "--set", "heads=3"],
+     "specstack train: error: hyperparameter 'heads' is not allowed; use seq_len, chunks, generations, prompt_len, gen_temperature, teacher_bf16, "
+     "gen_batch, label_batch, eval_chunks, eval_every, top_k, threads, lr, warmup, weight_decay, autocast, steps, window, windows, "
+     "intermediate_size, attention_heads, feature_weight, draft_vocab"),
     (["train", "medusa", "--text", "emma", "--out", "heads.bin"],
      "specstack train: error: --out 'heads.bin' is not allowed; name a .safetensors file"),
     (["train", "medusa", "--text", "emma", "--out", "h.safetensors", "--set", "heads=0"],
@@ -281,6 +287,57 @@ def test_a_smoke_medusa_training_gives_heads_that_a_lossless_stack_runs(tmp_path
     reference = registry.stack("autoregressive", target=target).generate(prompt, 12)
     assert registry.stack("medusa", target=target, heads=str(out)).generate(prompt, 12).tokens == reference.tokens
     assert registry.stack("medusa-chain", target=target, heads=str(chained)).generate(prompt, 12).tokens == reference.tokens
+
+
+def test_a_smoke_eagle_training_gives_a_layer_that_a_lossless_stack_runs(tmp_path, capsys, threads) -> None:
+    from specstack import Registry
+    from specstack.data import book_tokens
+    from specstack.models import load_default
+    from specstack_medusa.eagle import load_layer
+
+    out = tmp_path / "layer.safetensors"
+    argv = ["train", "eagle", "--text", "emma", "--eval-text", "persuasion", "--out", str(out), "--minutes", "0.05",
+            "--set", "seq_len=48", "--set", "prompt_len=16", "--set", "chunks=4", "--set", "generations=2", "--set", "gen_batch=2",
+            "--set", "eval_chunks=2", "--set", "window=16", "--set", "steps=2", "--set", "windows=2", "--set", "intermediate_size=64",
+            "--set", "draft_vocab=512", "--set", f"threads={threads}"]
+    assert main(argv) == 0
+    metrics = json.loads(out.with_suffix(".json").read_text())
+    assert metrics["steps"] >= 1 and set(metrics["held_out"]) == {"persuasion:text", "persuasion:greedy"}
+    assert all(0.0 <= a <= 1.0 for a in metrics["held_out"]["persuasion:greedy"]["top1"])
+    layer = load_layer(out)
+    assert layer.info.heads == 2 and layer.info.window == 16 and layer.info.draft_vocab == 512 and len(layer.info.accuracy[0]) == 8
+    target, _, tokenizer = load_default(with_draft=False)
+    prompt = book_tokens(tokenizer, 300, name="kjv")
+    registry = Registry.create()
+    reference = registry.stack("autoregressive", target=target).generate(prompt, 12)
+    assert registry.stack("eagle-lookup", target=target, heads=str(out)).generate(prompt, 12).tokens == reference.tokens
+
+
+def test_the_eagle_trainers_unrolled_passes_are_the_drafters_rows() -> None:
+    """Training unrolls the layer over its passes on whole windows at once; drafting adds one row at a time. Pass
+    p at base i must be what drafting computes p tokens after the true feature at i: the row of i over the true
+    rows up to it, then each drafted row over those and the drafted rows before it (a pass that sees a later base's
+    rows, or misses its own, fails)."""
+    import torch
+
+    from specstack_medusa.eagle import EagleInfo, EagleLayer, attend
+    from specstack_training.eagle import unrolled
+
+    torch.manual_seed(0)
+    layer = EagleLayer.random(EagleInfo(hidden_size=8, attention_heads=2, intermediate_size=16, heads=3, window=16, vocab_size=50), scale=0.6)
+    embedding, width, steps = torch.randn(50, 8), 12, 3
+    tokens, features = torch.randint(50, (2, width + steps)), torch.randn(2, width, 8)
+    with torch.no_grad():
+        passes = unrolled(layer, embedding, tokens, features, steps)  # steps x [2, W, H]
+        for b, i in [(0, 0), (1, 5), (1, width - 1)]:
+            u, q, keys, values = layer.rows(features[b, : i + 1], embedding[tokens[b, 1 : i + 2]], torch.arange(i + 1))
+            state = layer.finish(u, attend(q, keys, values, torch.ones(i + 1, i + 1, dtype=torch.bool).tril()))[i]
+            assert torch.allclose(state, passes[0][b, i], atol=1e-5)
+            for p in range(2, steps + 1):
+                u, q, k, v = layer.rows(state[None], embedding[tokens[b, i + p]][None], torch.tensor([i + p - 1]))
+                keys, values = torch.cat([keys, k]), torch.cat([values, v])
+                state = layer.finish(u, attend(q, keys, values, torch.ones(1, keys.shape[0], dtype=torch.bool)))[0]
+                assert torch.allclose(state, passes[p - 1][b, i], atol=1e-5), (b, i, p)
 
 
 @pytest.mark.real_model

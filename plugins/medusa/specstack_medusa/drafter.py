@@ -127,7 +127,7 @@ class MedusaDrafter(Drafter):
     _tau: float = attrs.field(init=False, default=0.0)  # the temperature candidates are drawn at (0: top ranks), from draft_temperature and the stack's sampling
 
     def __attrs_post_init__(self) -> None:
-        self._model = self.heads if isinstance(self.heads, MedusaHeads) else load_heads(self.heads or shipped_heads())
+        self._model = self._load()
         if self.info.vocab_size != self.vocab:
             raise SpecstackError(f"medusa heads were trained for a vocabulary of {self.info.vocab_size} tokens but the target has {self.vocab}; "
                                  f"train heads for this target with `specstack train medusa`")
@@ -137,6 +137,10 @@ class MedusaDrafter(Drafter):
             raise SpecstackError(f"medusa draft_vocab={self.draft_vocab} needs heads that carry the target's token ranking; "
                                  f"these do not: retrain them with `specstack train medusa`, or use draft_vocab=0")
         self._tau = 0.0 if self.draft_temperature == FOLLOW else float(self.draft_temperature)
+
+    def _load(self) -> MedusaHeads:
+        """The draft model ``heads`` names."""
+        return self.heads if isinstance(self.heads, MedusaHeads) else load_heads(self.heads or shipped_heads())
 
     @classmethod
     def conformance_instance(cls, vocab: int) -> "MedusaDrafter":
@@ -241,7 +245,7 @@ class MedusaDrafter(Drafter):
         if self._generator is None:
             raise SpecstackError("medusa candidates drawn at a temperature take the stack's generator; use the drafter at level 0 of a stack")
         device, chained = state.device, self.info.chained
-        frontier = self._step(state[None], torch.tensor([after], device=device)) if chained and first == 1 else state[None]  # [1, H]
+        frontier = self._begin(state, after, first) if chained else state[None]  # [1, H]
         if not chained:  # parallel heads: every depth's distribution at once, one pass of the output head
             heads = torch.cat([state[None], self._head_states(state, after)])[first : first + tree.depths]  # [d, H]
             dists = torch.softmax(self._output(heads) / self._tau, dim=-1)  # [d, R]
@@ -261,7 +265,7 @@ class MedusaDrafter(Drafter):
             rows.append(dist[row_of])  # [n, R]: each node's parent's distribution, siblings alike
             kept += take
             if chained and depth + 1 < tree.depths:
-                frontier = self._step(frontier[row_of], self._ids(pick))  # [n, H]: the states the drawn tokens lead to
+                frontier = self._advance(frontier, row_of, self._ids(pick))  # [n, H]: the states the drawn tokens lead to
             above = take
         if self._verify_seconds:
             self._calibration.show(path, tree.depth, kept)
@@ -320,7 +324,7 @@ class MedusaDrafter(Drafter):
         while a node of the last depth grown is worth verifying (a deeper node's path probability is at most its
         parent's). -> as :meth:`_parallel_nodes`, for the nodes grown."""
         device = state.device
-        frontier = state[None] if first == 0 else self._step(state[None], torch.tensor([after], device=device))  # [1, H]: depth 0's parent
+        frontier = self._begin(state, after, first)  # [1, H]: depth 0's parent
         picks, rows, node_probs = [], [], []
         for d in range(tree.depths):
             top, dist = self._candidates(frontier)  # [f, top_k], [f, R]
@@ -331,7 +335,7 @@ class MedusaDrafter(Drafter):
             node_probs += rows[-1].gather(1, pick[:, None])[:, 0].tolist()
             if d + 1 == tree.depths or not self._grows(node_probs, tree, d):
                 break
-            frontier = self._step(frontier[slot], self._ids(pick))  # [m, H]: the states this depth's tokens lead to
+            frontier = self._advance(frontier, slot, self._ids(pick))  # [m, H]: the states this depth's tokens lead to
         return torch.cat(picks), torch.cat(rows), node_probs  # [k'], [k', R]
 
     def _grows(self, node_probs: list[float], tree: RankTree, depth: int) -> bool:
@@ -353,6 +357,18 @@ class MedusaDrafter(Drafter):
     def _spread(self, rows: torch.Tensor) -> torch.Tensor:
         """[m, R] distributions over the draft vocabulary -> [m, V] over the whole vocabulary (zero outside it)."""
         return rows if self._rows is None else rows.new_zeros(rows.shape[0], self.vocab).index_copy_(1, self._rows, rows)
+
+    def _begin(self, state: torch.Tensor, after: int | None, first: int) -> torch.Tensor:
+        """Chained heads: the parent [1, H] of the tree's depth 0, from the level's state [H] at q: that state when
+        the LM head drafts depth 0 (``first`` 0), else the state x_{q+1} (``after``) leads to."""
+        if first == 0:
+            return state[None]
+        return self._step(state[None], torch.tensor([after], device=state.device))  # [1, H]
+
+    def _advance(self, frontier: torch.Tensor, slot: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """Chained heads: the states [m, H] that ``tokens`` [m] lead to, each after its parent's row ``slot`` [m]
+        of the last depth's states ``frontier`` [f, H]."""
+        return self._step(frontier[slot], tokens)  # [m, H]
 
     def _step(self, states: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         """Chained heads' one step: [m, H] states and [m] the tokens after them -> [m, H] the next states."""

@@ -1,7 +1,8 @@
 """``specstack train KIND``: train a component for a target, one subcommand per kind.
 
 ``specstack train draft`` distils a small draft model (:mod:`specstack_training.distill`);
-``specstack train medusa`` trains Medusa heads (:mod:`specstack_training.medusa`). Every bad value
+``specstack train medusa`` trains Medusa heads (:mod:`specstack_training.medusa`); ``specstack train eagle``
+trains EAGLE's draft layer (:mod:`specstack_training.eagle`). Every bad value
 is one ``SpecstackError`` line (exit code 2), found before any weights are read.
 """
 
@@ -16,6 +17,7 @@ from typing import Callable
 from specstack import SpecstackError
 
 from .distill import DEFAULTS
+from .eagle import DEFAULTS as EAGLE_DEFAULTS
 from .medusa import DEFAULTS as MEDUSA_DEFAULTS
 
 
@@ -84,23 +86,38 @@ def _train_draft(args: argparse.Namespace) -> int:
     return _print_metrics(metrics)
 
 
-def _add_medusa_arguments(parser: argparse.ArgumentParser) -> None:
-    _add_common_arguments(parser, "output heads file (.safetensors); the metrics go beside it as .json", MEDUSA_DEFAULTS)
+def _add_medusa_arguments(parser: argparse.ArgumentParser, keys: dict = MEDUSA_DEFAULTS) -> None:
+    _add_common_arguments(parser, "output file (.safetensors); the metrics go beside it as .json", keys)
     parser.add_argument("--eval-text", action="append", default=[],
-                        help="held-out text file or shipped book (repeatable): per-head top-k accuracy; the first picks the best heads and shapes the tree")
+                        help="held-out text file or shipped book (repeatable): per-step top-k accuracy; the first picks the best weights and shapes the tree")
     parser.add_argument("--data", default=None, metavar="PATH",
                         help="keep the labelled training data in PATH: a later run with the same texts, seed and data settings reads it instead of running the target")
+
+
+def _add_eagle_arguments(parser: argparse.ArgumentParser) -> None:
+    _add_medusa_arguments(parser, EAGLE_DEFAULTS)
 
 
 def _train_medusa(args: argparse.Namespace) -> int:
     from .medusa import check_hyperparameters, train_medusa
 
+    return _train_on_states(args, check_hyperparameters, train_medusa)
+
+
+def _train_eagle(args: argparse.Namespace) -> int:
+    from .eagle import check_hyperparameters, train_eagle
+
+    return _train_on_states(args, check_hyperparameters, train_eagle)
+
+
+def _train_on_states(args: argparse.Namespace, check_hyperparameters: Callable[[dict], None], trainer: Callable[..., dict]) -> int:
+    """Train a draft that reads the target's hidden states (Medusa heads, an EAGLE layer) into one .safetensors file."""
     if not args.out.endswith(".safetensors"):
         raise SpecstackError(f"--out {args.out!r} is not allowed; name a .safetensors file")
     hyperparams, texts = _inputs(args, check_hyperparameters)
     eval_texts = {Path(path).stem: read_text(path) for path in args.eval_text}
-    metrics = train_medusa(target_dir=_target_dir(args.target), texts=texts, out=args.out, minutes=args.minutes, seed=args.seed,
-                           eval_texts=eval_texts, log=_log, data=args.data, **hyperparams)
+    metrics = trainer(target_dir=_target_dir(args.target), texts=texts, out=args.out, minutes=args.minutes, seed=args.seed,
+                      eval_texts=eval_texts, log=_log, data=args.data, **hyperparams)
     return _print_metrics(metrics)
 
 
@@ -139,4 +156,5 @@ def read_text(path: str) -> str:
 TRAINERS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]] = {
     "draft": ("distil a small draft model from the target on text (knowledge distillation)", _add_draft_arguments, _train_draft),
     "medusa": ("train Medusa heads on the target's hidden states (self-distillation, frozen target)", _add_medusa_arguments, _train_medusa),
+    "eagle": ("train EAGLE's draft layer on the target's hidden states (frozen target)", _add_eagle_arguments, _train_eagle),
 }

@@ -50,7 +50,7 @@ import torch.nn.functional as F
 from specstack import SpecstackError
 from specstack.draft_vocabulary import coverage, token_rank  # the ranking a draft_vocab takes, as the core reads it
 
-from .shared import check_counts_at_least_one, check_names, continuations, encode, lr_factor, self_distillation, text_chunks
+from .shared import check_counts_at_least_one, check_names, continuations, encode, fit, self_distillation, text_chunks
 
 DEFAULTS = dict(
     heads=4,  # K: head k predicts the token k + 1 positions ahead of the state it reads
@@ -287,8 +287,6 @@ def train(heads, lm_head: torch.Tensor, embedding: torch.Tensor, data: tuple[tor
           evaluate, log, seed: int) -> dict:
     """Train ``heads`` on ``data`` (tokens, states, greedy tokens) for ``seconds`` of wall-clock time; keep
     the state with the best ``evaluate()`` score."""
-    optimizer = torch.optim.AdamW(heads.parameters(), lr=hp["lr"], weight_decay=hp["weight_decay"])
-    generator = torch.Generator().manual_seed(seed)
     tokens, states, greedy = data
     n, t, _ = states.shape
     soft = None
@@ -296,35 +294,15 @@ def train(heads, lm_head: torch.Tensor, embedding: torch.Tensor, data: tuple[tor
         began = time.time()
         soft = soft_labels(lm_head, states, hp["soft_temperature"], hp["soft_top"])  # [N, T, top] probabilities and ids
         log(f"soft labels (the target's top {hp['soft_top']} at T = {hp['soft_temperature']}) in {time.time() - began:.0f} s")
-    best = {"score": evaluate(), "state": {k: v.clone() for k, v in heads.state_dict().items()}, "step": 0}
-    log(f"step 0: held-out score {best['score']:.4f}")
-    began, steps, last_eval, losses = time.time(), 0, time.time(), []
-    while (elapsed := time.time() - began) < seconds:
-        for group in optimizer.param_groups:
-            group["lr"] = hp["lr"] * lr_factor(elapsed / seconds, hp["warmup"])
+
+    def loss(generator: torch.Generator) -> torch.Tensor:
         rows = torch.randint(n, (hp["positions"],), generator=generator)  # [n]
         cols = torch.randint(t - 1, (hp["positions"],), generator=generator)  # [n]
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=hp["autocast"]):
             logits = head_logits(heads, lm_head, embedding, tokens, states, rows, cols)  # [K, n, V]
-        loss = loss_of(logits, greedy, soft, rows, cols)
-        optimizer.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(heads.parameters(), 1.0)
-        optimizer.step()
-        steps += 1
-        losses.append(float(loss.detach()))
-        if time.time() - last_eval > 60 * hp["eval_every"]:
-            score = evaluate()
-            log(f"step {steps} ({(time.time() - began) / 60:.1f} min): loss {np.mean(losses[-50:]):.3f}, held-out score {score:.4f}")
-            if score > best["score"]:
-                best = {"score": score, "state": {k: v.clone() for k, v in heads.state_dict().items()}, "step": steps}
-            last_eval = time.time()
-    score = evaluate()
-    log(f"step {steps} (end): loss {np.mean(losses[-50:]) if losses else float('nan'):.3f}, held-out score {score:.4f}")
-    if score >= best["score"]:
-        best = {"score": score, "state": heads.state_dict(), "step": steps}
-    heads.load_state_dict(best["state"])
-    return {"steps": steps, "best_step": best["step"], "best_score": best["score"], "final_loss": float(np.mean(losses[-50:])) if losses else None}
+        return loss_of(logits, greedy, soft, rows, cols)
+
+    return fit(heads, hp, seconds, evaluate, log, seed, loss)
 
 
 def train_medusa(*, target_dir: str, texts: list[str], out: str, minutes: float, seed: int = 0, eval_texts: dict[str, str] | None = None,

@@ -55,6 +55,41 @@ def lr_factor(frac: float, warmup: float) -> float:
     return 0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * p))
 
 
+def fit(model: torch.nn.Module, hp: dict, seconds: float, evaluate, log, seed: int, loss) -> dict:
+    """Train ``model`` for ``seconds`` of wall-clock time, one optimiser step on each ``loss(generator)`` (a batch
+    drawn with the seeded ``generator``): AdamW at ``lr`` (warm-up then cosine decay), gradients clipped at 1.
+    ``evaluate()`` scores it at the start, every ``eval_every`` minutes and at the end; the best state is kept."""
+    import time
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=hp["lr"], weight_decay=hp["weight_decay"])
+    generator = torch.Generator().manual_seed(seed)
+    best = {"score": evaluate(), "state": {k: v.clone() for k, v in model.state_dict().items()}, "step": 0}
+    log(f"step 0: held-out score {best['score']:.4f}")
+    began, steps, last_eval, losses = time.time(), 0, time.time(), []
+    while (elapsed := time.time() - began) < seconds:
+        for group in optimizer.param_groups:
+            group["lr"] = hp["lr"] * lr_factor(elapsed / seconds, hp["warmup"])
+        value = loss(generator)
+        optimizer.zero_grad()
+        value.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        steps += 1
+        losses.append(float(value.detach()))
+        if time.time() - last_eval > 60 * hp["eval_every"]:
+            score = evaluate()
+            log(f"step {steps} ({(time.time() - began) / 60:.1f} min): loss {np.mean(losses[-50:]):.3f}, held-out score {score:.4f}")
+            if score > best["score"]:
+                best = {"score": score, "state": {k: v.clone() for k, v in model.state_dict().items()}, "step": steps}
+            last_eval = time.time()
+    score = evaluate()
+    log(f"step {steps} (end): loss {np.mean(losses[-50:]) if losses else float('nan'):.3f}, held-out score {score:.4f}")
+    if score >= best["score"]:
+        best = {"score": score, "state": model.state_dict(), "step": steps}
+    model.load_state_dict(best["state"])
+    return {"steps": steps, "best_step": best["step"], "best_score": best["score"], "final_loss": float(np.mean(losses[-50:])) if losses else None}
+
+
 def check_counts_at_least_one(hyperparams: dict, keys: tuple[str, ...]) -> None:
     """Each of ``keys`` that is given must be a whole number >= 1 (threads, batches, widths): one error line
     naming the first that is not."""
