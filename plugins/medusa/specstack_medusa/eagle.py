@@ -31,7 +31,7 @@ import torch
 
 from specstack import SpecstackError
 
-from .heads import TOKEN_RANK
+from .heads import randomized, read_weights, write_weights
 
 ASSETS = Path(__file__).parent / "assets"
 SHIPPED = {"eagle": ASSETS / "smollm2-eagle" / "layer.safetensors"}  # the layer shipped for the embedded default, by name
@@ -119,12 +119,7 @@ class EagleLayer(torch.nn.Module):
     @classmethod
     def random(cls, info: EagleInfo, scale: float = 0.1, seed: int = 0) -> "EagleLayer":
         """A layer with random weights (tests, the conformance suite): it drafts badly, never wrongly."""
-        layer = cls(info)
-        generator = torch.Generator(device="cpu").manual_seed(seed)
-        with torch.no_grad():
-            for parameter in layer.parameters():
-                parameter.copy_(scale * torch.randn(parameter.shape, generator=generator, device="cpu"))
-        return layer
+        return randomized(cls(info), scale, seed)
 
     def rows(self, features: torch.Tensor, embedded: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """[..., n, H] features f_t and [..., n, H] embeddings of x_{t+1} at ``positions`` [..., n] -> the rows
@@ -215,40 +210,17 @@ class FeatureCache:
 def save_layer(path: str | Path, layer: EagleLayer) -> None:
     """Write ``layer`` to ``path``, its weights rounded to bf16: half the bytes, and on the CPU the drafter reads its
     weights as bf16 numbers anyway (:func:`~specstack_medusa.heads.stream_on_cpu`)."""
-    from safetensors.torch import save_file
-
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    tensors = {name: t.detach().to(torch.bfloat16).contiguous().cpu() for name, t in layer.state_dict().items()}
-    if layer.token_rank is not None:
-        tensors[TOKEN_RANK] = layer.token_rank.to(torch.int32).cpu()
-    save_file(tensors, str(path), metadata={META: layer.info.to_json()})
+    write_weights(path, layer, META, layer.info.to_json(), torch.bfloat16)
 
 
 def load_layer(path: str | Path, dtype: torch.dtype = torch.float32) -> EagleLayer:
     """The layer in ``path``, a file or the name of a shipped layer (``SHIPPED``); one error line if it is not
     an EAGLE layer file."""
-    from safetensors import safe_open
-
     path = SHIPPED.get(str(path), Path(path))
     if not path.is_file():
         raise SpecstackError(f"eagle layer file {str(path)!r} does not exist; name a shipped layer ({', '.join(SHIPPED)}) "
                              f"or train a file with `specstack train eagle`")
-    try:
-        with safe_open(str(path), framework="pt") as file:
-            meta = (file.metadata() or {}).get(META)
-            tensors = {name: file.get_tensor(name) for name in file.keys()}
-        if meta is None:
-            raise ValueError(f"no {META} metadata")
-        layer = EagleLayer(EagleInfo.from_json(meta))
-        rank = tensors.pop(TOKEN_RANK, None)
-        layer.load_state_dict(tensors)
-    except SpecstackError:
-        raise
-    except Exception as error:  # a corrupt or foreign file: one line, not a traceback
-        raise SpecstackError(f"{str(path)!r} is not an eagle layer file: {str(error).splitlines()[0][:200]}") from None
-    layer = layer.to(dtype).eval()
-    layer.token_rank = None if rank is None else rank.long()  # [V]
-    return layer
+    return read_weights(path, META, "an eagle layer", lambda meta: EagleLayer(EagleInfo.from_json(meta))).to(dtype).eval()
 
 
 def synthetic_layer(vocab: int) -> EagleLayer:

@@ -34,6 +34,7 @@ from specstack import SpecstackError
 from specstack.packed_linear import pack_linears, read_bf16_numbers
 
 ASSETS = Path(__file__).parent / "assets"
+META = "specstack_medusa"  # the metadata key a heads file's HeadsInfo is stored under
 TOKEN_RANK = "token_rank"  # the file's tensor of token ids by how often the target emitted them in the training data
 SHIPPED = {"parallel": ASSETS / "smollm2-medusa" / "heads.safetensors",  # the heads shipped for the embedded default, by name
            "chained": ASSETS / "smollm2-medusa-chain" / "heads.safetensors"}
@@ -106,12 +107,7 @@ class MedusaHeads(torch.nn.Module):
     @classmethod
     def random(cls, info: HeadsInfo, scale: float = 0.3, seed: int = 0) -> "MedusaHeads":
         """Heads with random weights (tests, the conformance suite): they draft badly, never wrongly."""
-        heads = cls(info)
-        generator = torch.Generator(device="cpu").manual_seed(seed)
-        with torch.no_grad():
-            for parameter in heads.parameters():
-                parameter.copy_(scale * torch.randn(parameter.shape, generator=generator, device="cpu"))
-        return heads
+        return randomized(cls(info), scale, seed)
 
     def forward(self, states: torch.Tensor, after: torch.Tensor | None = None) -> torch.Tensor:
         """[n, H] states (and, for heads with token input, [n, H] the embeddings of the tokens after
@@ -138,6 +134,15 @@ class MedusaHeads(torch.nn.Module):
         return x
 
 
+def randomized(module: torch.nn.Module, scale: float, seed: int) -> torch.nn.Module:
+    """``module`` with every weight drawn from N(0, scale²), seeded: a draft that drafts badly, never wrongly."""
+    generator = torch.Generator(device="cpu").manual_seed(seed)
+    with torch.no_grad():
+        for parameter in module.parameters():
+            parameter.copy_(scale * torch.randn(parameter.shape, generator=generator, device="cpu"))
+    return module
+
+
 def stream_on_cpu(heads: MedusaHeads) -> int:
     """Let the fp32 heads' linears on the CPU take the project's few-row kernel (:mod:`specstack.packed_linear`),
     their weights rounded to bf16 numbers and read as bf16: half the bytes, fp32 arithmetic. A draft's step reads
@@ -155,41 +160,51 @@ def stream_on_cpu(heads: MedusaHeads) -> int:
 
 
 def save_heads(path: str | Path, heads: MedusaHeads) -> None:
+    write_weights(path, heads, META, heads.info.to_json())
+
+
+def write_weights(path: str | Path, module: torch.nn.Module, meta_key: str, meta: str, dtype: torch.dtype | None = None) -> None:
+    """Write ``module``'s weights (in ``dtype``, else their own) and its ``token_rank`` to a safetensors file, with
+    ``meta`` (what it says of itself) under ``meta_key``."""
     from safetensors.torch import save_file
 
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    tensors = {name: t.detach().contiguous().cpu() for name, t in heads.state_dict().items()}
-    if heads.token_rank is not None:
-        tensors[TOKEN_RANK] = heads.token_rank.to(torch.int32).cpu()
-    save_file(tensors, str(path), metadata={"specstack_medusa": heads.info.to_json()})
+    tensors = {name: t.detach().to(dtype or t.dtype).contiguous().cpu() for name, t in module.state_dict().items()}
+    if module.token_rank is not None:
+        tensors[TOKEN_RANK] = module.token_rank.to(torch.int32).cpu()
+    save_file(tensors, str(path), metadata={meta_key: meta})
+
+
+def read_weights(path: Path, meta_key: str, kind: str, build) -> torch.nn.Module:
+    """The module ``build(meta)`` makes from the metadata under ``meta_key``, with the file's weights and ``token_rank``;
+    one error line (naming the file as not ``kind`` file, e.g. "a medusa heads") if it is not such a file."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as file:
+            meta = (file.metadata() or {}).get(meta_key)
+            tensors = {name: file.get_tensor(name) for name in file.keys()}
+        if meta is None:
+            raise ValueError(f"no {meta_key} metadata")
+        module = build(meta)
+        rank = tensors.pop(TOKEN_RANK, None)
+        module.load_state_dict(tensors)
+    except SpecstackError:
+        raise
+    except Exception as error:  # a corrupt or foreign file: one line, not a traceback
+        raise SpecstackError(f"{str(path)!r} is not {kind} file: {str(error).splitlines()[0][:200]}") from None
+    module.token_rank = None if rank is None else rank.long()  # [V]
+    return module
 
 
 def load_heads(path: str | Path, dtype: torch.dtype = torch.float32) -> MedusaHeads:
     """The heads in ``path``, a file or the name of shipped heads (``SHIPPED``); one error line if it is
     not a heads file."""
-    from safetensors import safe_open
-
     path = SHIPPED.get(str(path), Path(path))
     if not path.is_file():
         raise SpecstackError(f"medusa heads file {str(path)!r} does not exist; name shipped heads ({', '.join(SHIPPED)}) "
                              f"or train a file with `specstack train medusa`")
-    try:
-        with safe_open(str(path), framework="pt") as file:
-            meta = (file.metadata() or {}).get("specstack_medusa")
-            tensors = {name: file.get_tensor(name) for name in file.keys()}
-        if meta is None:
-            raise ValueError("no specstack_medusa metadata")
-        info = HeadsInfo.from_json(meta)
-        heads = MedusaHeads(info)
-        rank = tensors.pop(TOKEN_RANK, None)
-        heads.load_state_dict(tensors)
-    except SpecstackError:
-        raise
-    except Exception as error:  # a corrupt or foreign file: one line, not a traceback
-        raise SpecstackError(f"{str(path)!r} is not a medusa heads file: {str(error).splitlines()[0][:200]}") from None
-    heads = heads.to(dtype).eval()
-    heads.token_rank = None if rank is None else rank.long()  # [V]
-    return heads
+    return read_weights(path, META, "a medusa heads", lambda meta: MedusaHeads(HeadsInfo.from_json(meta))).to(dtype).eval()
 
 
 def synthetic_heads(vocab: int, token_input: bool = False, chained: bool = False) -> MedusaHeads:

@@ -37,9 +37,9 @@ import torch.nn.functional as F
 
 from specstack.draft_vocabulary import coverage, token_rank
 
-from .medusa import COVERAGE_SIZES, DATA_KEYS, cached_prepare, label_held_out
+from .medusa import COVERAGE_SIZES, DATA_KEYS, cached_prepare, check_values, label_held_out
 from .medusa import DEFAULTS as MEDUSA_DEFAULTS
-from .shared import check_counts_at_least_one, check_names, encode, fit
+from .shared import check_counts_at_least_one, encode, fit
 
 DEFAULTS = dict(
     {key: MEDUSA_DEFAULTS[key] for key in (*DATA_KEYS, "gen_batch", "label_batch", "eval_chunks", "eval_every", "top_k", "threads", "lr",
@@ -61,15 +61,7 @@ def check_hyperparameters(hyperparams: dict) -> None:
     """Known keys with allowed values: one error line otherwise."""
     from specstack import SpecstackError
 
-    check_names(hyperparams, DEFAULTS)
-    for key, value in hyperparams.items():
-        if isinstance(DEFAULTS[key], bool):
-            if value not in (True, False, 0, 1):
-                raise SpecstackError(f"hyperparameter {key}={value!r} is not allowed; use true or false")
-            hyperparams[key] = bool(value)
-        elif isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0 or (isinstance(DEFAULTS[key], int) and not isinstance(value, int)):
-            kind = "a non-negative integer" if isinstance(DEFAULTS[key], int) else "a non-negative number"
-            raise SpecstackError(f"hyperparameter {key}={value!r} is not allowed; use {kind}")
+    check_values(hyperparams, DEFAULTS)
     check_counts_at_least_one(hyperparams, COUNTS)
     hp = {**DEFAULTS, **hyperparams}
     if hp["prompt_len"] >= hp["seq_len"]:

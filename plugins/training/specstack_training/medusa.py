@@ -84,18 +84,24 @@ COUNTS = ("heads", "layers", "seq_len", "positions", "label_batch", "gen_batch",
 DATA_KEYS = ("seq_len", "chunks", "generations", "prompt_len", "gen_temperature", "teacher_bf16")  # what the labelled data depends on
 
 
-def check_hyperparameters(hyperparams: dict) -> None:
-    """Every key must be a known hyperparameter: one error line otherwise."""
-    check_names(hyperparams, DEFAULTS)
+def check_values(hyperparams: dict, defaults: dict) -> None:
+    """Every key must be one of ``defaults`` and its value of the default's kind (true or false, a non-negative integer
+    or number): one error line otherwise. Flags given as 0 or 1 become booleans."""
+    check_names(hyperparams, defaults)
     for key, value in hyperparams.items():
-        if isinstance(DEFAULTS[key], bool):
+        if isinstance(defaults[key], bool):
             if value not in (True, False, 0, 1):
                 raise SpecstackError(f"hyperparameter {key}={value!r} is not allowed; use true or false")
             hyperparams[key] = bool(value)
             continue
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0 or (isinstance(DEFAULTS[key], int) and not isinstance(value, int)):
-            kind = "a non-negative integer" if isinstance(DEFAULTS[key], int) else "a non-negative number"
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0 or (isinstance(defaults[key], int) and not isinstance(value, int)):
+            kind = "a non-negative integer" if isinstance(defaults[key], int) else "a non-negative number"
             raise SpecstackError(f"hyperparameter {key}={value!r} is not allowed; use {kind}")
+
+
+def check_hyperparameters(hyperparams: dict) -> None:
+    """Every key must be a known hyperparameter: one error line otherwise."""
+    check_values(hyperparams, DEFAULTS)
     check_counts_at_least_one(hyperparams, COUNTS)
     if hyperparams.get("prompt_len", DEFAULTS["prompt_len"]) >= hyperparams.get("seq_len", DEFAULTS["seq_len"]):
         raise SpecstackError("hyperparameter prompt_len must be smaller than seq_len (a continuation adds seq_len - prompt_len tokens)")
