@@ -3,9 +3,9 @@
 SDPA's CPU kernels took 3-4x the time it takes to read the cache once (AMD Zen 3) and about 2x
 (Intel with AVX-512) when one to four tokens attend over 7,500 keys (docs/benchmarks.md). ``csrc/decode_attention.cpp`` does what
 flash-decoding does (Dao et al., 2023): each thread streams its own range of the cache through an
-online softmax, and the ranges are merged by their maxima. A verify's many query rows are scored as a
-small GEMM over keys transposed block by block (AVX2), or, with AVX-512, from keys laid out sixteen at a time by
-columns, which a KV store keeps (:meth:`KVStore.key_columns`), so each is laid out once. A bfloat16 cache is
+online softmax, and the ranges are merged by their maxima. A verify's many query rows are scored six at a time
+against each key (AVX2), or, with AVX-512, from keys laid out sixteen at a time by columns, which a KV store keeps
+(:meth:`KVStore.key_columns`), so each is laid out once. A bfloat16 cache is
 read as it is stored and widened to float32 block by block: queries, arithmetic and output are
 float32, rounded once to bfloat16 at the end. Where the CPU has AMX tiles (and Linux lends them), a
 bfloat16 cache takes them instead: bf16 tile products for the scores and for the weighted values, the

@@ -65,13 +65,13 @@ def random_tree_mask(t: int, generator: torch.Generator) -> torch.Tensor:
     (2, 515, 128, 2, 4),  # a wider head
     (7, 133, 72, 1, 8),  # a head dimension that is not a multiple of 64
     (8, 300, 64, 1, 8),  # 64 query rows, the most it takes
-    (2, 200, 64, 3, 3), (4, 3_000, 64, 3, 3), (5, 300, 64, 1, 5),  # 6, 12 and 25 rows: around GEMM_ROWS (25, AVX2) and the column path (6, AVX-512)
+    (2, 200, 64, 3, 3), (4, 3_000, 64, 3, 3), (5, 300, 64, 1, 5),  # 6, 12 and 25 rows: around the column path (6, AVX-512), and where a GEMM took AVX2's rows until 2026-12-01 (25)
     (1, 301, 72, 2, 3), (4, 300, 40, 1, 3),  # few rows (3; 12 as two sixes) over heads whose last 8 columns the wide vectors leave
     (7, 400, 64, 1, 1), (2, 400, 64, 2, 4), (3, 400, 64, 2, 3), (11, 400, 64, 2, 1),  # 7, 8, 9, 11 rows: a six, then a row, a pair, a pair and a row
     (6, 1_500, 64, 1, 3), (10, 500, 64, 1, 2),  # 18 and 20 rows: three sixes, and a pair after them (the few-row path with AVX2)
-    (7, 400, 64, 1, 5),  # 35 rows: the GEMM's blocks of six and four, then one row left over
-    (9, 300, 80, 1, 3),  # 27 rows of heads of 80: the three left over in two vectors of columns
-    (13, 250, 96, 1, 2),  # 26 rows of heads of 96: two left over in four vectors (AVX2)
+    (7, 400, 64, 1, 5),  # 35 rows: five sixes, then a five (a pair, a pair and a row with AVX2; the column path's five with AVX-512)
+    (9, 300, 80, 1, 3),  # 27 rows of heads of 80: four sixes and a three, the values' last 16 columns eight at a time
+    (13, 250, 96, 1, 2),  # 26 rows of heads of 96: four sixes and a pair (AVX2)
 ])
 def test_the_kernel_is_attention_up_to_rounding(t, n, d, kv_heads, group, tree) -> None:
     query, keys, values, sees = attention_inputs(t, n, d, kv_heads, group, tree)
@@ -89,7 +89,7 @@ def test_the_kernel_is_attention_up_to_rounding(t, n, d, kv_heads, group, tree) 
     (2, 901, 64, 2, 2), (5, 909, 64, 1, 1), (7, 1_205, 64, 1, 1),  # 4, 5 and 7 rows: pairs, a three and a pair, a six and a row
     (1, 2, 64, 3, 3), (3, 70, 64, 3, 3), (2, 515, 128, 2, 4), (3, 133, 72, 1, 8),
     (3, 1_000, 64, 3, 3), (5, 300, 64, 1, 2), (2, 300, 64, 2, 8),  # 9, 10, 16 rows: a six and a three; a six and two pairs; two sixes and two pairs
-    (8, 1_000, 64, 3, 3), (16, 700, 64, 3, 3),  # 24 and 48 rows: four sixes (AVX2), the GEMM path
+    (8, 1_000, 64, 3, 3), (16, 700, 64, 3, 3),  # 24 and 48 rows: four and eight sixes (AVX2)
 ])
 def test_a_bfloat16_cache_is_read_as_its_float32_values(t, n, d, kv_heads, group, tree) -> None:
     """bf16 queries, keys and values, widened (no AMX tiles): the output is the float32 kernel's on the

@@ -13,26 +13,24 @@
 // Rows are the query heads of a group folded into the query length: row r = g * T + t is head g of
 // the group and token t.
 //
-// Two ways to score a block. Few rows (a one-token step: G rows; with AVX2, verifies of up to 24 rows)
-// take each key row against each query row (dot products along D, summed across lanes), six rows at a
-// time, then threes, pairs and a row. Many rows (a wide verify) transpose the block's keys once and run
-// both products as a small GEMM, six rows by two vectors of columns in registers, in vectors as wide as
-// the machine has (16 floats with AVX-512): twelve sums in flight, where four rows gave eight, just what
-// two FMA units of four cycles' latency need, and stalled whenever a load was late (AMD Zen 3, AVX2:
-// attention over 7,500 keys 1.37x faster at 8 tokens, 1.47x at 16, against four rows).
+// Each block is scored by taking each key row against each query row (dot products along D, summed across lanes),
+// six rows at a time, then threes, pairs and a row, and its values weighed by the same groups of rows.
 // A bfloat16 block is widened to float32 as it is read (exact: a bf16 is the top half of a float), so
-// the cache is read at half the bytes: on the few-row path straight into the registers of the products,
-// six query rows at a time and then threes (a group of three heads), so each key and value is widened once
-// per six or three rows and nothing is stored between reading and using it; the GEMM path widens a block
-// into scratch once.
+// the cache is read at half the bytes, straight into the registers of the products, six query rows at a time and
+// then threes (a group of three heads), so each key and value is widened once per six or three rows and nothing is
+// stored between reading and using it.
+// (With AVX2, a block of 25 rows or more used to be scored as a small GEMM over its keys transposed, summed along the
+// columns in order, so a verify of nine tokens or more rounded otherwise than the step. On the 2-core AMD host with
+// AVX2 of 2026-12-01, attention of 9-16 tokens over 7,500 keys, in cache on one thread, took 1.12-1.34x less time in
+// fp32 without it and 0.9-1.16x in bf16, and the GEMM with the few-row path's sums 1.03-1.18x more: it is gone.)
 // (AMD Zen 3, AVX2, from memory, against widening each block into scratch and reading it back for pairs
 // of rows: bf16 attention 1.25x faster at one token and 1.68x at two over 7,500 keys, 1.31x and 1.43x
 // over 32,000; examples/attention_bounds.py --source.)
 // With AVX-512 and heads a multiple of 32 wide, six rows or more (a verify) take a third way, the column path
 // (below, "Keys sixteen at a time, column by column"): the keys of a group of sixteen laid out by 32-bit words, a key
 // a lane, so a vector of products belongs to sixteen keys and no sum runs across lanes; the KV store keeps its keys
-// laid out so (KVStore.key_columns), each group laid out once by the kernel that first reads it. Every path sums a
-// key-row by the same tree, so a row's scores are the same bits on all of them.
+// laid out so (KVStore.key_columns), each group laid out once by the kernel that first reads it. Both paths sum a
+// key-row by the same tree, so a row's scores are the same bits on either.
 //
 // On a CPU with AMX (Intel's tile registers and their bf16 products), a bfloat16 cache takes the tiles
 // instead, for any number of rows: sixteen keys by sixteen query rows are scored per tile product
@@ -81,7 +79,7 @@ typedef float v8 __attribute__((vector_size(32), aligned(4)));  // 8 floats, loa
 typedef int32_t v8i __attribute__((vector_size(32), aligned(4)));
 typedef uint16_t v8h __attribute__((vector_size(16), aligned(2)));  // 8 bfloat16 bit patterns
 #ifdef __AVX512F__
-constexpr int W = 16;  // floats in the widest vector: the GEMM path's unit
+constexpr int W = 16;  // floats in the widest vector
 #else
 constexpr int W = 8;
 #endif
@@ -91,21 +89,13 @@ typedef int32_t vwi __attribute__((vector_size(4 * W), aligned(4)));
 constexpr int BLOCK = 64;       // keys scored at once: 16 KB of fp32 keys with D = 64
 constexpr int MAX_ROWS = 192;   // query rows per KV head (G * T): 64 tokens of three query heads a KV head, on the tiles
 constexpr int MAX_DIM = 256;    // head dimension
-// From this many rows on a block is scored as a GEMM (docs/benchmarks.md; as_gemm). The GEMM transposes a
-// block's keys (and widens a bf16 block's values) at the same cost however few rows share them, while the
-// few-row path takes six rows at a time, each key and value read (and widened) once for the six. On the AMD
-// Zen 3 host (AVX2), with the sixes, up to 18 rows took 1.02-1.32x less time on the few-row path than as a
-// GEMM over 7,500 and 32,000 keys, fp32 and bf16 alike, and 24 rows 1.06-1.12x less in fp32 and 1.02x more in
-// bf16. So there the GEMM starts at 25 rows, for both dtypes (a bf16 cache then gives the float32 kernel's
-// bits on its numbers). Where vectors hold 16 floats (AVX-512) wide verifies take the column path instead (as_gemm).
-constexpr int GEMM_ROWS = 25;
 // Whether each work item asks for its next block of keys and values while it computes the current one:
 // on the Intel host (AVX-512) the one-token case over 32,000 keys took 1.21x less time with it; on the AMD
 // Zen 3 host (AVX2) 1.09x more (1.09-1.12x at one and two tokens over 7,500 and 32,000 keys; no change from
 // three on), where the hardware prefetcher does better alone (docs/benchmarks.md). On the AMD Zen 4 host
 // (AVX-512, no AMX) the few-row path did better without it too (float32, from memory: 1.05-1.16x at one token
-// and 1.32-1.34x at two, over 7,500 and 32,000 keys), and the GEMM path with it (1.03-1.05x at four and eight
-// tokens; the GEMM path is now AVX2's only, where it never asked). So it is asked for only where the kernel is built
+// and 1.32-1.34x at two, over 7,500 and 32,000 keys), and a GEMM path since removed with it (1.03-1.05x at four and
+// eight tokens). So it is asked for only where the kernel is built
 // for AMX, which the Intel host has (the widening paths; the dot-product path spreads its asks, DP_AHEAD).
 #ifdef SPECSTACK_AMX
 constexpr bool PREFETCH_NEXT_BLOCK = true;
@@ -499,91 +489,9 @@ void six_values(const float *p, const float *keep, int d, const T *v, int len, f
     }
 }
 
-// c[r][0, cols) = c[r][0, cols) * keep[r] + sum_i a[r * lda + i] b[i * ldb + 0, cols) for R rows (keep null:
-// c starts from zero), V vectors of columns at a time held in registers (cols a multiple of V * W). Each
-// output is summed over i in order, whatever R and V.
-template <int R, int V>
-void gemm_rows(const float *a, int lda, const float *b, int ldb, int inner, float *c, int ldc, int cols, const float *keep) {
-    for (int col = 0; col < cols; col += V * W) {
-        vw x[R][V];
-        for (int r = 0; r < R; ++r)
-            for (int u = 0; u < V; ++u) x[r][u] = keep ? loadw(c + r * ldc + col + u * W) * keep[r] : vw{};
-        for (int i = 0; i < inner; ++i) {
-            vw y[V];
-            for (int u = 0; u < V; ++u) y[u] = loadw(b + (int64_t)i * ldb + col + u * W);
-            for (int r = 0; r < R; ++r) {
-                const float ar = a[r * lda + i];
-                for (int u = 0; u < V; ++u) x[r][u] += ar * y[u];
-            }
-        }
-        for (int r = 0; r < R; ++r)
-            for (int u = 0; u < V; ++u) storew(c + r * ldc + col + u * W, x[r][u]);
-    }
-}
-
-// The rows left after the blocks of six and four: as wide as cols allows, so that enough sums are in flight.
-template <int R>
-void gemm_tail(const float *a, int lda, const float *b, int ldb, int inner, float *c, int ldc, int cols, const float *keep) {
-    if (cols % (4 * W) == 0) gemm_rows<R, 4>(a, lda, b, ldb, inner, c, ldc, cols, keep);
-    else gemm_rows<R, 2>(a, lda, b, ldb, inner, c, ldc, cols, keep);
-}
-
-// The same for r < rows (cols a multiple of 2W): blocks of six rows, then of four, then the rest.
-void small_gemm(const float *a, int lda, const float *b, int ldb, int inner, float *c, int ldc, int rows, int cols, const float *keep) {
-    int r = 0;
-    for (; r + 6 <= rows; r += 6) gemm_rows<6, 2>(a + r * lda, lda, b, ldb, inner, c + r * ldc, ldc, cols, keep ? keep + r : nullptr);
-    if (r + 4 <= rows) gemm_rows<4, 2>(a + r * lda, lda, b, ldb, inner, c + r * ldc, ldc, cols, keep ? keep + r : nullptr), r += 4;
-    const float *k = keep ? keep + r : nullptr;
-    switch (rows - r) {
-        case 3: gemm_tail<3>(a + r * lda, lda, b, ldb, inner, c + r * ldc, ldc, cols, k); break;
-        case 2: gemm_tail<2>(a + r * lda, lda, b, ldb, inner, c + r * ldc, ldc, cols, k); break;
-        case 1: gemm_tail<1>(a + r * lda, lda, b, ldb, inner, c + r * ldc, ldc, cols, k); break;
-    }
-}
-
-// Eight floats of row j of a block: zeros past its len rows (the padding of a last block).
-inline v8 block_load8(const void *rows, bool bf16, int d, int len, int j, int c) {
-    if (j >= len) return splat(0.0f);
-    return bf16 ? load8_bf16((const uint16_t *)rows + (int64_t)j * d + c) : load8((const float *)rows + (int64_t)j * d + c);
-}
-
-// kt[c * BLOCK + j] = key j's column c, for the block's len keys (rows of d) and zeros up to BLOCK:
-// 8 x 8 tiles transposed in registers (three rounds of shuffles).
-void transpose_keys(const void *k, bool bf16, int d, int len, float *kt, Ahead ahead) {
-    for (int j = 0; j < BLOCK; j += 8) {
-        if (j < len) ahead.ask(j, len - j < 8 ? len - j : 8);
-        for (int c = 0; c < d; c += 8) {
-            v8 r[8];
-            for (int i = 0; i < 8; ++i) r[i] = block_load8(k, bf16, d, len, j + i, c);
-            v8 t[8], u[8];
-            for (int i = 0; i < 8; i += 2) {
-                t[i] = __builtin_shufflevector(r[i], r[i + 1], 0, 8, 1, 9, 4, 12, 5, 13);
-                t[i + 1] = __builtin_shufflevector(r[i], r[i + 1], 2, 10, 3, 11, 6, 14, 7, 15);
-            }
-            for (int i = 0; i < 8; i += 4)
-                for (int h = 0; h < 2; ++h) {
-                    u[i + 2 * h] = __builtin_shufflevector(t[i + h], t[i + h + 2], 0, 1, 8, 9, 4, 5, 12, 13);
-                    u[i + 2 * h + 1] = __builtin_shufflevector(t[i + h], t[i + h + 2], 2, 3, 10, 11, 6, 7, 14, 15);
-                }
-            // u[0..3] hold columns (0,4), (1,5), (2,6), (3,7) of rows 0-3; u[4..7] the same of rows 4-7
-            for (int i = 0; i < 4; ++i) {
-                store8(kt + (c + i) * BLOCK + j, __builtin_shufflevector(u[i], u[i + 4], 0, 1, 2, 3, 8, 9, 10, 11));
-                store8(kt + (c + i + 4) * BLOCK + j, __builtin_shufflevector(u[i], u[i + 4], 4, 5, 6, 7, 12, 13, 14, 15));
-            }
-        }
-    }
-}
-
 // out[0, count) = the count numbers at rows as float32 (count a multiple of 8; bfloat16 widened, exactly).
 void widen(const void *rows, bool bf16, int64_t count, float *out) {
     for (int64_t i = 0; i < count; i += 8) store8(out + i, bf16 ? load8_bf16((const uint16_t *)rows + i) : load8((const float *)rows + i));
-}
-
-// The block's len rows of d as float32: a bfloat16 block widened into out, a float32 one read in place.
-const float *widened(const void *rows, bool bf16, int d, int len, float *out) {
-    if (!bf16) return (const float *)rows;
-    widen(rows, true, (int64_t)len * d, out);
-    return out;
 }
 
 // How many threes of the rows the sixes leave the few-row path takes before its pairs and an odd last row:
@@ -785,35 +693,16 @@ inline bool reads_columns(int d, int rows) {
 #endif
 }
 
-// Whether a block's rows take the GEMM path rather than the few-row path: only where vectors hold eight floats (AVX2).
-// With AVX-512 the GEMM path needs heads a multiple of 32 wide, which from six rows take the column path: scores by
-// columns, the weighted values by the few-row path at any number of rows (attention over 7,500 bf16 keys from memory
-// 1.19x / 1.12x / 1.06x faster at 6 / 8 / 12 tokens than with the GEMM's values; docs/benchmarks.md, "Keys by columns").
-inline bool as_gemm(int rows, int d) { return W == 8 && rows >= GEMM_ROWS && d % (2 * W) == 0; }
-
-// s[r * BLOCK + j] = q_r . k_j for the block's len keys (rows of d, float32 or bfloat16); kt is
-// scratch of d * BLOCK floats for the GEMM path's transposed keys.
-void score_block(const float *q, int rows, int d, const void *k, bool bf16, int len, float *kt, float *s, Ahead ahead) {
-    if (as_gemm(rows, d)) {
-        transpose_keys(k, bf16, d, len, kt, bf16 ? Ahead{} : ahead);  // [D, BLOCK]; bf16 scores here are bound by the arithmetic
-        small_gemm(q, d, kt, BLOCK, d, s, BLOCK, rows, BLOCK, nullptr);  // [rows, D] x [D, BLOCK]
-    } else if (bf16) {
-        block_scores(q, rows, d, (const uint16_t *)k, len, s, ahead);
-    } else {
-        block_scores(q, rows, d, (const float *)k, len, s, ahead);
-    }
+// s[r * BLOCK + j] = q_r . k_j for the block's len keys (rows of d, float32 or bfloat16).
+void score_block(const float *q, int rows, int d, const void *k, bool bf16, int len, float *s, Ahead ahead) {
+    if (bf16) block_scores(q, rows, d, (const uint16_t *)k, len, s, ahead);
+    else block_scores(q, rows, d, (const float *)k, len, s, ahead);
 }
 
-// acc_r = acc_r * keep_r + sum_j p[r * BLOCK + j] v_j over the block's len values; values is scratch of
-// BLOCK * d floats for the GEMM path's widened values. The few-row path asks for `ahead`'s rows, one a value.
-void accumulate_block(const float *p, const float *keep, int rows, int d, const void *v, bool bf16, int len, float *values, float *acc, Ahead ahead) {
-    if (as_gemm(rows, d)) {
-        small_gemm(p, BLOCK, widened(v, bf16, d, len, values), d, len, acc, d, rows, d, keep);  // acc * keep + [rows, len] x [len, D]
-    } else if (bf16) {
-        accumulate_values(p, keep, rows, d, (const uint16_t *)v, len, acc, ahead);
-    } else {
-        accumulate_values(p, keep, rows, d, (const float *)v, len, acc, ahead);
-    }
+// acc_r = acc_r * keep_r + sum_j p[r * BLOCK + j] v_j over the block's len values, asking for `ahead`'s rows, one a value.
+void accumulate_block(const float *p, const float *keep, int rows, int d, const void *v, bool bf16, int len, float *acc, Ahead ahead) {
+    if (bf16) accumulate_values(p, keep, rows, d, (const uint16_t *)v, len, acc, ahead);
+    else accumulate_values(p, keep, rows, d, (const float *)v, len, acc, ahead);
 }
 
 // The next block's keys (`keys`, `bytes` of them; null: none) asked for while this block's softmax and values are
@@ -872,7 +761,8 @@ void softmax_block(float *s, int rows, int len, float *m, float *l, float *resca
     }
 }
 
-// Floats of scratch one work item needs: its scores, and a block of keys and one of values as float32.
+// Floats of scratch one work item needs: its scores, and room for a block of keys and one of values as float32 (a group
+// of keys laid out by columns; the dot-product paths' layouts).
 inline size_t scratch_floats(int d) { return (size_t)MAX_ROWS * BLOCK + 2 * (size_t)BLOCK * d; }
 
 // Where the keys of block b (BLOCK keys from key b, a multiple of GROUP) are read from: the store's copy by groups where
@@ -888,15 +778,15 @@ inline const char *block_keys(const void *k, bool bf16, int d, int rows, Columns
 
 // The block's scores: by groups of keys laid out by columns where the head is wide enough (column path), else by
 // score_block. k points at the head's first key; the block is len keys from key b.
-inline void block_scores_at(const float *q, int rows, int d, const void *k, bool bf16, int64_t b, int len, Columns columns, float *kt, float *s, Ahead ahead) {
+inline void block_scores_at(const float *q, int rows, int d, const void *k, bool bf16, int64_t b, int len, Columns columns, float *room, float *s, Ahead ahead) {
 #if defined(__AVX512F__)
     if (column_path(d, rows)) {
-        if (bf16) column_scores(q, rows, d, (const uint16_t *)k, b, len, columns, (uint32_t *)kt, s, ahead);
-        else column_scores(q, rows, d, (const float *)k, b, len, columns, (uint32_t *)kt, s, ahead);
+        if (bf16) column_scores(q, rows, d, (const uint16_t *)k, b, len, columns, (uint32_t *)room, s, ahead);
+        else column_scores(q, rows, d, (const float *)k, b, len, columns, (uint32_t *)room, s, ahead);
         return;
     }
 #endif
-    score_block(q, rows, d, (const char *)k + b * d * (bf16 ? 2 : 4), bf16, len, kt, s, ahead);
+    score_block(q, rows, d, (const char *)k + b * d * (bf16 ? 2 : 4), bf16, len, s, ahead);
 }
 
 // A chain's own keys in a span (the span path, below): keys from `past` on are the t new tokens', and row r (token
@@ -921,7 +811,7 @@ void mask_own(float *s, int rows, Own own, int64_t b, int len) {
 void fold_range(const float *q, int rows, int d, const void *k, const void *v, bool bf16, int64_t begin, int64_t end,
                 float *scratch, float *m, float *l, float *acc, Columns columns, bool ask_next, int64_t ask_until, Own own) {
     const size_t elem = bf16 ? 2 : 4;
-    float *s = scratch, *kt = s + MAX_ROWS * BLOCK, *values = kt + BLOCK * d;
+    float *s = scratch, *room = s + MAX_ROWS * BLOCK;  // room: a group of keys laid out by columns
     float rescale[MAX_ROWS];
     for (int64_t b = begin; b < end; b += BLOCK) {
         const int len = (int)(end - b < BLOCK ? end - b : BLOCK);
@@ -932,10 +822,10 @@ void fold_range(const float *q, int rows, int d, const void *k, const void *v, b
         const Ahead ahead{PREFETCH_NEXT_BLOCK ? nullptr : (const char *)v + b * d * elem, (int64_t)d * (int64_t)elem};  // else the values' rows ahead
         const bool asks_next = ask_next && !PREFETCH_NEXT_BLOCK && b + BLOCK < ask_until;
         const NextKeys next = next_keys(asks_next ? block_keys(k, bf16, d, rows, columns, b + BLOCK) : nullptr, (int64_t)BLOCK * d * elem, rows);
-        block_scores_at(q, rows, d, k, bf16, b, len, columns, kt, s, ahead);
+        block_scores_at(q, rows, d, k, bf16, b, len, columns, room, s, ahead);
         if (b + len > own.past) mask_own(s, rows, own, b, len);
         softmax_block(s, rows, len, m, l, rescale, next.softmax);
-        accumulate_block(s, rescale, rows, d, (const char *)v + b * d * elem, bf16, len, values, acc, next.values);
+        accumulate_block(s, rescale, rows, d, (const char *)v + b * d * elem, bf16, len, acc, next.values);
     }
 }
 
@@ -999,8 +889,7 @@ int gcd(int a, int b) { return b == 0 ? a : gcd(b, a % b); }
 // and merge a row's spans in span order. A row's own keys it does not see (a later token of the verify) score -inf
 // (mask_own): a block's weights then are the step's with zeros after its last key, and a span the row sees nothing
 // of is skipped at the merge, so token i of a chain gets exactly the step's sums at its position, however the threads
-// share the spans. (Where a block is scored as a GEMM, from GEMM_ROWS rows with AVX2, its scores are summed otherwise than
-// the step's: there only verifies of fewer rows keep the step's bits.) Each thread takes a run of spans of about equal keys and asks for the next block across the spans
+// share the spans. Each thread takes a run of spans of about equal keys and asks for the next block across the spans
 // of a head, as across the blocks of a range. Spans of 512 and 1,024 keys took 8-token verifies over 32,000 keys
 // 1.04-1.06x less time (fewer partial sums written and merged) but forwards over 512 slots (the retrieval level's)
 // 1.02-1.08x more (a head's one or two spans share poorly between threads): docs/benchmarks.md, "Spans fixed from key 0".
@@ -1300,7 +1189,7 @@ void attend_range_dp_groups(const float *q, int rows, int d, float scale, const 
 // weights rounded to bf16 and summed so; the bits differ from it where the sums are added in another order.
 // A vdpbf16ps does 32 multiply-adds where an FMA does 16 (8 on AVX2's widths), so on the AMD Zen 4 host
 // (AVX-512 bf16, no AMX) attention over 32,000 keys took 1.5-1.7x less time at 3-16 tokens than widening the
-// block to float32 for the GEMM path, 1.13x at two (docs/benchmarks.md, "bf16 verifies in dot products").
+// block to float32 for the GEMM path (since removed), 1.13x at two (docs/benchmarks.md, "bf16 verifies in dot products").
 
 constexpr int DP_ROWS_BLOCK = 64;  // keys a block: four vectors of sixteen
 // How many blocks ahead a work item asks for keys and values, a share of the block's lines before each pass of G rows,
