@@ -202,10 +202,15 @@ class MedusaDrafter(Drafter):
         if found is None or n < 1:
             return Draft.empty(self.vocab, device=self._channel.device)
         position, state = found
+        self._found(prefix, position)
         first = len(prefix) - 1 - position  # 0: the LM head drafts the next token; 1: head 1 does
         draft = self._draft(state, prefix[-1] if first == 1 else None, first, n)
         self.stats.drafted += len(draft)
         return draft
+
+    def _found(self, prefix: Sequence[int], position: int) -> None:
+        """A round drafts from the level's state at ``position``: nothing to do here; a drafter with state of its own
+        (the EAGLE drafter's committed rows) brings it up to that position."""
 
     def _draft(self, state: torch.Tensor, after: int | None, first: int, n: int) -> Draft:
         """The tree of candidates at most ``n`` deep for head ``first`` on (depth 0), from the hidden state

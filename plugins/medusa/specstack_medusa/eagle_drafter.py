@@ -25,7 +25,7 @@ import attrs
 import numpy as np
 import torch
 
-from specstack import Draft, LevelStats
+from specstack import LevelStats
 
 from .drafter import MedusaDrafter
 from .eagle import EagleLayer, FeatureCache, attend, load_layer, synthetic_layer
@@ -65,13 +65,10 @@ class EagleDrafter(MedusaDrafter):
         super().reset()
         self._cache.clear()
 
-    def propose(self, prefix: Sequence[int], n: int) -> Draft:
-        found = self._channel.latest(prefix) if self._channel is not None else None
-        if found is not None and n >= 1:
-            self._q = found[0]
-            with torch.inference_mode():
-                self._catch_up(prefix, self._q)
-        return super().propose(prefix, n)
+    def _found(self, prefix: Sequence[int], position: int) -> None:
+        self._q = position
+        with torch.inference_mode():
+            self._catch_up(prefix, position)
 
     def _catch_up(self, prefix: Sequence[int], q: int) -> None:
         """Bring the committed rows up to position q - 1: drop those whose token the prefix no longer holds, then

@@ -35,6 +35,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from specstack import SpecstackError
 from specstack.draft_vocabulary import coverage, token_rank
 
 from .medusa import COVERAGE_SIZES, DATA_KEYS, cached_prepare, check_values, label_held_out
@@ -59,8 +60,6 @@ COUNTS = ("steps", "window", "windows", "intermediate_size", "attention_heads", 
 
 def check_hyperparameters(hyperparams: dict) -> None:
     """Known keys with allowed values: one error line otherwise."""
-    from specstack import SpecstackError
-
     check_values(hyperparams, DEFAULTS)
     check_counts_at_least_one(hyperparams, COUNTS)
     hp = {**DEFAULTS, **hyperparams}
