@@ -125,10 +125,11 @@ class SyntheticLM:
         cache.commit()
         ids = values[0, :, 0].long()  # [n+T]
         t = len(batch)
-        contexts = [ids[seen[i]].tolist() for i in range(t - batch.num_logits, t)]
+        kept = min(t, max(batch.num_logits, batch.hidden_rows)) if batch.keep_hidden else batch.num_logits  # the last rows computed
+        stated = [ids[seen[i]].tolist() for i in range(t - kept, t)]  # each row's context
+        contexts = stated[kept - batch.num_logits :]  # the rows scored
         logits = torch.stack([self.logits_for(c) for c in contexts]) if contexts else torch.empty(0, self.vocab_size, device="cpu")  # [num_logits, V]
         if batch.keep_hidden:
-            stated = [ids[seen[i]].tolist() for i in range(t - min(t, max(batch.num_logits, batch.hidden_rows)), t)]  # the rows whose states are kept
             batch.hidden = torch.stack([self.hidden_for(c) for c in stated]) if stated else torch.empty(0, self.hidden_size, device="cpu")  # [n, H]
         return logits.to(self.device)
 

@@ -21,8 +21,9 @@
 // stored between reading and using it.
 // (With AVX2, a block of 25 rows or more used to be scored as a small GEMM over its keys transposed, summed along the
 // columns in order, so a verify of nine tokens or more rounded otherwise than the step. On the 2-core AMD host with
-// AVX2 of 2026-12-01, attention of 9-16 tokens over 7,500 keys, in cache on one thread, took 1.12-1.34x less time in
-// fp32 without it and 0.9-1.16x in bf16, and the GEMM with the few-row path's sums 1.03-1.18x more: it is gone.)
+// AVX2 of 2026-12-01, attention of 9-16 tokens over 7,500 keys, in cache on one thread, took 0.83-0.98x the GEMM's
+// time without it in fp32 and 0.90-1.29x in bf16, and a GEMM summed as the few-row path sums took 1.13-1.34x the few-row
+// path's in fp32 and 0.90-1.22x in bf16 (docs/benchmarks.md, "AVX2's wide verifies on the few-row path"): it is gone.)
 // (AMD Zen 3, AVX2, from memory, against widening each block into scratch and reading it back for pairs
 // of rows: bf16 attention 1.25x faster at one token and 1.68x at two over 7,500 keys, 1.31x and 1.43x
 // over 32,000; examples/attention_bounds.py --source.)

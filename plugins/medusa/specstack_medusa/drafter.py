@@ -249,7 +249,7 @@ class MedusaDrafter(Drafter):
         nodes stay whatever the depths below bring (they are drawn), and the tree stops at a depth where none is kept."""
         if self._generator is None:
             raise SpecstackError("medusa candidates drawn at a temperature take the stack's generator; use the drafter at level 0 of a stack")
-        device, chained = state.device, self.info.chained
+        chained = self.info.chained
         frontier = self._begin(state, after, first) if chained else state[None]  # [1, H]
         if not chained:  # parallel heads: every depth's distribution at once, one pass of the output head
             heads = torch.cat([state[None], self._head_states(state, after)])[first : first + tree.depths]  # [d, H]

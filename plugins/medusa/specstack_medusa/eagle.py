@@ -31,7 +31,7 @@ import torch
 
 from specstack import SpecstackError
 
-from .heads import randomized, read_weights, write_weights
+from .heads import randomized, read_weights, stored_file, write_weights
 
 ASSETS = Path(__file__).parent / "assets"
 SHIPPED = {"eagle": ASSETS / "smollm2-eagle" / "layer.safetensors"}  # the layer shipped for the embedded default, by name
@@ -86,9 +86,10 @@ def rotate(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tens
     dim = x.shape[-1]
     inverse = theta ** (-torch.arange(0, dim, 2, dtype=torch.float32, device=x.device) / dim)  # [D/2]
     angles = positions.to(torch.float32)[..., None] * inverse  # [..., n, D/2]
-    cos, sin = torch.cat([angles, angles], -1).cos()[..., None, :], torch.cat([angles, angles], -1).sin()[..., None, :]  # [..., n, 1, D]
-    first, second = x.float().chunk(2, dim=-1)
-    return (x.float() * cos + torch.cat([-second, first], -1) * sin).to(x.dtype)  # [..., n, A, D]
+    angles = torch.cat([angles, angles], -1)[..., None, :]  # [..., n, 1, D]
+    wide = x.float()
+    first, second = wide.chunk(2, dim=-1)
+    return (wide * angles.cos() + torch.cat([-second, first], -1) * angles.sin()).to(x.dtype)  # [..., n, A, D]
 
 
 def attend(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
@@ -216,10 +217,7 @@ def save_layer(path: str | Path, layer: EagleLayer) -> None:
 def load_layer(path: str | Path, dtype: torch.dtype = torch.float32) -> EagleLayer:
     """The layer in ``path``, a file or the name of a shipped layer (``SHIPPED``); one error line if it is not
     an EAGLE layer file."""
-    path = SHIPPED.get(str(path), Path(path))
-    if not path.is_file():
-        raise SpecstackError(f"eagle layer file {str(path)!r} does not exist; name a shipped layer ({', '.join(SHIPPED)}) "
-                             f"or train a file with `specstack train eagle`")
+    path = stored_file(path, SHIPPED, "eagle layer", f"name a shipped layer ({', '.join(SHIPPED)}) or train a file with `specstack train eagle`")
     return read_weights(path, META, "an eagle layer", lambda meta: EagleLayer(EagleInfo.from_json(meta))).to(dtype).eval()
 
 

@@ -197,13 +197,19 @@ def read_weights(path: Path, meta_key: str, kind: str, build) -> torch.nn.Module
     return module
 
 
+def stored_file(path: str | Path, shipped: dict[str, Path], what: str, advice: str) -> Path:
+    """``path``, or the shipped file it names (``shipped``); one error line ("``what`` file ... does not exist;
+    ``advice``") where that is no file."""
+    path = shipped.get(str(path), Path(path))
+    if not path.is_file():
+        raise SpecstackError(f"{what} file {str(path)!r} does not exist; {advice}")
+    return path
+
+
 def load_heads(path: str | Path, dtype: torch.dtype = torch.float32) -> MedusaHeads:
     """The heads in ``path``, a file or the name of shipped heads (``SHIPPED``); one error line if it is
     not a heads file."""
-    path = SHIPPED.get(str(path), Path(path))
-    if not path.is_file():
-        raise SpecstackError(f"medusa heads file {str(path)!r} does not exist; name shipped heads ({', '.join(SHIPPED)}) "
-                             f"or train a file with `specstack train medusa`")
+    path = stored_file(path, SHIPPED, "medusa heads", f"name shipped heads ({', '.join(SHIPPED)}) or train a file with `specstack train medusa`")
     return read_weights(path, META, "a medusa heads", lambda meta: MedusaHeads(HeadsInfo.from_json(meta))).to(dtype).eval()
 
 

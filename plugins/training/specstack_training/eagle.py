@@ -25,7 +25,6 @@ Command line (:mod:`specstack_training.command`)::
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from pathlib import Path
@@ -36,11 +35,11 @@ import torch
 import torch.nn.functional as F
 
 from specstack import SpecstackError
-from specstack.draft_vocabulary import coverage, token_rank
+from specstack.draft_vocabulary import token_rank
 
-from .medusa import COVERAGE_SIZES, DATA_KEYS, cached_prepare, check_values, label_held_out
+from .medusa import DATA_KEYS, check_values, held_out_metrics, labelled_data, write_metrics
 from .medusa import DEFAULTS as MEDUSA_DEFAULTS
-from .shared import check_counts_at_least_one, encode, fit
+from .shared import check_counts_at_least_one, fit
 
 DEFAULTS = dict(
     {key: MEDUSA_DEFAULTS[key] for key in (*DATA_KEYS, "gen_batch", "label_batch", "eval_chunks", "eval_every", "top_k", "threads", "lr",
@@ -201,24 +200,16 @@ def train_eagle(*, target_dir: str, texts: list[str], out: str, minutes: float, 
     """Train an EAGLE layer for the target in ``target_dir`` on ``texts``; write it (with its measured accuracy) to
     ``out`` and the metrics beside it (``.json``). ``eval_texts`` as for the Medusa trainer; ``data`` the Medusa
     trainer's labelled-data file (the same texts, seed and data settings read it)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     from specstack_medusa.eagle import EagleInfo, EagleLayer, save_layer
 
     check_hyperparameters(hyperparams)
     hp = {**DEFAULTS, **hyperparams}
     torch.set_num_threads(hp["threads"])
-    tokenizer = AutoTokenizer.from_pretrained(target_dir)
-    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
-    target.requires_grad_(False)
-    writer = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.bfloat16).eval() if hp["teacher_bf16"] else target
-    training = cached_prepare(writer, encode(tokenizer, texts), hp, seed, log, data)  # (tokens, states, greedy)
-    del writer
-    held_out = {f"{name}:{kind}": part for name, text in (eval_texts or {}).items()
-                for kind, part in label_held_out(target, encode(tokenizer, [text])[0], {**MEDUSA_DEFAULTS, **hp}, seed, log).items()}
+    target, training, held_out = labelled_data(target_dir, texts, eval_texts, hp, seed, log, data)
     config = target.config
     rank = token_rank(training[2], config.vocab_size)
-    vocabulary = Vocabulary.of(rank, min(hp["draft_vocab"], config.vocab_size))
+    draft_vocab = min(hp["draft_vocab"], config.vocab_size)
+    vocabulary = Vocabulary.of(rank, draft_vocab)
     layer = EagleLayer(EagleInfo(hidden_size=config.hidden_size, attention_heads=hp["attention_heads"], intermediate_size=hp["intermediate_size"],
                                  heads=hp["steps"], window=hp["window"], vocab_size=config.vocab_size, target=Path(target_dir).name))
     lm_head = target.lm_head.weight.detach()[vocabulary.rows]  # [R, H], frozen
@@ -233,13 +224,8 @@ def train_eagle(*, target_dir: str, texts: list[str], out: str, minutes: float, 
     run = train(layer, lm_head, embedding, vocabulary, training, hp, 60 * minutes, evaluate, log, seed)
     accuracy = {name: rank_accuracy(layer, lm_head, embedding, vocabulary, held, hp["top_k"]) for name, held in held_out.items()}
     shipped = accuracy.get(f"{first}:greedy") or rank_accuracy(layer, lm_head, embedding, vocabulary, score_on, hp["top_k"])
-    layer.info = attrs.evolve(layer.info, accuracy=shipped, draft_vocab=min(hp["draft_vocab"], config.vocab_size))
+    layer.info = attrs.evolve(layer.info, accuracy=shipped, draft_vocab=draft_vocab)
     layer.token_rank = rank
     save_layer(out, layer)
-    metrics = {**run, "train_minutes": (time.time() - began) / 60, "training_tokens": int(training[2].numel()), "hyperparams": hp, "seed": seed,
-               "held_out": {name: {"positions": int(held[2].numel()), "top1": [row[0] for row in accuracy[name]],
-                                   "top5": [sum(row[:5]) for row in accuracy[name]], "rank_accuracy": accuracy[name],
-                                   "draft_vocab_coverage": {size: coverage(rank, held[2], size) for size in COVERAGE_SIZES}}
-                            for name, held in held_out.items()}}
-    Path(out).with_suffix(".json").write_text(json.dumps(metrics, indent=2) + "\n")
-    return metrics
+    return write_metrics(out, {**run, "train_minutes": (time.time() - began) / 60, "training_tokens": int(training[2].numel()),
+                               "hyperparams": hp, "seed": seed, "held_out": held_out_metrics(accuracy, held_out, rank)})

@@ -318,24 +318,12 @@ def train_medusa(*, target_dir: str, texts: list[str], out: str, minutes: float,
     text) are held out: the first one's greedy continuations pick the best heads and shape the
     drafter's tree; every one is reported. ``data``: a file that keeps the labelled training data
     (:func:`cached_prepare`)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     from specstack_medusa.heads import HeadsInfo, MedusaHeads, save_heads
 
     check_hyperparameters(hyperparams)
     hp = {**DEFAULTS, **hyperparams}
     torch.set_num_threads(hp["threads"])
-    tokenizer = AutoTokenizer.from_pretrained(target_dir)
-    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
-    for parameter in target.parameters():
-        parameter.requires_grad_(False)
-    writer = target
-    if hp["teacher_bf16"]:
-        writer = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.bfloat16).eval()
-    training = cached_prepare(writer, encode(tokenizer, texts), hp, seed, log, data)  # (tokens, states, greedy)
-    del writer
-    held_out = {f"{name}:{kind}": data for name, text in (eval_texts or {}).items()
-                for kind, data in label_held_out(target, encode(tokenizer, [text])[0], hp, seed, log).items()}
+    target, training, held_out = labelled_data(target_dir, texts, eval_texts, hp, seed, log, data)
     config = target.config
     heads = MedusaHeads(HeadsInfo(hidden_size=config.hidden_size, heads=hp["heads"], layers=hp["layers"], vocab_size=config.vocab_size,
                                   token_input=hp["token_input"] or hp["chained"], chained=hp["chained"], target=Path(target_dir).name))
@@ -356,13 +344,41 @@ def train_medusa(*, target_dir: str, texts: list[str], out: str, minutes: float,
     heads.info = attrs.evolve(heads.info, accuracy=shipped, draft_vocab=min(hp["draft_vocab"], config.vocab_size))
     heads.token_rank = token_rank(training[2], config.vocab_size)
     save_heads(out, heads)
-    metrics = {**run, "train_minutes": (time.time() - began) / 60, "training_tokens": int(training[2].numel()), "hyperparams": hp, "seed": seed,
-               "held_out": {name: {"positions": int(held[2].numel()), "top1": [row[0] for row in accuracy[name]],
-                                   "top5": [sum(row[:5]) for row in accuracy[name]], "rank_accuracy": accuracy[name],
-                                   "draft_vocab_coverage": {size: coverage(heads.token_rank, held[2], size) for size in COVERAGE_SIZES},
-                                   **({"first_candidate_mass": first_candidate_mass(heads, lm_head, embedding, held, hp["soft_temperature"])}
-                                      if hp["soft_temperature"] else {})}
-                            for name, held in held_out.items()}}
+    per_text = held_out_metrics(accuracy, held_out, heads.token_rank)
+    if hp["soft_temperature"]:
+        for name, held in held_out.items():
+            per_text[name]["first_candidate_mass"] = first_candidate_mass(heads, lm_head, embedding, held, hp["soft_temperature"])
+    return write_metrics(out, {**run, "train_minutes": (time.time() - began) / 60, "training_tokens": int(training[2].numel()),
+                               "hyperparams": hp, "seed": seed, "held_out": per_text})
+
+
+def labelled_data(target_dir: str, texts: list[str], eval_texts: dict[str, str] | None, hp: dict, seed: int, log, data: str | None) -> tuple:
+    """What a draft that reads the target's hidden states trains on: the frozen float32 target in ``target_dir``, the
+    labelled training data of ``texts`` (written by a bf16 copy of the target where ``teacher_bf16``; kept in the file
+    ``data``: :func:`cached_prepare`), and each held-out text's labelled data by ``name:text`` and ``name:greedy``."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    target.requires_grad_(False)
+    writer = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.bfloat16).eval() if hp["teacher_bf16"] else target
+    training = cached_prepare(writer, encode(tokenizer, texts), hp, seed, log, data)  # (tokens, states, greedy)
+    del writer
+    held_out = {f"{name}:{kind}": part for name, text in (eval_texts or {}).items()
+                for kind, part in label_held_out(target, encode(tokenizer, [text])[0], hp, seed, log).items()}
+    return target, training, held_out
+
+
+def held_out_metrics(accuracy: dict[str, list[list[float]]], held_out: dict, rank: torch.Tensor) -> dict[str, dict]:
+    """Per held-out text: its positions, each step's top-1 and top-5 accuracy, the whole rank accuracy table, and how
+    much of its greedy tokens draft vocabularies of the ``rank`` ordering cover."""
+    return {name: {"positions": int(held[2].numel()), "top1": [row[0] for row in accuracy[name]], "top5": [sum(row[:5]) for row in accuracy[name]],
+                   "rank_accuracy": accuracy[name], "draft_vocab_coverage": {size: coverage(rank, held[2], size) for size in COVERAGE_SIZES}}
+            for name, held in held_out.items()}
+
+
+def write_metrics(out: str, metrics: dict) -> dict:
+    """Write ``metrics`` beside the trained file ``out`` (as .json) and return them."""
     Path(out).with_suffix(".json").write_text(json.dumps(metrics, indent=2) + "\n")
     return metrics
 

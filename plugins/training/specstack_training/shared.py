@@ -5,6 +5,7 @@ wall-clock budget, and the check of hyperparameter names."""
 from __future__ import annotations
 
 import math
+import time
 
 import numpy as np
 import torch
@@ -59,11 +60,13 @@ def fit(model: torch.nn.Module, hp: dict, seconds: float, evaluate, log, seed: i
     """Train ``model`` for ``seconds`` of wall-clock time, one optimiser step on each ``loss(generator)`` (a batch
     drawn with the seeded ``generator``): AdamW at ``lr`` (warm-up then cosine decay), gradients clipped at 1.
     ``evaluate()`` scores it at the start, every ``eval_every`` minutes and at the end; the best state is kept."""
-    import time
-
     optimizer = torch.optim.AdamW(model.parameters(), lr=hp["lr"], weight_decay=hp["weight_decay"])
     generator = torch.Generator().manual_seed(seed)
-    best = {"score": evaluate(), "state": {k: v.clone() for k, v in model.state_dict().items()}, "step": 0}
+
+    def snapshot() -> dict:  # a copy of the weights, which training goes on changing
+        return {k: v.clone() for k, v in model.state_dict().items()}
+
+    best = {"score": evaluate(), "state": snapshot(), "step": 0}
     log(f"step 0: held-out score {best['score']:.4f}")
     began, steps, last_eval, losses = time.time(), 0, time.time(), []
     while (elapsed := time.time() - began) < seconds:
@@ -80,7 +83,7 @@ def fit(model: torch.nn.Module, hp: dict, seconds: float, evaluate, log, seed: i
             score = evaluate()
             log(f"step {steps} ({(time.time() - began) / 60:.1f} min): loss {np.mean(losses[-50:]):.3f}, held-out score {score:.4f}")
             if score > best["score"]:
-                best = {"score": score, "state": {k: v.clone() for k, v in model.state_dict().items()}, "step": steps}
+                best = {"score": score, "state": snapshot(), "step": steps}
             last_eval = time.time()
     score = evaluate()
     log(f"step {steps} (end): loss {np.mean(losses[-50:]) if losses else float('nan'):.3f}, held-out score {score:.4f}")
