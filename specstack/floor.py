@@ -203,12 +203,34 @@ def _best_seconds(call: Callable[[], object], *, min_seconds: float, blocks: int
     return best
 
 
+@attrs.define(eq=False)
+class BandwidthProbe:
+    """Read bandwidth in bytes/s, measured again at each call over one float32 buffer (its pages touched once,
+    when made): the best of ``repeats`` sums of it, after one warm-up sum. ``specstack floor`` calls it between
+    the turns of each level's forwards, so that a forward is priced at the bandwidth of its own minutes on a
+    shared machine (:func:`specstack.bench.floor.measure`)."""
+
+    buffer: torch.Tensor  # [N] float32, far bigger than the last-level cache
+    repeats: int = 2
+
+    @classmethod
+    def of(cls, *, mib: int = 512, repeats: int = 2) -> "BandwidthProbe":
+        return cls(buffer=torch.ones(mib * 2**20 // 4, dtype=torch.float32, device="cpu"), repeats=repeats)  # [N]
+
+    @property
+    def mib(self) -> int:
+        return self.buffer.numel() * self.buffer.element_size() // 2**20
+
+    def __call__(self) -> float:
+        with torch.inference_mode():
+            seconds = _best_seconds(self.buffer.sum, min_seconds=0.0, blocks=self.repeats)
+        return self.buffer.numel() * self.buffer.element_size() / seconds
+
+
 def measure_bandwidth(*, mib: int = 512, repeats: int = 5) -> float:
     """Read bandwidth in bytes/s: the best of ``repeats`` sums of a float32 buffer of ``mib`` MiB
     (make it far bigger than the last-level cache)."""
-    buffer = torch.ones(mib * 2**20 // 4, dtype=torch.float32, device="cpu")  # [N]; pages touched once here
-    seconds = _best_seconds(buffer.sum, min_seconds=0.0, blocks=repeats)
-    return buffer.numel() * buffer.element_size() / seconds
+    return BandwidthProbe.of(mib=mib, repeats=repeats)()
 
 
 def measure_gemm(dtype: str, rows: int, pairs: Sequence[tuple[int, int]], *, min_seconds: float = 0.01, blocks: int = 3,

@@ -275,7 +275,7 @@ class CachedModel:
         batch.record_attention = Capability.ATTENTION_WEIGHTS in self.policy.requires
         batch.attend = self.policy.attend if Capability.SPARSE_ATTENTION in self.policy.requires else None
         batch.keep_hidden = self._hidden is not None
-        batch.hidden_rows = self._hidden.recent if self._hidden is not None else 0
+        batch.hidden_rows = self._hidden.recent if batch.keep_hidden else 0
         began = time.perf_counter()
         out = self.model.forward(batch, self.cache)  # [num_logits, V]
         self._log_hidden(batch)

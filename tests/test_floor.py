@@ -15,7 +15,7 @@ from specstack import SpecstackError
 from specstack.batch import TokenBatch
 from specstack.bench.floor import Level, Row, ceiling_lines, ceilings, chain_costs, fill, measure, run_floor, time_forwards, tree_parents
 from specstack.cli import _parser, main
-from specstack.floor import Floor, Gemm, Machine, ModelShape, forward_floor, measure_machine
+from specstack.floor import BandwidthProbe, Floor, Gemm, Machine, ModelShape, forward_floor, measure_machine
 from specstack.testing.llama import random_llama
 from specstack.types import Draft, DraftKind
 
@@ -175,6 +175,46 @@ def test_measure_times_every_level_and_rolls_back() -> None:
         assert row.floor == forward_floor(level.shape, torch.float32, row.tokens, row.cache, row.tokens, MACHINE)
 
 
+def test_each_levels_floor_is_priced_at_the_bandwidth_read_between_its_turns() -> None:
+    """measure reads the bandwidth before each timed turn of a level and cache length (not the warm-up turn), and
+    prices those forwards' floors at the median of the readings: a reading taken minutes before, or another
+    level's, would price them at bandwidth the machine no longer had."""
+    target = random_llama(layers=2, max_positions=512)
+    events, readings = [], iter([1e9, 5e9, 2e9, 7e9, 8e9, 3e9, 4e9, 9e9, 6e9])
+
+    class Recording:  # the target, noting each forward's width
+        vocab_size, dtype, module = target.vocab_size, target.dtype, target.module
+
+        def __getattr__(self, name):
+            return getattr(target, name)
+
+        def forward(self, batch, cache):
+            events.append(len(batch.tokens))
+            return target.forward(batch, cache)
+
+    def bandwidth() -> float:
+        events.append("read")
+        return next(readings)
+
+    level = Level(name="L2 target+full", role="target", model=Recording(), caches=(16, 40))
+    rows = measure([level], MACHINE, tokens=(1, 3), repeats=3, bandwidth=bandwidth)
+    turn = ["read", 1, 3]
+    assert events == ([1, 3] + turn * 3) * 2  # per cache: a warm-up turn unread, then three read turns
+    by_cache = {16: 2e9, 40: 7e9}  # medians of (1, 5, 2) and (7, 8, 3) GB/s
+    for row in rows:
+        priced = attrs.evolve(MACHINE, read_bandwidth=by_cache[row.cache])
+        assert row.read_bandwidth == by_cache[row.cache]
+        assert row.floor == forward_floor(level.shape, torch.float32, row.tokens, row.cache, row.tokens, priced)
+        assert row.as_dict()["read_bandwidth_gb_s"] == by_cache[row.cache] / 1e9
+
+
+def test_the_bandwidth_probe_reads_its_buffer_again_at_each_call() -> None:
+    probe = BandwidthProbe.of(mib=16, repeats=1)
+    assert probe.mib == 16 and probe.buffer.dtype == torch.float32
+    first, second = probe(), probe()
+    assert first > 1e8 and second > 1e8 and probe.buffer.data_ptr() == probe.buffer.data_ptr()
+
+
 def test_widths_are_timed_in_turn_and_rolled_back() -> None:
     """time_forwards takes the widths in turn within each repeat (one warm-up turn, then ``repeats``), so that a
     slow spell of the machine falls on every width alike; each forward is rolled back to the cached slots."""
@@ -240,8 +280,17 @@ def test_the_command_reports_each_forward_against_its_floor(capsys, monkeypatch)
     import specstack.bench.floor as command
 
     monkeypatch.setattr(command, "measure_machine", lambda shapes, rows: Machine(
-        threads=1, read_bandwidth=1e10, gemm_peak={"float32": 1e11, "bfloat16": 2e11},
+        threads=1, read_bandwidth=1e10, gemm_peak={"float32": 1e11, "bfloat16": 2e11}, bandwidth_mib=64,
         gemm=(Gemm(dtype="float32", what="target layer", rows=1, flops_per_s=1e11),)))
+
+    class Probe:  # the bandwidth read between turns: 20 GB/s, twice the machine's reading at the start
+        @classmethod
+        def of(cls, *, mib):
+            assert mib == 64  # the buffer the machine was measured with
+            return lambda: 2e10
+
+    monkeypatch.setattr(command, "BandwidthProbe", Probe)
+    paired = attrs.evolve(MACHINE, read_bandwidth=2e10)
     levels = [Level(name="L1 target+retrieval", role="target", model=random_llama(), caches=(32,))]
     assert run_floor(_args("--tokens", "1", "2", "--repeats", "1", "--json"), levels) == 0
     report = json.loads(capsys.readouterr().out)
@@ -250,7 +299,8 @@ def test_the_command_reports_each_forward_against_its_floor(capsys, monkeypatch)
         ("L1 target+retrieval", 32, 1, "chain"), ("L1 target+retrieval", 32, 2, "chain")]
     for row in report["rows"]:
         assert row["ratio"] == pytest.approx(row["ms"] / row["floor_ms"])
-        assert row["floor_ms"] == pytest.approx(1e3 * forward_floor(levels[0].shape, "float32", row["tokens"], 32, row["tokens"], MACHINE).seconds)
+        assert row["floor_ms"] == pytest.approx(1e3 * forward_floor(levels[0].shape, "float32", row["tokens"], 32, row["tokens"], paired).seconds)
+        assert row["read_bandwidth_gb_s"] == 20.0
     one, two = (row["ms"] for row in report["rows"])
     assert [c["acceptance"] for c in report["ceilings"]] == [0.7, 0.8, 0.9, 0.95]
     for c in report["ceilings"]:  # the better of the step alone and one drafted token, priced by the two forwards measured
@@ -259,6 +309,7 @@ def test_the_command_reports_each_forward_against_its_floor(capsys, monkeypatch)
     out = capsys.readouterr().out
     assert "read bandwidth: 10.0 GB/s" in out
     assert [line.split()[4] for line in out.splitlines() if line.startswith("L1 target+retrieval")] == ["chain", "tree"]
+    assert [line.split()[-2] for line in out.splitlines() if line.startswith("L1 target+retrieval")] == ["20.0", "20.0"]
     assert "ceiling" not in out  # chains of one length only: nothing to price
 
 

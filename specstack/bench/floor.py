@@ -14,6 +14,12 @@ same cache length. Each figure is the median of ``--repeats`` forwards after one
 fresh :class:`~specstack.batch.TokenBatch` each time, the model's weights held as a generation holds
 them (:func:`specstack.model.weights_held`: checked once, not before every forward), and is reported as a
 ratio to :func:`specstack.floor.forward_floor`. See docs/benchmarks.md, "Forward cost against the floor".
+
+The read bandwidth is measured again before each timed turn of every level and cache length
+(:class:`specstack.floor.BandwidthProbe`), and that level's floors take the median of those readings: on a
+shared machine whose bandwidth moves from minute to minute, a forward is priced at what the machine could
+read while it ran, not at a reading taken minutes before (docs/benchmarks.md, "The floor read beside its
+forwards"). The GEMM peaks are measured once, at the start.
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ import numpy as np
 import torch
 
 from ..errors import SpecstackError, whole_number
-from ..floor import DTYPES, Floor, Machine, ModelShape, dtype_name, forward_floor, measure_machine
+from ..floor import DTYPES, BandwidthProbe, Floor, Machine, ModelShape, dtype_name, forward_floor, measure_machine
 from ..model import weights_held
 from ..run import WIDEN_BF16_HELP, status, torch_threads, widen_bf16
 from ..speedup import chain_ceiling
@@ -68,14 +74,16 @@ class Row:
     tree: bool
     seconds: float
     floor: Floor
+    read_bandwidth: float | None = None  # bytes/s the floor was priced at: read beside these forwards (None: the machine's)
 
     @property
     def ratio(self) -> float:
         return self.seconds / self.floor.seconds
 
     def as_dict(self) -> dict:
+        bandwidth = None if self.read_bandwidth is None else self.read_bandwidth / 1e9
         return {"level": self.level, "cache": self.cache, "tokens": self.tokens, "shape": "tree" if self.tree else "chain",
-                "ms": 1e3 * self.seconds, **self.floor.as_dict(), "ratio": self.ratio}
+                "ms": 1e3 * self.seconds, **self.floor.as_dict(), "read_bandwidth_gb_s": bandwidth, "ratio": self.ratio}
 
 
 def fill(store, cached: int, generator: torch.Generator) -> None:
@@ -129,13 +137,17 @@ def time_forward(model, store, *, cached: int, tokens: int, tree: bool, repeats:
     return statistics.median(times)
 
 
-def time_forwards(model, store, *, cached: int, widths: Sequence[int], tree: bool, repeats: int, generator: torch.Generator) -> dict[int, float]:
+def time_forwards(model, store, *, cached: int, widths: Sequence[int], tree: bool, repeats: int, generator: torch.Generator,
+                  between: Callable[[], object] | None = None) -> dict[int, float]:
     """Median seconds of ``model.forward`` at each of ``widths`` tokens (trees from 2 tokens where ``tree``) over
     ``store`` holding ``cached`` slots, the widths taken in turn within each repeat (after one warm-up turn), so
-    that a slow spell of a shared machine weighs on every width alike instead of on whichever was being timed."""
+    that a slow spell of a shared machine weighs on every width alike instead of on whichever was being timed.
+    ``between`` (a reading of the machine, such as its bandwidth) is called before each timed turn."""
     times: dict[int, list[float]] = {t: [] for t in widths}
     with weights_held([model]):  # one scope over all turns: each check runs in the warm-up turn
         for turn in range(1 + repeats):
+            if turn > 0 and between is not None:
+                between()
             for t in widths:
                 seconds = time_forward(model, store, cached=cached, tokens=t, tree=tree and t >= 2, repeats=1, generator=generator, warmup=0)
                 if turn > 0:
@@ -144,9 +156,11 @@ def time_forwards(model, store, *, cached: int, widths: Sequence[int], tree: boo
 
 
 def measure(levels: Sequence[Level], machine: Machine, *, tokens: Sequence[int], tree: bool = False, repeats: int = 5,
-            seed: int = 0, progress: Callable[[str], None] | None = None) -> list[Row]:
+            seed: int = 0, progress: Callable[[str], None] | None = None, bandwidth: Callable[[], float] | None = None) -> list[Row]:
     """Time every level's forward at each cache length and number of tokens (chains, and trees of
-    2 tokens or more with ``tree``), the widths in turn (:func:`time_forwards`), and pair each with its floor."""
+    2 tokens or more with ``tree``), the widths in turn (:func:`time_forwards`), and pair each with its floor:
+    at the median of the ``bandwidth`` readings (bytes/s) taken before each of those forwards' timed turns
+    where given, else at the ``machine``'s read bandwidth."""
     generator = torch.Generator(device="cpu").manual_seed(seed)
     rows = []
     for level in levels:
@@ -156,15 +170,19 @@ def measure(levels: Sequence[Level], machine: Machine, *, tokens: Sequence[int],
                 progress(f"{level.name} over {cached} slots")
             store = level.model.new_cache(cached + max(tokens), relative_positions=level.relative_positions)
             fill(store, cached, generator)
-            timed = {False: time_forwards(level.model, store, cached=cached, widths=tokens, tree=False, repeats=repeats, generator=generator)}
+            readings: list[float] = []
+            between = None if bandwidth is None else (lambda: readings.append(bandwidth()))
+            timed = {False: time_forwards(level.model, store, cached=cached, widths=tokens, tree=False, repeats=repeats, generator=generator,
+                                          between=between)}
             if tree and any(t >= 2 for t in tokens):
                 timed[True] = time_forwards(level.model, store, cached=cached, widths=[t for t in tokens if t >= 2], tree=True, repeats=repeats,
-                                            generator=generator)
+                                            generator=generator, between=between)
+            priced = attrs.evolve(machine, read_bandwidth=statistics.median(readings)) if readings else machine
             for t in tokens:
                 for is_tree in (False, True) if tree and t >= 2 else (False,):
                     rows.append(Row(level=level.name, cache=cached, tokens=t, tree=is_tree, seconds=timed[is_tree][t],
-                                    floor=forward_floor(shape, dtype, t, cached, t, machine, level.model.linear_bytes_per_weight(t),
-                                                        level.model.head_bytes_per_weight(t))))
+                                    floor=forward_floor(shape, dtype, t, cached, t, priced, level.model.linear_bytes_per_weight(t),
+                                                        level.model.head_bytes_per_weight(t)), read_bandwidth=priced.read_bandwidth))
             del store
     return rows
 
@@ -241,7 +259,8 @@ def machine_lines(machine: Machine) -> list[str]:
     bf16 = {True: "oneDNN bf16 kernels", False: "no oneDNN bf16 kernels", None: "oneDNN bf16 unknown"}[machine.onednn_bf16]
     peaks = ", ".join(f"{name} {flops / 1e9:.1f}" for name, flops in machine.gemm_peak.items())
     lines = [f"machine: {machine.threads} torch threads, CPU capability {machine.cpu_capability or '?'}, {bf16}",
-             f"read bandwidth: {machine.read_bandwidth / 1e9:.1f} GB/s (sum of a {machine.bandwidth_mib} MiB buffer, best of several)",
+             f"read bandwidth: {machine.read_bandwidth / 1e9:.1f} GB/s (sum of a {machine.bandwidth_mib} MiB buffer, best of several, "
+             "at the start; each level's floors take it again beside their forwards)",
              f"GEMM peak (GFLOP/s, best measured): {peaks}"]
     if machine.bf16_products:
         lines.append(machine.bf16_products)
@@ -260,12 +279,13 @@ def machine_lines(machine: Machine) -> list[str]:
 
 def table(rows: Sequence[Row]) -> list[str]:
     lines = [f"{'level':<20} {'cache':>6} {'T':>3} {'shape':<5} {'ms':>8} {'floor ms':>9} {'memory ms':>9} {'compute ms':>10} "
-             f"{'MB read':>8} {'GFLOP':>6} {'bound':<7} {'ratio':>6}"]
+             f"{'MB read':>8} {'GFLOP':>6} {'bound':<7} {'GB/s':>5} {'ratio':>6}"]
     for r in rows:
         f = r.floor
+        bandwidth = "" if r.read_bandwidth is None else f"{r.read_bandwidth / 1e9:.1f}"
         lines.append(f"{r.level:<20} {r.cache:>6} {r.tokens:>3} {'tree' if r.tree else 'chain':<5} {1e3 * r.seconds:>8.2f} "
                      f"{1e3 * f.seconds:>9.2f} {1e3 * f.memory_s:>9.2f} {1e3 * f.compute_s:>10.2f} {f.bytes / 1e6:>8.1f} "
-                     f"{f.flops / 1e9:>6.2f} {f.bound:<7} {r.ratio:>6.2f}")
+                     f"{f.flops / 1e9:>6.2f} {f.bound:<7} {bandwidth:>5} {r.ratio:>6.2f}")
     return lines
 
 
@@ -358,7 +378,8 @@ def run_floor(args: argparse.Namespace, levels: Sequence[Level] | None = None) -
         shapes = {level.role: level.shape for level in levels}
         status("measuring read bandwidth and GEMM throughput")
         machine = measure_machine(shapes, opts.tokens)
-        rows = measure(levels, machine, tokens=opts.tokens, tree=opts.tree, repeats=opts.repeats, progress=status)
+        probe = BandwidthProbe.of(mib=machine.bandwidth_mib or 512)
+        rows = measure(levels, machine, tokens=opts.tokens, tree=opts.tree, repeats=opts.repeats, progress=status, bandwidth=probe)
     if args.json:
         print(json.dumps({"dtype": opts.dtype, "widen_bf16": opts.widen_bf16, "repeats": opts.repeats, "machine": machine.as_dict(),
                           "models": {name: attrs.asdict(shape) for name, shape in shapes.items()},
@@ -366,5 +387,6 @@ def run_floor(args: argparse.Namespace, levels: Sequence[Level] | None = None) -
         return 0
     widened = ", the target's products widened (--widen-bf16)" if opts.widen_bf16 else ""
     print("\n".join([*machine_lines(machine), "", f"forwards ({opts.dtype}{widened}, median of {opts.repeats} after one warm-up; "
-                     "ratio = ms / floor ms, floor = max(memory, compute)):", *table(rows), *ceiling_lines(ceilings(rows))]))
+                     "ratio = ms / floor ms, floor = max(memory, compute); GB/s: the read bandwidth "
+                     "measured between the turns of that level's forwards, the memory roof of their floors):", *table(rows), *ceiling_lines(ceilings(rows))]))
     return 0
