@@ -59,7 +59,7 @@ class DemoRow:
 
     stack: str
     speedup: float
-    ms_per_token: float
+    ms_per_token: float  # the first turn's (the acceptance and tokens per forward are the first turn's too)
     acceptance: dict[str, float | None]  # level name -> accepted / drafted tokens (None: it drafted nothing)
     tokens_per_target_forward: float
     exactness: str
@@ -81,6 +81,17 @@ class DemoRow:
         """``1.21x``, with the range of its turns where it had several: ``1.21x (turns 1.12-1.30)``."""
         spread = turns_range(self.speedups)
         return f"{self.speedup:.2f}x" + (f" (turns {spread[0]:.2f}-{spread[1]:.2f})" if spread else "")
+
+    def describe(self) -> str:
+        """The stack's line: its speedup (the median of its turns), then its first turn's time per token, tokens per
+        target forward and acceptance (said to be turn 1's where there were more turns: the median's turn may be
+        another), and its γ."""
+        accept = ", ".join(f"{name} {rate:.2f}" if rate is not None else f"{name} none drafted" for name, rate in self.acceptance.items())
+        gammas = f"; {self.tuning['description']}" if self.tuning else ""
+        first = f"{self.ms_per_token:.1f} ms/token, {self.tokens_per_target_forward:.2f} tokens per target forward; acceptance {accept}"
+        if len(self.speedups) > 1:
+            return f"{self.stack}: {self.describe_speedup()}; turn 1: {first}{gammas}"
+        return f"{self.stack}: {self.describe_speedup()} ({self.ms_per_token:.1f} ms/token), {self.tokens_per_target_forward:.2f} tokens per target forward; acceptance {accept}{gammas}"
 
 
 def task_prompt(tokenizer, *, book: str, length: int, request: str = QUESTION) -> list[int]:
@@ -151,11 +162,10 @@ def triforce_demo(args) -> int:
         return 0
     coupled = " (coupled)" if sampling.coupled and not sampling.greedy else ""
     print(f"prompt: {source}, {len(prompt)} tokens; {len(reference.tokens)} new tokens; temperature {sampling.temperature}{coupled}; {session.dtype}")
-    print(f"autoregressive: {1e3 * reference.seconds / max(len(reference.tokens), 1):.1f} ms/token; {drift.describe(args.repeats)}")
+    first = " in turn 1" if args.repeats > 1 else ""
+    print(f"autoregressive: {1e3 * reference.seconds / max(len(reference.tokens), 1):.1f} ms/token{first}; {drift.describe(args.repeats)}")
     for row in rows:
-        accept = ", ".join(f"{name} {rate:.2f}" if rate is not None else f"{name} none drafted" for name, rate in row.acceptance.items())
-        gammas = f"; {row.tuning['description']}" if row.tuning else ""
-        print(f"{row.stack}: {row.describe_speedup()} ({row.ms_per_token:.1f} ms/token), {row.tokens_per_target_forward:.2f} tokens per target forward; acceptance {accept}{gammas}")
+        print(row.describe())
         print(f"  exactness: {row.exactness}")
     print("text:", text[:600].replace("\n", " "))
     return 0

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from specstack.cli import main
-from specstack.demo import _spec
+from specstack.demo import DemoRow, _spec
 from specstack.run import parse_options
 
 pytestmark = pytest.mark.real_model
@@ -168,3 +168,17 @@ def test_a_reduced_precision_difference_points_to_widen_bf16_unless_it_was_given
         session = SimpleNamespace(dtype=torch.bfloat16, sampling=SamplingConfig(temperature=0.6, coupled=True), widen_bf16=widened)
         line = _exactness(session, None, identical=False, replay=None)
         assert line.startswith("coupled: differs") and ("--widen-bf16" in line) is not widened
+
+
+def test_a_stack_line_says_whose_time_per_token_it_shows() -> None:
+    """The speedup is the median of a stack's turns, its time per token, tokens per forward and acceptance the first
+    turn's: with several turns the line says so, since the median's turn may be another (a first turn at 0.85x beside
+    a median of 0.97x)."""
+    row = DemoRow(stack="medusa-lookup", speedup=0.85, ms_per_token=22.0, acceptance={"target": 0.38, "draft": None},
+                  tokens_per_target_forward=1.45, exactness="identical", identical=True, tuning=None)
+    assert row.describe() == ("medusa-lookup: 0.85x (22.0 ms/token), 1.45 tokens per target forward; "
+                              "acceptance target 0.38, draft none drafted")
+    turns = row.with_turn(0.97).with_turn(1.01)
+    assert turns.describe() == ("medusa-lookup: 0.97x (turns 0.85-1.01); turn 1: 22.0 ms/token, 1.45 tokens per target forward; "
+                                "acceptance target 0.38, draft none drafted")
+
