@@ -88,10 +88,10 @@ class DemoRow:
         another), and its γ."""
         accept = ", ".join(f"{name} {rate:.2f}" if rate is not None else f"{name} none drafted" for name, rate in self.acceptance.items())
         gammas = f"; {self.tuning['description']}" if self.tuning else ""
-        first = f"{self.ms_per_token:.1f} ms/token, {self.tokens_per_target_forward:.2f} tokens per target forward; acceptance {accept}"
+        rest = f"{self.tokens_per_target_forward:.2f} tokens per target forward; acceptance {accept}{gammas}"
         if len(self.speedups) > 1:
-            return f"{self.stack}: {self.describe_speedup()}; turn 1: {first}{gammas}"
-        return f"{self.stack}: {self.describe_speedup()} ({self.ms_per_token:.1f} ms/token), {self.tokens_per_target_forward:.2f} tokens per target forward; acceptance {accept}{gammas}"
+            return f"{self.stack}: {self.describe_speedup()}; turn 1: {self.ms_per_token:.1f} ms/token, {rest}"
+        return f"{self.stack}: {self.describe_speedup()} ({self.ms_per_token:.1f} ms/token), {rest}"
 
 
 def task_prompt(tokenizer, *, book: str, length: int, request: str = QUESTION) -> list[int]:

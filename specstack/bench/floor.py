@@ -378,7 +378,7 @@ def run_floor(args: argparse.Namespace, levels: Sequence[Level] | None = None) -
         shapes = {level.role: level.shape for level in levels}
         status("measuring read bandwidth and GEMM throughput")
         machine = measure_machine(shapes, opts.tokens)
-        probe = BandwidthProbe.of(mib=machine.bandwidth_mib or 512)
+        probe = BandwidthProbe.of(mib=machine.bandwidth_mib)
         rows = measure(levels, machine, tokens=opts.tokens, tree=opts.tree, repeats=opts.repeats, progress=status, bandwidth=probe)
     if args.json:
         print(json.dumps({"dtype": opts.dtype, "widen_bf16": opts.widen_bf16, "repeats": opts.repeats, "machine": machine.as_dict(),
