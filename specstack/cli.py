@@ -40,8 +40,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser with its errors in one line, without the usage block: ``specstack bench: error:
+    argument --seeds: invalid int value: 'x' (see specstack bench --help)``. Every subcommand's parser is one
+    (``add_subparsers`` makes its parsers of the parent's class)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def _parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="specstack", description="Lossless hierarchical speculative decoding (TriForce and friends).")
+    parser = _Parser(prog="specstack", description="Lossless hierarchical speculative decoding (TriForce and friends).")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     plugins = commands.add_parser("plugins", help="list every registered component by kind")
@@ -166,7 +175,7 @@ def _generate(args: argparse.Namespace) -> int:
 
     session = run.Session.open(args)
     prompt = session.prompt_tokens(prompt=args.prompt, prompt_file=args.prompt_file, book=args.book, length=args.prompt_tokens)
-    options, mode = auto_options(args.option)
+    options, mode = auto_options(run.given_once(args.option))
     stack = session.stack(args.stack, options)
     retuner = None
     if mode:
@@ -185,9 +194,15 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+# What `specstack demo --synthetic` takes; its stack, prompt and sampling are fixed (specstack.demo.synthetic_demo)
+SYNTHETIC_DEMO_TAKES = frozenset({"synthetic", "max_new_tokens", "seed", "device", "draft_device", "threads", "cuda_graphs"})
+
+
 def _demo(args: argparse.Namespace) -> int:
     if args.synthetic:
         from .demo import synthetic_demo
+
+        _refuse_given(args, _command_parser("demo"), takes=SYNTHETIC_DEMO_TAKES, mode="--synthetic (a fixed stack, prompt and sampling)")
 
         with torch_threads(args.threads):
             synthetic_demo(max_new_tokens=args.max_new_tokens, seed=args.seed, device=args.device, draft_device=args.draft_device)
@@ -195,6 +210,22 @@ def _demo(args: argparse.Namespace) -> int:
     from .demo import triforce_demo
 
     return triforce_demo(args)
+
+
+def _command_parser(command: str) -> argparse.ArgumentParser:
+    """The parser of a built-in ``command``, built afresh."""
+    commands = next(a for a in _parser([command])._actions if isinstance(a, argparse._SubParsersAction))
+    return commands.choices[command]
+
+
+def _refuse_given(args: argparse.Namespace, parser: argparse.ArgumentParser, *, takes: frozenset, mode: str) -> None:
+    """One error line naming the first option of ``parser`` given a value other than its default that
+    ``mode`` does not take (``takes``: the destinations it does), instead of ignoring it."""
+    for action in parser._actions:
+        value = getattr(args, action.dest, action.default)
+        if action.dest not in takes | {"help"} and value != action.default:
+            given = [action.option_strings[0]] + ([] if action.nargs == 0 else [str(v) for v in value] if isinstance(value, list) else [str(value)])
+            raise SpecstackError(f"{' '.join(given)} is not taken with {mode}; drop one of the two")
 
 
 if __name__ == "__main__":  # pragma: no cover

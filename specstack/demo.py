@@ -123,6 +123,7 @@ def triforce_demo(args) -> int:
     from .testing.certificate import GreedyReference
 
     args.repeats = whole_number(args.repeats, "--repeats")  # before any model loads
+    run.given_once(args.option)
     session = run.Session.open(args)
     if args.prompt_file is not None:
         prompt, source = session.prompt_tokens(prompt=None, prompt_file=args.prompt_file, book=None, length=args.prompt_tokens), args.prompt_file
@@ -211,10 +212,11 @@ def _baseline_drift(autoregressive, prompt: list[int], reference, args) -> Basel
 def _spec(text: str, shared: Sequence[str]) -> tuple[str, list[str]]:
     """A ``--stacks`` entry, ``NAME`` or ``NAME:key=value,key=value`` (as ``specstack bench`` takes it), as the
     recipe's name and its options: the ``-o`` options every stack shares, then the entry's own, which win."""
-    from .run import split_spec
+    from .run import given_once, option_key, split_spec
 
     name, own = split_spec(text, "--stacks entry")
-    return name, [*shared, *own]
+    overridden = {option_key(option) for option in given_once(own)}
+    return name, [option for option in shared if option_key(option) not in overridden] + own
 
 
 def _turn(stack, tuning: "Tuning | None", adaptive: bool, args, prompt: list[int], reference, label: str) -> float:

@@ -185,14 +185,30 @@ def split_spec(text: str, what: str) -> tuple[str, list[str]]:
     return name.strip(), [part.strip() for part in rest.split(",")] if rest.strip() else []
 
 
-def parse_options(options: Sequence[str]) -> dict[str, object]:
-    """``["budget=1024", "gamma2=6"]`` -> ``{"budget": 1024, "gamma2": 6}``."""
-    parsed = {}
+def option_key(option: str) -> str:
+    """``"draft-window=64"`` -> ``"draft_window"``."""
+    return option.partition("=")[0].strip().replace("-", "_")
+
+
+def given_once(options: Sequence[str]) -> list[str]:
+    """``options`` as they are, or one error line for a key given twice (rather than the last one silently winning)."""
+    seen: dict[str, str] = {}
     for option in options:
+        key = option_key(option)
+        if key in seen:
+            raise SpecstackError(f"stack option '{key}' is given twice ({seen[key]!r}, {option!r}); give it once")
+        seen[key] = option
+    return list(options)
+
+
+def parse_options(options: Sequence[str]) -> dict[str, object]:
+    """``["budget=1024", "gamma2=6"]`` -> ``{"budget": 1024, "gamma2": 6}``; a key given twice is an error."""
+    parsed = {}
+    for option in given_once(options):
         key, sep, value = option.partition("=")
         if not sep or not key:
             raise SpecstackError(f"stack option {option!r} is not KEY=VALUE")
-        parsed[key.replace("-", "_")] = _value(value)
+        parsed[option_key(option)] = _value(value)
     return parsed
 
 

@@ -422,16 +422,59 @@ def test_the_cli_runs_a_synthetic_grid(tmp_path, capsys) -> None:
     assert "| `speculative:gamma=3` | prose | 256 |" in out and "3 runs executed" in out
 
 
-def test_the_cli_exits_1_when_a_run_failed(tmp_path, capsys) -> None:
+def test_the_cli_exits_2_when_a_run_failed_on_bad_input(tmp_path, capsys) -> None:
     """The runs that worked are reported and written, and a script running the bench learns that one gave no figures:
-    exit code 1 and one line on stderr naming the first failed run and its error."""
+    exit code 2 (bad input, as everywhere) and one line on stderr naming the first failed run and its error."""
     args = bench_args(["--stacks", "naive", "triforce:budgett=5", "--context-lengths", "256", "--max-new-tokens", "8",
                        "--temperatures", "0", "--synthetic", "--out", str(tmp_path), "--quiet"])
-    assert run_bench(args) == 1
+    assert run_bench(args) == 2
     captured = capsys.readouterr()
     assert "3 runs executed; 2 ok and 1 failed" in captured.out
     assert captured.err == ("specstack bench: 1 run(s) failed, the first 'triforce:budgett=5': stack 'triforce' has no option 'budgett'; "
                             "options: gamma1, gamma2, budget, chunk_size, stride, draft_window, sinks, draft_vocab\n")
+
+
+def test_the_cli_exits_1_when_a_run_crashed(tmp_path, capsys, monkeypatch) -> None:
+    """A fault that is not bad input (here every decoding raising RuntimeError) is exit code 1, not 2."""
+    from specstack.stack import SpeculationStack
+
+    def crash(*args, **kwargs):
+        raise RuntimeError("a deliberate fault")
+
+    monkeypatch.setattr(SpeculationStack, "generate", crash)
+    args = bench_args(["--stacks", "naive", "--context-lengths", "256", "--max-new-tokens", "8", "--synthetic",
+                       "--out", str(tmp_path), "--quiet"])
+    assert run_bench(args) == 1
+    assert "RuntimeError: a deliberate fault" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--stacks", "naive", "--trees", "binary:3"],
+     "grid key 'trees' sets option 'tree', which none of the stacks (naive) takes unfixed; add a stack that has it"),
+    (["--stacks", "triforce:gamma1=2", "autoregressive", "--gamma1", "1", "2"],
+     "grid key 'gamma1s' sets option 'gamma1', which none of the stacks (triforce:gamma1=2, autoregressive) takes unfixed"),
+    (["--stacks", "naive", "--num-cpus", "2"], "num_cpus 2 is only used by the ray executor; add executor='ray' (--executor ray)"),
+    (["--stacks", "prompt-lookup:gamma=auto,gamma=2"], "stack option 'gamma' is given twice ('gamma=auto', 'gamma=2'); give it once"),
+])
+def test_the_cli_refuses_what_it_would_drop_before_anything_runs(tmp_path, capsys, flags, message) -> None:
+    """An option axis no stack takes, a Ray-only setting on the local executor and an option given twice would
+    each be dropped without a word: one error line instead, and nothing runs."""
+    from specstack.cli import main
+
+    assert main(["bench", *flags, "--context-lengths", "256", "--max-new-tokens", "4", "--synthetic", "--out", str(tmp_path / "out"),
+                 "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_axis_is_taken_where_one_stack_has_it_unfixed(tmp_path, capsys) -> None:
+    """The check above does not refuse an axis that one stack of several takes: it is crossed there alone."""
+    args = bench_args(["--stacks", "autoregressive", "speculative", "--gamma", "2", "3", "--context-lengths", "256", "--max-new-tokens", "4",
+                       "--synthetic", "--out", str(tmp_path), "--quiet"])
+    assert run_bench(args) == 0
+    labels = {json.loads(line)["label"] for line in (tmp_path / "results.jsonl").read_text().splitlines()}
+    assert labels == {"speculative:gamma=2", "speculative:gamma=3", "autoregressive"}
 
 
 def test_a_coupled_grid_compares_sampled_runs_on_one_text(tmp_path, capsys) -> None:

@@ -119,6 +119,50 @@ def test_load_default_checks_its_devices_before_reading_weights(monkeypatch) -> 
         models.load_default(device="cpu", draft_device="cuda:0x")
 
 
+@pytest.mark.parametrize(("argv", "message"), [
+    (["generate", "--threads", "abc"], "specstack generate: error: argument --threads: invalid int value: 'abc' (see specstack generate --help)"),
+    (["bench", "--seeds", "x"], "specstack bench: error: argument --seeds: invalid int value: 'x' (see specstack bench --help)"),
+    (["demo", "--dtype", "int8"], "specstack demo: error: argument --dtype: invalid choice: 'int8' (choose from "),
+    (["generate", "--prompt", "a", "--book", "emma"], "specstack generate: error: argument --book: not allowed with argument --prompt"),
+])
+def test_a_malformed_argument_is_one_line_without_the_usage_block(capsys, argv, message) -> None:
+    with pytest.raises(SystemExit) as exit:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exit.value.code == 2 and err.count("\n") == 1 and err.startswith(message), err
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--repeats", "0"], "--repeats 0 is not taken with --synthetic"),
+    (["--stacks", "nosuch", "triforce"], "--stacks nosuch triforce is not taken with --synthetic"),
+    (["-o", "gamma=zz"], "-o gamma=zz is not taken with --synthetic"),
+    (["--prompt-file", "/nonexistent"], "--prompt-file /nonexistent is not taken with --synthetic"),
+    (["--json"], "--json is not taken with --synthetic"),
+    (["--temperature", "0.6"], "--temperature 0.6 is not taken with --synthetic"),
+])
+def test_the_synthetic_demo_refuses_what_it_would_ignore(capsys, flags, message) -> None:
+    """`demo --synthetic` runs a fixed stack on a fixed prompt, greedily: an option it would ignore (a bad one
+    included) is one error line, not a run that looks like its answer."""
+    assert main(["demo", "--synthetic", *flags]) == 2
+    captured = capsys.readouterr()
+    assert captured.err == f"specstack demo: error: {message} (a fixed stack, prompt and sampling); drop one of the two\n"
+    assert captured.out == ""
+
+
+def test_a_stack_option_given_twice_is_an_error_where_a_demo_entry_overrides_a_shared_one() -> None:
+    from specstack.demo import _spec
+    from specstack.run import given_once, parse_options
+
+    with pytest.raises(SpecstackError, match=r"stack option 'gamma' is given twice \('gamma=auto', 'gamma=2'\); give it once"):
+        given_once(["gamma=auto", "budget=64", "gamma=2"])
+    with pytest.raises(SpecstackError, match="stack option 'draft_window' is given twice"):
+        parse_options(["draft-window=64", "draft_window=32"])
+    # a --stacks entry's own option wins over the -o options every entry shares, without an error
+    assert _spec("triforce:gamma1=2", ["gamma1=3", "budget=64"]) == ("triforce", ["budget=64", "gamma1=2"])
+    with pytest.raises(SpecstackError, match="stack option 'gamma1' is given twice"):
+        _spec("triforce:gamma1=2,gamma1=4", [])
+
+
 def test_the_synthetic_demo_runs_on_an_explicit_cpu(capsys) -> None:
     assert main(["demo", "--synthetic", "--device", "cpu", "--draft-device", "cpu", "--no-cuda-graphs", "--max-new-tokens", "24"]) == 0
     out = capsys.readouterr().out

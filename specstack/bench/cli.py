@@ -7,6 +7,7 @@ import argparse
 import sys
 from typing import Any
 
+from ..errors import SpecstackError
 from ..run import WIDEN_BF16_HELP
 
 # flag destination -> grid key; a flag left unset keeps the grid file's value (or the default)
@@ -72,7 +73,7 @@ def run_bench(args: argparse.Namespace) -> int:
 
     grid = load_grid(args.grid, grid_overrides(args))  # a bad grid fails here, before anything runs
     if args.executor == "local":
-        check_stack_names(grid)
+        check_stacks(grid)
     models = SyntheticModels(device=grid.device or "cpu", draft_device=grid.draft_device or grid.device or "cpu") if args.synthetic else None
     table = run_grid(grid, args.out, models=models, executor=args.executor, ray_address=args.ray_address, num_cpus=args.num_cpus,
                      progress=not args.quiet)
@@ -82,16 +83,24 @@ def run_bench(args: argparse.Namespace) -> int:
     if table.errors:  # a script running the bench must see that some runs gave no figures
         first = table.errors[0]
         print(f"specstack bench: {len(table.errors)} run(s) failed, the first {first['label']!r}: {first['error']}", file=sys.stderr)
-        return 1
+        return 2 if all(error.get("error_kind") == "input" for error in table.errors) else 1  # 2: bad input, as everywhere
     return 0
 
 
-def check_stack_names(grid) -> None:
-    """A stack name that nothing installed here registers is a typo: one error line before any model loads.
-    (``run_grid`` itself records such a point as a failed run, as a Ray worker with other plugins would.)"""
+def check_stacks(grid) -> None:
+    """A stack name that nothing installed here registers is a typo, and an option axis that none of the stacks
+    takes (unfixed) would be dropped without a word: one error line each, before any model loads.
+    (``run_grid`` itself records an unknown name as a failed run, as a Ray worker with other plugins would.)"""
     from ..registry import Registry
+    from .grid import OPTION_AXES
     from .stacks import Catalog
 
     catalog = Catalog(registry=Registry.create())
     for spec in grid.stacks:
         catalog.get(spec.name)
+    for axis in OPTION_AXES:
+        takers = [spec for spec in grid.stacks if axis.option in catalog.options_of(spec.name) and axis.option not in dict(spec.options)]
+        if getattr(grid, axis.field) is not None and not takers:
+            raise SpecstackError(f"grid key '{axis.field}' sets option '{axis.option}', which none of the stacks "
+                                 f"({', '.join(spec.text for spec in grid.stacks)}) takes unfixed; add a stack that has it "
+                                 f"(`specstack plugins`, docs/bench.md) or drop the key")

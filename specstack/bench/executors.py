@@ -32,6 +32,8 @@ class LocalExecutor:
     def create(cls, *, address: str | None, num_cpus: int | None) -> "LocalExecutor":
         if address is not None:
             raise SpecstackError(f"ray address {address!r} is only used by the ray executor; add executor='ray' (--executor ray)")
+        if num_cpus is not None:
+            raise SpecstackError(f"num_cpus {num_cpus!r} is only used by the ray executor; add executor='ray' (--executor ray)")
         return cls()
 
     def run(self, job: Job, groups: list[list[Point]], pending: set[str], sink: Sink, registry: Registry | None = None) -> None:
