@@ -44,6 +44,7 @@ class Session:
         # checked before any weights are read; a plugin command without device flags (plan-tree) runs on the CPU
         device, draft_device = check_devices(getattr(args, "device", "cpu"), getattr(args, "draft_device", None))
         cuda_graphs = getattr(args, "cuda_graphs", True)
+        widened = widening_asked(args.dtype, getattr(args, "widen_bf16", False))
         hf_logging.disable_progress_bar()  # our own progress lines are enough
         set_threads(args.threads)
         sampling = SamplingConfig(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, coupled=getattr(args, "coupled", False))
@@ -55,7 +56,6 @@ class Session:
         else:
             target, tokenizer = load_target(dtype=dtype, device=device, context=context, rope_scaling=scaling)
         use_cuda_graphs([target], cuda_graphs)
-        widened = getattr(args, "widen_bf16", False)
         widen_bf16([target], widened)
         return cls(registry=Registry.create(), target=target, tokenizer=tokenizer, draft_path=args.draft, sampling=sampling, seed=args.seed,
                    dtype=dtype, draft_device=draft_device, cuda_graphs=cuda_graphs, widen_bf16=widened)
@@ -144,6 +144,13 @@ def check_devices(device: str | torch.device, draft_device: str | torch.device |
 WIDEN_BF16_HELP = ("the target's bf16 products widened to float32 on the CPU (no AMX tiles, no bf16 dot products): every token of a "
                    "verify then gets the one-token step's logits bit for bit, so bf16 stacks write autoregressive decoding's output; "
                    "wide verifies cost more where tiles or dot products pay")
+
+
+def widening_asked(dtype: str, enabled: bool) -> bool:
+    """``--widen-bf16`` as given, or one error line where ``dtype`` (a name) has no bf16 products to widen."""
+    if enabled and dtype != "bfloat16":
+        raise SpecstackError(f"--widen-bf16 widens bf16 products, and --dtype {dtype} has none; add --dtype bfloat16 or drop --widen-bf16")
+    return enabled
 
 
 def widen_bf16(models: Iterable[object], enabled: bool) -> None:

@@ -204,6 +204,14 @@ def test_no_cuda_graphs_switches_them_off_in_transformers_models() -> None:
     assert model.cuda_graphs is True
 
 
+@pytest.mark.parametrize("command", ["generate", "demo", "bench", "bench --synthetic"])
+def test_widen_bf16_without_bf16_is_one_line_before_anything_loads(capsys, tmp_path, command) -> None:
+    """--widen-bf16 at --dtype float32 (the default) would widen nothing: one error line instead."""
+    code, err = run_cli(capsys, tmp_path, command, "--widen-bf16")
+    assert_one_line_error(code, err, f"specstack {command.split()[0]}: error: --widen-bf16 widens bf16 products, and --dtype float32 "
+                                     "has none; add --dtype bfloat16 or drop --widen-bf16")
+
+
 def test_widen_bf16_reaches_the_target_generate_and_demo_load(monkeypatch) -> None:
     """--widen-bf16 on the stack commands: the target the session loads has its products widened, and the session says
     so (the demo's exactness line reads it); unset, neither."""
@@ -218,7 +226,7 @@ def test_widen_bf16_reaches_the_target_generate_and_demo_load(monkeypatch) -> No
     monkeypatch.setattr(specstack.models, "load_target", lambda **kwargs: (target, None))
     monkeypatch.setattr(HFCausalLM, "widen_bf16_products", lambda self: widened.append(self))
     for command in ("generate", "demo"):
-        for flags, expected in [((), []), (("--widen-bf16",), [target])]:
+        for flags, expected in [(("--dtype", "bfloat16"), []), (("--dtype", "bfloat16", "--widen-bf16"), [target])]:
             widened.clear()
             session = Session.open(_parser([command]).parse_args([command, *flags]))
             assert session.target is target and widened == expected and session.widen_bf16 == bool(expected)

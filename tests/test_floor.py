@@ -322,6 +322,8 @@ def test_the_command_reports_each_forward_against_its_floor(capsys, monkeypatch)
     (["--budget", "x"], "--budget 'x' is not allowed; use an integer >= 1"),
     (["--dtype", "float16"], "unknown dtype 'float16'; available: bfloat16, float32"),
     (["--levels", "full", "middle"], "unknown level 'middle'; available: full, retrieval, draft"),
+    (["--tree", "--tokens", "1"], "--tree times token trees of 2 tokens or more, and --tokens 1 has none; add one or drop --tree"),
+    (["--widen-bf16"], "--widen-bf16 widens bf16 products, and --dtype float32 has none; add --dtype bfloat16 or drop --widen-bf16"),
 ])
 def test_bad_input_exits_2_with_one_line_before_any_weights_are_read(capsys, monkeypatch, flags, message) -> None:
     import specstack.bench.floor as command
@@ -376,5 +378,5 @@ def test_widen_bf16_widens_the_target_the_command_loads(monkeypatch) -> None:
     monkeypatch.setattr(HFCausalLM, "widen_bf16_products", lambda self: widened.append(self))
     for flags, expected in [((), []), (("--widen-bf16",), [target])]:
         widened.clear()
-        levels = default_levels(options(_args("--levels", "full", "--cache", "32", "--tokens", "1", *flags)))
+        levels = default_levels(options(_args("--levels", "full", "--cache", "32", "--tokens", "1", "--dtype", "bfloat16", *flags)))
         assert [level.model for level in levels] == [target] and widened == expected

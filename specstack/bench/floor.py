@@ -38,7 +38,7 @@ import torch
 from ..errors import SpecstackError, whole_number
 from ..floor import DTYPES, BandwidthProbe, Floor, Machine, ModelShape, dtype_name, forward_floor, measure_machine
 from ..model import weights_held
-from ..run import WIDEN_BF16_HELP, status, torch_threads, widen_bf16
+from ..run import WIDEN_BF16_HELP, status, torch_threads, widen_bf16, widening_asked
 from ..speedup import chain_ceiling
 
 LEVELS = {"full": "L2 target+full", "retrieval": "L1 target+retrieval", "draft": "L0 draft+streaming"}
@@ -338,12 +338,15 @@ def options(args: argparse.Namespace) -> Options:
     unknown = [name for name in args.levels if name not in LEVELS]
     if unknown:
         raise SpecstackError(f"unknown level {unknown[0]!r}; available: {', '.join(LEVELS)}")
+    if args.tree and all(whole_number(t, "--tokens") < 2 for t in args.tokens):
+        raise SpecstackError(f"--tree times token trees of 2 tokens or more, and --tokens {' '.join(map(str, args.tokens))} has none; "
+                             "add one or drop --tree")
     return Options(dtype=dtype_name(args.dtype), caches=tuple(whole_number(n, "--cache") for n in args.cache),
                    tokens=tuple(dict.fromkeys(whole_number(t, "--tokens") for t in args.tokens)),
                    levels=tuple(dict.fromkeys(args.levels)), budget=whole_number(args.budget, "--budget"),
                    window=whole_number(args.window, "--window"), repeats=whole_number(args.repeats, "--repeats"),
                    threads=None if args.threads is None else whole_number(args.threads, "--threads"), tree=args.tree,
-                   context=args.context, rope_scaling=args.rope_scaling, widen_bf16=args.widen_bf16)
+                   context=args.context, rope_scaling=args.rope_scaling, widen_bf16=widening_asked(dtype_name(args.dtype), args.widen_bf16))
 
 
 def default_levels(opts: Options) -> list[Level]:

@@ -20,7 +20,7 @@ from typing import Any, Iterable, Mapping
 import attrs
 
 from ..errors import SpecstackError
-from ..run import check_device, parse_options, split_spec
+from ..run import check_device, parse_options, split_spec, widening_asked
 from .tasks import task_by_name
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -173,7 +173,8 @@ class Grid:
     device: str | None = attrs.field(default=None, validator=_device)  # the target's; None: cpu (given models: theirs)
     draft_device: str | None = attrs.field(default=None, validator=_device)  # None: the target's
     cuda_graphs: bool = attrs.field(default=True, validator=_scalar("true or false", lambda v: isinstance(v, bool)))
-    widen_bf16: bool = attrs.field(default=False, validator=_scalar("true or false", lambda v: isinstance(v, bool)))  # HFCausalLM.widen_bf16_products
+    widen_bf16: bool = attrs.field(default=False, validator=[_scalar("true or false", lambda v: isinstance(v, bool)),
+                                                             lambda grid, _, value: widening_asked(grid.dtype, value)])  # HFCausalLM.widen_bf16_products
     context: int | None = attrs.field(default=None, validator=_scalar("an integer >= 1 or absent", _is_int(1), allow_none=True))  # the target's window
     rope_scaling: str = attrs.field(default="yarn", validator=_scalar("yarn, linear, extrapolate or none", lambda v: v in ("yarn", "linear", "extrapolate", "none")))
     stop_at_eos: bool = attrs.field(default=False, validator=_scalar("true or false", lambda v: isinstance(v, bool)))
