@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 from pathlib import Path
 from typing import Callable
@@ -54,11 +55,21 @@ def _inputs(args: argparse.Namespace, check_hyperparameters: Callable[[dict], No
     """The hyperparameters and training texts of ``args``, checked (one error line each) before any weights are read."""
     from specstack.run import parse_options
 
-    if args.minutes <= 0:
-        raise SpecstackError(f"--minutes {args.minutes:g} is not allowed; use a positive number")
+    if not (math.isfinite(args.minutes) and args.minutes > 0):
+        raise SpecstackError(f"--minutes {args.minutes:g} is not allowed; use a positive finite number")
     hyperparams = parse_options(args.set)
     check_hyperparameters(hyperparams)
     return hyperparams, [read_text(path) for path in args.text]
+
+
+def writable(flag: str, path: str, *, folder: bool = False) -> None:
+    """One error line, before any weights are read, where the file (or, ``folder``, the folder) at ``path`` cannot be made:
+    the nearest part of it that exists must be a writable folder (rather than failing after the training)."""
+    existing = Path(path).absolute() if folder else Path(path).absolute().parent
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir() or not os.access(existing, os.W_OK):
+        raise SpecstackError(f"{flag} {path!r} cannot be written: {str(existing)!r} is not a writable folder")
 
 
 def _print_metrics(metrics: dict) -> int:
@@ -79,6 +90,7 @@ def _add_draft_arguments(parser: argparse.ArgumentParser) -> None:
 def _train_draft(args: argparse.Namespace) -> int:
     from .distill import check_hyperparameters, distill
 
+    writable("--out", args.out, folder=True)
     hyperparams, texts = _inputs(args, check_hyperparameters)
     eval_texts = {Path(path).stem: read_text(path) for path in args.eval_text}
     metrics = distill(target_dir=_target_dir(args.target), texts=texts, out_dir=args.out, minutes=args.minutes, seed=args.seed,
@@ -114,6 +126,9 @@ def _train_on_states(args: argparse.Namespace, check_hyperparameters: Callable[[
     """Train a draft that reads the target's hidden states (Medusa heads, an EAGLE layer) into one .safetensors file."""
     if not args.out.endswith(".safetensors"):
         raise SpecstackError(f"--out {args.out!r} is not allowed; name a .safetensors file")
+    writable("--out", args.out)
+    if args.data is not None:
+        writable("--data", args.data)
     hyperparams, texts = _inputs(args, check_hyperparameters)
     eval_texts = {Path(path).stem: read_text(path) for path in args.eval_text}
     metrics = trainer(target_dir=_target_dir(args.target), texts=texts, out=args.out, minutes=args.minutes, seed=args.seed,
