@@ -203,7 +203,6 @@ def _demo(args: argparse.Namespace) -> int:
         from .demo import synthetic_demo
 
         _refuse_given(args, _command_parser("demo"), takes=SYNTHETIC_DEMO_TAKES, mode="--synthetic (a fixed stack, prompt and sampling)")
-
         with torch_threads(args.threads):
             synthetic_demo(max_new_tokens=args.max_new_tokens, seed=args.seed, device=args.device, draft_device=args.draft_device)
         return 0

@@ -123,7 +123,7 @@ def triforce_demo(args) -> int:
     from .testing.certificate import GreedyReference
 
     args.repeats = whole_number(args.repeats, "--repeats")  # before any model loads
-    run.given_once(args.option)
+    run.given_once(args.option)  # an -o key given twice: one line, before any model loads too
     session = run.Session.open(args)
     if args.prompt_file is not None:
         prompt, source = session.prompt_tokens(prompt=None, prompt_file=args.prompt_file, book=None, length=args.prompt_tokens), args.prompt_file

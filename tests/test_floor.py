@@ -322,6 +322,9 @@ def test_the_command_reports_each_forward_against_its_floor(capsys, monkeypatch)
     (["--budget", "x"], "--budget 'x' is not allowed; use an integer >= 1"),
     (["--dtype", "float16"], "unknown dtype 'float16'; available: bfloat16, float32"),
     (["--levels", "full", "middle"], "unknown level 'middle'; available: full, retrieval, draft"),
+    (["--levels", "full", "draft", "--budget", "256"],
+     "--budget 256 sizes the retrieval level, which --levels full draft leaves out; add retrieval or drop --budget"),
+    (["--levels", "retrieval", "--window", "64"], "--window 64 sizes the draft level, which --levels retrieval leaves out; add draft or drop --window"),
     (["--tree", "--tokens", "1"], "--tree times token trees of 2 tokens or more, and --tokens 1 has none; add one or drop --tree"),
     (["--widen-bf16"], "--widen-bf16 widens bf16 products, and --dtype float32 has none; add --dtype bfloat16 or drop --widen-bf16"),
 ])

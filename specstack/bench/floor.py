@@ -304,8 +304,8 @@ def add_floor_parser(commands) -> argparse.ArgumentParser:
                        help=f"new tokens per forward (default: {' '.join(map(str, TOKENS))})")
     floor.add_argument("--tree", action="store_true", help="also time token trees of each T >= 2 (one committed token and a binary tree)")
     floor.add_argument("--levels", nargs="+", metavar="LEVEL", default=list(LEVELS), help=f"which forwards (default: {' '.join(LEVELS)})")
-    floor.add_argument("--budget", default=str(BUDGET), metavar="N", help=f"slots of the retrieval view (default: {BUDGET})")
-    floor.add_argument("--window", default=str(WINDOW), metavar="N", help=f"slots of the draft's StreamingLLM window (default: {WINDOW})")
+    floor.add_argument("--budget", default=None, metavar="N", help=f"slots of the retrieval view (default: {BUDGET})")
+    floor.add_argument("--window", default=None, metavar="N", help=f"slots of the draft's StreamingLLM window (default: {WINDOW})")
     floor.add_argument("--repeats", default="5", metavar="N", help="timed forwards per figure, after one warm-up; the median is reported (default: 5)")
     floor.add_argument("--threads", default=None, metavar="N", help="torch intra-op threads (default: torch's choice)")
     floor.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
@@ -338,13 +338,17 @@ def options(args: argparse.Namespace) -> Options:
     unknown = [name for name in args.levels if name not in LEVELS]
     if unknown:
         raise SpecstackError(f"unknown level {unknown[0]!r}; available: {', '.join(LEVELS)}")
+    for flag, given, level in (("--budget", args.budget, "retrieval"), ("--window", args.window, "draft")):
+        if given is not None and level not in args.levels:
+            raise SpecstackError(f"{flag} {given} sizes the {level} level, which --levels {' '.join(args.levels)} leaves out; "
+                                 f"add {level} or drop {flag}")
     if args.tree and all(whole_number(t, "--tokens") < 2 for t in args.tokens):
         raise SpecstackError(f"--tree times token trees of 2 tokens or more, and --tokens {' '.join(map(str, args.tokens))} has none; "
                              "add one or drop --tree")
     return Options(dtype=dtype_name(args.dtype), caches=tuple(whole_number(n, "--cache") for n in args.cache),
                    tokens=tuple(dict.fromkeys(whole_number(t, "--tokens") for t in args.tokens)),
-                   levels=tuple(dict.fromkeys(args.levels)), budget=whole_number(args.budget, "--budget"),
-                   window=whole_number(args.window, "--window"), repeats=whole_number(args.repeats, "--repeats"),
+                   levels=tuple(dict.fromkeys(args.levels)), budget=whole_number(BUDGET if args.budget is None else args.budget, "--budget"),
+                   window=whole_number(WINDOW if args.window is None else args.window, "--window"), repeats=whole_number(args.repeats, "--repeats"),
                    threads=None if args.threads is None else whole_number(args.threads, "--threads"), tree=args.tree,
                    context=args.context, rope_scaling=args.rope_scaling, widen_bf16=widening_asked(dtype_name(args.dtype), args.widen_bf16))
 
