@@ -174,6 +174,7 @@ def _generate(args: argparse.Namespace) -> int:
     from .autotune import auto_options, tuned
 
     session = run.Session.open(args)
+    session.check_draft_taken([args.stack], args)
     prompt = session.prompt_tokens(prompt=args.prompt, prompt_file=args.prompt_file, book=args.book, length=args.prompt_tokens)
     options, mode = auto_options(run.given_once(args.option))
     stack = session.stack(args.stack, options)

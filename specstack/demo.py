@@ -125,6 +125,7 @@ def triforce_demo(args) -> int:
     args.repeats = whole_number(args.repeats, "--repeats")  # before any model loads
     run.given_once(args.option)  # an -o key given twice: one line, before any model loads too
     session = run.Session.open(args)
+    session.check_draft_taken([run.split_spec(text, "--stacks entry")[0] for text in args.stacks], args)
     if args.prompt_file is not None:
         prompt, source = session.prompt_tokens(prompt=None, prompt_file=args.prompt_file, book=None, length=args.prompt_tokens), args.prompt_file
     else:

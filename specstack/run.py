@@ -78,6 +78,15 @@ class Session:
         """The models loaded so far: the target, and the draft once a stack asked for it."""
         return [self.target] + ([self._draft] if self._draft is not None else [])
 
+    def check_draft_taken(self, names: Sequence[str], args) -> None:
+        """``--draft`` or ``--draft-device`` given where none of the stacks ``names`` has a draft model: one error line,
+        rather than a model file or device left unused without a word."""
+        given = [f"--draft {args.draft}"] if args.draft else []
+        given += [f"--draft-device {args.draft_device}"] if getattr(args, "draft_device", None) else []
+        if given and not any(self.registry.stack_recipe(name).needs_draft for name in names):
+            raise SpecstackError(f"{given[0]} is for stacks with a draft model, and {', '.join(names)} has none; drop it or use a stack that has one "
+                                 "(triforce, speculative, …: `specstack plugins`)")
+
     def stack(self, name: str, options: Sequence[str]) -> SpeculationStack:
         recipe = self.registry.stack_recipe(name)
         draft = self.draft if recipe.needs_draft else None

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from specstack import SpecstackError
-from specstack.cli import main
+from specstack.cli import _parser, main
 from specstack.run import check_device, use_cuda_graphs
 
 
@@ -202,6 +202,33 @@ def test_no_cuda_graphs_switches_them_off_in_transformers_models() -> None:
     assert model.cuda_graphs is False
     use_cuda_graphs([model], True)
     assert model.cuda_graphs is True
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["generate", "--prompt", "hi", "--stack", "prompt-lookup", "--draft", "/some/draft"],
+     "--draft /some/draft is for stacks with a draft model, and prompt-lookup has none"),
+    (["demo", "--stacks", "medusa-lookup", "prompt-lookup:gamma=2", "--draft-device", "cpu"],
+     "--draft-device cpu is for stacks with a draft model, and medusa-lookup, prompt-lookup has none"),
+])
+def test_a_draft_that_no_stack_takes_is_one_line(capsys, monkeypatch, argv, message) -> None:
+    """--draft or --draft-device where none of the stacks has a draft model would be left unused without a word."""
+    import specstack.models
+    from specstack.testing.llama import random_llama
+
+    monkeypatch.setattr(specstack.models, "load_target", lambda **kwargs: (random_llama(), None))
+    assert main(argv) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err[-1].startswith(f"specstack {argv[0]}: error: {message}; drop it") and all(line.startswith("[specstack]") for line in err[:-1])
+
+
+def test_a_draft_is_taken_where_one_stack_has_a_draft_model(monkeypatch) -> None:
+    import specstack.models
+    from specstack.run import Session
+    from specstack.testing.llama import random_llama
+
+    monkeypatch.setattr(specstack.models, "load_target", lambda **kwargs: (random_llama(), None))
+    args = _parser(["demo"]).parse_args(["demo", "--draft", "/some/draft", "--draft-device", "cpu"])
+    Session.open(args).check_draft_taken(["prompt-lookup", "triforce"], args)  # no error: triforce drafts with it
 
 
 @pytest.mark.parametrize("command", ["generate", "demo", "bench", "bench --synthetic"])
