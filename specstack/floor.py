@@ -217,10 +217,6 @@ class BandwidthProbe:
     def of(cls, *, mib: int = 512, repeats: int = 2) -> "BandwidthProbe":
         return cls(buffer=torch.ones(mib * 2**20 // 4, dtype=torch.float32, device="cpu"), repeats=repeats)  # [N]
 
-    @property
-    def mib(self) -> int:
-        return self.buffer.numel() * self.buffer.element_size() // 2**20
-
     def __call__(self) -> float:
         with torch.inference_mode():
             seconds = _best_seconds(self.buffer.sum, min_seconds=0.0, blocks=self.repeats)

@@ -210,7 +210,7 @@ def test_each_levels_floor_is_priced_at_the_bandwidth_read_between_its_turns() -
 
 def test_the_bandwidth_probe_reads_its_buffer_again_at_each_call() -> None:
     probe = BandwidthProbe.of(mib=16, repeats=1)
-    assert probe.mib == 16 and probe.buffer.dtype == torch.float32
+    assert probe.buffer.numel() * probe.buffer.element_size() == 16 * 2**20 and probe.buffer.dtype == torch.float32
     buffer = probe.buffer.data_ptr()  # made once: each call reads it again, none makes another
     first, second = probe(), probe()
     assert first > 1e8 and second > 1e8 and probe.buffer.data_ptr() == buffer

@@ -92,15 +92,15 @@ def check_stacks(grid) -> None:
     takes (unfixed) would be dropped without a word: one error line each, before any model loads.
     (``run_grid`` itself records an unknown name as a failed run, as a Ray worker with other plugins would.)"""
     from ..registry import Registry
-    from .grid import OPTION_AXES
+    from .grid import OPTION_AXES, crossed_axes
     from .stacks import Catalog
 
     catalog = Catalog(registry=Registry.create())
     for spec in grid.stacks:
         catalog.get(spec.name)
+    crossed = {axis for spec in grid.stacks for axis in crossed_axes(grid, spec, catalog)}
     for axis in OPTION_AXES:
-        takers = [spec for spec in grid.stacks if axis.option in catalog.options_of(spec.name) and axis.option not in dict(spec.options)]
-        if getattr(grid, axis.field) is not None and not takers:
+        if getattr(grid, axis.field) is not None and axis not in crossed:
             raise SpecstackError(f"grid key '{axis.field}' sets option '{axis.option}', which none of the stacks "
                                  f"({', '.join(spec.text for spec in grid.stacks)}) takes unfixed; add a stack that has it "
                                  f"(`specstack plugins`, docs/bench.md) or drop the key")

@@ -342,11 +342,11 @@ def options(args: argparse.Namespace) -> Options:
         if given is not None and level not in args.levels:
             raise SpecstackError(f"{flag} {given} sizes the {level} level, which --levels {' '.join(args.levels)} leaves out; "
                                  f"add {level} or drop {flag}")
-    if args.tree and all(whole_number(t, "--tokens") < 2 for t in args.tokens):
+    tokens = tuple(dict.fromkeys(whole_number(t, "--tokens") for t in args.tokens))
+    if args.tree and max(tokens) < 2:
         raise SpecstackError(f"--tree times token trees of 2 tokens or more, and --tokens {' '.join(map(str, args.tokens))} has none; "
                              "add one or drop --tree")
-    return Options(dtype=dtype_name(args.dtype), caches=tuple(whole_number(n, "--cache") for n in args.cache),
-                   tokens=tuple(dict.fromkeys(whole_number(t, "--tokens") for t in args.tokens)),
+    return Options(dtype=dtype_name(args.dtype), caches=tuple(whole_number(n, "--cache") for n in args.cache), tokens=tokens,
                    levels=tuple(dict.fromkeys(args.levels)), budget=whole_number(BUDGET if args.budget is None else args.budget, "--budget"),
                    window=whole_number(WINDOW if args.window is None else args.window, "--window"), repeats=whole_number(args.repeats, "--repeats"),
                    threads=None if args.threads is None else whole_number(args.threads, "--threads"), tree=args.tree,

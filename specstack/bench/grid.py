@@ -322,11 +322,16 @@ def expand(grid: Grid, catalog, model: str, *, device: str = "cpu", draft_device
     return groups
 
 
+def crossed_axes(grid: Grid, spec: Spec, catalog) -> list[Axis]:
+    """The option axes ``grid`` sets that ``spec``'s stack has and does not fix (none for an unknown stack)."""
+    known, fixed = catalog.options_of(spec.name), dict(spec.options)
+    return [axis for axis in OPTION_AXES if getattr(grid, axis.field) is not None and axis.option in known and axis.option not in fixed]
+
+
 def _option_sets(grid: Grid, spec: Spec, catalog) -> list[tuple[tuple[str, Any], ...]]:
     """The fixed options of ``spec`` crossed with every axis its stack has and does not fix."""
-    known = catalog.options_of(spec.name)  # empty for an unknown stack: nothing is crossed
     fixed = dict(spec.options)
-    axes = [axis for axis in OPTION_AXES if getattr(grid, axis.field) is not None and axis.option in known and axis.option not in fixed]
+    axes = crossed_axes(grid, spec, catalog)
     values = [getattr(grid, axis.field) for axis in axes]
     return [tuple(sorted({**fixed, **{a.option: v for a, v in zip(axes, combo)}}.items())) for combo in itertools.product(*values)]
 
