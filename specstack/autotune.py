@@ -179,6 +179,14 @@ def described(tuning: Tuning, retuner: "Retuner | None" = None) -> str:
     return tuning.describe() if retuner is None else f"{tuning.describe()}; {retuner.describe()}"
 
 
+def tunable_levels(stack: SpeculationStack) -> list[SpeculativeLevel]:
+    """The levels :func:`tune` sets γ on: the verifying ones, of which a stack to tune needs one."""
+    levels = verifying_levels(stack)
+    if not levels:
+        raise SpecstackError("gamma=auto needs a stack with at least one verifying level; 'autoregressive' has none")
+    return levels
+
+
 def verifying_levels(stack: SpeculationStack) -> list[SpeculativeLevel]:
     """The stack's verifying levels, bottom first."""
     levels, drafter = [], stack.top
@@ -216,9 +224,7 @@ def tune(stack: SpeculationStack, prompt: Sequence[int], *, calibration_tokens: 
     """Calibrate on ``prompt``, then set the best γ on every verifying level of ``stack`` (see the module
     docstring); ``prefill_progress(done, total)`` follows the calibration run's prefill, which keeps
     what the caches hold of ``prompt`` with ``reuse_cache`` (see ``SpeculationStack.generate``)."""
-    levels = verifying_levels(stack)
-    if not levels:
-        raise SpecstackError("gamma=auto needs a stack with at least one verifying level; 'autoregressive' has none")
+    levels = tunable_levels(stack)
     before = tuple(level.gamma for level in levels)
     _set_gammas(levels, [max(gamma, 1) for gamma in before])  # a level at γ 0 drafts nothing: calibrate it at 1, so its acceptance is measured
     first_step = _FirstStep(stack)

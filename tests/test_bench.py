@@ -423,15 +423,78 @@ def test_the_cli_runs_a_synthetic_grid(tmp_path, capsys) -> None:
 
 
 def test_the_cli_exits_2_when_a_run_failed_on_bad_input(tmp_path, capsys) -> None:
-    """The runs that worked are reported and written, and a script running the bench learns that one gave no figures:
-    exit code 2 (bad input, as everywhere) and one line on stderr naming the first failed run and its error."""
-    args = bench_args(["--stacks", "naive", "triforce:budgett=5", "--context-lengths", "256", "--max-new-tokens", "8",
+    """The runs that worked are reported and written, and a script running the bench learns that some gave no figures:
+    exit code 2 (bad input, as everywhere) and one line on stderr naming the first failed run and its error. (A needle
+    prompt too short for the needle is found only when the group's prompt is made.)"""
+    args = bench_args(["--stacks", "naive", "--tasks", "needle", "--context-lengths", "256", "40", "--max-new-tokens", "8",
                        "--temperatures", "0", "--synthetic", "--out", str(tmp_path), "--quiet"])
     assert run_bench(args) == 2
     captured = capsys.readouterr()
-    assert "3 runs executed; 2 ok and 1 failed" in captured.out
-    assert captured.err == ("specstack bench: 1 run(s) failed, the first 'triforce:budgett=5': stack 'triforce' has no option 'budgett'; "
-                            "options: gamma1, gamma2, budget, chunk_size, stride, draft_window, sinks, draft_vocab\n")
+    assert "4 runs executed; 2 ok and 2 failed" in captured.out
+    assert captured.err.count("\n") == 1
+    assert captured.err == ("specstack bench: 2 run(s) failed, the first 'naive': context length 40 is too short for the needle task; "
+                            "use at least 100 tokens\n")
+
+
+@pytest.mark.parametrize(("stack", "message"), [
+    ("triforce:budgett=5", "run 'triforce:budgett=5': stack 'triforce' has no option 'budgett'; options: gamma1, gamma2, budget, chunk_size, "
+                           "stride, draft_window, sinks, draft_vocab"),
+    ("triforce:gamma1=-1", "run 'triforce:gamma1=-1': gamma -1 is not allowed; use an integer >= 1"),
+    ("triforce:budget=512", "run 'triforce:budget=512': budget 512 is larger than the 256-token context; use a budget of at most 256"),
+    ("prompt-lookup:max_ngram=0", "run 'prompt-lookup:max_ngram=0': n-gram range 1..0 is not allowed"),
+    ("autoregressive:gamma=auto", "run 'autoregressive:gamma=auto': gamma=auto needs a stack with at least one verifying level"),
+])
+def test_the_cli_refuses_a_runs_bad_options_before_anything_runs(tmp_path, capsys, stack, message) -> None:
+    """Options a stack refuses are found by building the stack once the models are loaded: one error line and exit
+    code 2 before the first forward, where the run would meet them only after its group's baselines had run."""
+    from specstack.cli import main
+
+    assert main(["bench", "--stacks", "naive", stack, "--context-lengths", "256", "--max-new-tokens", "4", "--synthetic",
+                 "--out", str(tmp_path), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err, err
+    assert not (tmp_path / "results.jsonl").exists()  # nothing ran
+
+
+def test_run_grid_records_a_runs_bad_options_unless_asked_to_check_first(tmp_path, registry) -> None:
+    """The Python API keeps its grid going (the bad run becomes an error record); ``check_first`` raises instead."""
+    grid = Grid(stacks=["naive", "triforce:gamma2=0"], **SMALL)
+    with pytest.raises(SpecstackError, match=r"^run 'triforce:gamma2=0': gamma 0 is not allowed"):
+        run_grid(grid, tmp_path / "first", models=SYNTHETIC, registry=registry, progress=False, check_first=True)
+    assert not (tmp_path / "first" / "results.jsonl").exists()
+    table = run_grid(grid, tmp_path / "recorded", models=SYNTHETIC, registry=registry, progress=False)
+    (failed,) = table.errors
+    assert failed["label"] == "triforce:gamma2=0" and failed["error_kind"] == "input"
+    assert {r["stack"] for r in table.ok} == {"autoregressive", "naive"}
+
+
+def test_a_crash_while_checking_first_is_left_for_the_run_to_record(tmp_path, registry, monkeypatch) -> None:
+    """Only bad input stops a grid before it runs: a component that crashes while being built (not the user's
+    fault) is recorded by its run, and the other runs go on."""
+    from specstack.drafters import PromptLookupDrafter
+
+    def crash(self, *args, **kwargs):
+        raise RuntimeError("a deliberate fault")
+
+    monkeypatch.setattr(PromptLookupDrafter, "__attrs_post_init__", crash, raising=False)
+    table = run_grid(Grid(stacks=["naive", "prompt-lookup"], **SMALL), tmp_path, models=SYNTHETIC, registry=registry, progress=False,
+                     check_first=True)
+    (failed,) = table.errors
+    assert (failed["stack"], failed["error_kind"], failed["error"]) == ("prompt-lookup", "crash", "RuntimeError: a deliberate fault")
+    assert {r["stack"] for r in table.ok} == {"autoregressive", "naive"}
+
+
+@pytest.mark.parametrize(("stack", "options", "message"), [
+    ("hf-assisted", {"schedule": "bogus"}, "hf-assisted schedule 'bogus' is not allowed; use one of heuristic, heuristic_transient, constant"),
+    ("hf-assisted", {"num_assistant_tokens": 0}, "hf-assisted num_assistant_tokens 0 is not allowed; use an integer >= 1"),
+    ("hf-prompt-lookup", {"num_tokens": 0}, "hf-prompt-lookup num_tokens 0 is not allowed; use an integer >= 1"),
+    ("hf-prompt-lookup", {"max_ngram": True}, "hf-prompt-lookup max_ngram True is not allowed; use an integer >= 1"),
+])
+def test_the_transformers_baselines_refuse_values_transformers_would_ignore_or_fail_on(registry, stack, options, message) -> None:
+    """transformers runs an unknown schedule as a constant one, and fails on a zero count with a bare ValueError."""
+    baseline = Catalog(registry=registry).get(stack)
+    with pytest.raises(SpecstackError, match=f"^{message}$".replace("(", r"\(").replace(")", r"\)")):
+        baseline.extra(None, baseline._with_defaults(options))
 
 
 def test_the_cli_exits_1_when_a_run_crashed(tmp_path, capsys, monkeypatch) -> None:

@@ -76,7 +76,7 @@ def run_bench(args: argparse.Namespace) -> int:
         check_stacks(grid)
     models = SyntheticModels(device=grid.device or "cpu", draft_device=grid.draft_device or grid.device or "cpu") if args.synthetic else None
     table = run_grid(grid, args.out, models=models, executor=args.executor, ray_address=args.ray_address, num_cpus=args.num_cpus,
-                     progress=not args.quiet)
+                     progress=not args.quiet, check_first=True)
     print(table.to_markdown())
     print(f"\n{table.executed} runs executed; {len(table.ok)} ok and {len(table.errors)} failed in {table.out} "
           f"(results.jsonl, results.csv, report.md)")
@@ -90,7 +90,8 @@ def run_bench(args: argparse.Namespace) -> int:
 def check_stacks(grid) -> None:
     """A stack name that nothing installed here registers is a typo, and an option axis that none of the stacks
     takes (unfixed) would be dropped without a word: one error line each, before any model loads.
-    (``run_grid`` itself records an unknown name as a failed run, as a Ray worker with other plugins would.)"""
+    (``run_grid`` itself records an unknown name as a failed run, as a Ray worker with other plugins would; the
+    options' values are checked once the models are loaded, ``run_grid``'s ``check_first``.)"""
     from ..registry import Registry
     from .grid import OPTION_AXES, crossed_axes
     from .stacks import Catalog

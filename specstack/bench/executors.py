@@ -39,6 +39,8 @@ class LocalExecutor:
     def run(self, job: Job, groups: list[list[Point]], pending: set[str], sink: Sink, registry: Registry | None = None) -> None:
         with torch_threads(job.threads):
             runner = Runner.open(job, registry)
+            if job.check_first:
+                runner.check(groups, pending)
             for group in groups:
                 for record in runner.run_group(group, pending):
                     sink(record)

@@ -120,12 +120,15 @@ class Table:
 
 
 def run_grid(grid: Grid | Mapping[str, Any], out: str | Path, *, models: Any = None, registry: Registry | None = None,
-             executor: str = "local", ray_address: str | None = None, num_cpus: int | None = None, progress: bool = True) -> Table:
+             executor: str = "local", ray_address: str | None = None, num_cpus: int | None = None, progress: bool = True,
+             check_first: bool = False) -> Table:
     """Run every point of ``grid`` not yet in ``out/results.jsonl``; rebuild CSV, report and plots.
 
     ``models``: ``None`` loads the embedded default in ``grid.dtype`` on ``grid.device`` (the draft
     on ``grid.draft_device``); or ``(target, draft, tokenizer)``; or a model source such as
-    :class:`~specstack.bench.models.SyntheticModels`.
+    :class:`~specstack.bench.models.SyntheticModels`. A run's bad input (``triforce:gamma1=-1``) is recorded as
+    its failure and the grid goes on; with ``check_first`` (the command line's way) the local executor raises the
+    first such error as one line once the models are loaded, before anything runs (``Runner.check``).
     """
     grid = grid if isinstance(grid, Grid) else Grid.from_mapping(grid)
     runner = make_executor(executor, address=ray_address, num_cpus=num_cpus)
@@ -147,7 +150,7 @@ def run_grid(grid: Grid | Mapping[str, Any], out: str | Path, *, models: Any = N
         bar.advance(record)
 
     job = Job(models=source, warmup=grid.warmup, threads=grid.threads, repeats=grid.repeats, cuda_graphs=grid.cuda_graphs,
-              widen_bf16=grid.widen_bf16, entry_points=registry is None)
+              widen_bf16=grid.widen_bf16, entry_points=registry is None, check_first=check_first and runner.in_process)
     runner.run(job, [g for g in groups if any(p.id in pending for p in g)], pending, sink, registry=registry)
     return Table(rows=write_outputs(results.path.parent), out=results.path.parent, executed=bar.done)
 

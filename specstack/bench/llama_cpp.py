@@ -55,6 +55,9 @@ class LlamaCpp:
     def warm(self, run: RunSetup) -> None:
         pass  # every run is a fresh process: there is nothing to warm in this one
 
+    def check(self, run: RunSetup, options: Mapping[str, Any]) -> None:
+        _gguf(run, _checked(with_defaults(self.name, self.options(), options))["gguf"])
+
     def measure(self, run: RunSetup, options: Mapping[str, Any]) -> Measurement:
         options = _checked(with_defaults(self.name, self.options(), options))
         sampling = run.sampling

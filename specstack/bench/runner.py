@@ -45,6 +45,7 @@ class Job:
     cuda_graphs: bool = True  # HFCausalLM.cuda_graphs of every transformers model
     widen_bf16: bool = False  # the target's bf16 products widened (HFCausalLM.widen_bf16_products)
     entry_points: bool = True  # load plugin stack recipes in workers too
+    check_first: bool = False  # Runner.check before any group runs: a bad run's input error is raised, not recorded
 
     @property
     def gpus(self) -> int:
@@ -91,6 +92,25 @@ class Runner:
         catalog = Catalog(registry=registry or Registry.create(entry_points=job.entry_points))
         return cls(models=models, catalog=catalog, books=Books(models.tokenizer), environment=environment(models), warmup=job.warmup,
                    repeats=job.repeats)
+
+    def check(self, groups: Iterable[list[Point]], pending: set[str]) -> None:
+        """The first input error a pending run would meet before its first forward (options its stack refuses, as in
+        ``triforce:gamma1=-1``; a budget beyond its context), raised as one line before any group runs: the run
+        itself would meet it only after its group's baselines. Other faults (a plugin's crash) stay for the run to
+        record."""
+        built: set[str] = set()  # a stack is built once per options and sampling
+        for point in (p for group in groups for p in group if p.id in pending):
+            try:
+                _check_point(point, self.models.target)
+                setup = self._setup(point, ())
+                key = repr((point.stack, point.options, setup.sampling))
+                if key not in built:
+                    built.add(key)
+                    self.catalog.get(point.stack).check(setup, dict(point.options))
+            except SpecstackError as error:
+                raise SpecstackError(f"run {point.label!r}: {error}") from None
+            except Exception:  # noqa: BLE001 - not the input's fault: the run records it
+                continue
 
     def run_group(self, points: list[Point], pending: set[str]) -> Iterator[dict]:
         """A record for every pending point of the group, in order (baselines first)."""
@@ -153,7 +173,7 @@ class Runner:
         try:
             stack = self.catalog.get(point.stack)
             _check_point(point, self.models.target)
-            run = attrs.evolve(self._setup(point, prompt), prefill=prefill)
+            run = attrs.evolve(self._setup(point, prompt.tokens), prefill=prefill)
             self._warm_up(stack, run)
             devices = self.models.cuda_devices
             self.models.synchronize()  # the warm-up's work is done before the clock starts
@@ -163,11 +183,11 @@ class Runner:
         except Exception as error:  # noqa: BLE001 - recorded, the grid goes on
             return Failure.of(error)
 
-    def _setup(self, point: Point, prompt: Prompt) -> RunSetup:
+    def _setup(self, point: Point, prompt: tuple[int, ...]) -> RunSetup:
         sampling = SamplingConfig(temperature=point.temperature, top_p=point.top_p, top_k=point.top_k, coupled=point.coupled)
         stops = self.models.stop_tokens if point.stop_at_eos else ()
         return RunSetup(models=self.models, registry=self.catalog.registry, sampling=sampling, stop_tokens=stops,
-                        prompt=prompt.tokens, max_new_tokens=point.max_new_tokens, seed=point.seed)
+                        prompt=prompt, max_new_tokens=point.max_new_tokens, seed=point.seed)
 
     def _warm_up(self, stack, run: RunSetup) -> None:
         """One short untimed run per stack family, so no timed run pays for first-call set-up."""

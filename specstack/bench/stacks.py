@@ -108,6 +108,10 @@ class BenchStack(Protocol):
 
     def measure(self, run: RunSetup, options: Mapping[str, Any]) -> Measurement: ...
 
+    def check(self, run: RunSetup, options: Mapping[str, Any]) -> None:
+        """Raise the input error ``measure(run, options)`` would meet before its first forward, without running
+        anything (``run.prompt`` may be empty)."""
+
 
 @attrs.frozen(kw_only=True)
 class RecipeStack:
@@ -131,12 +135,9 @@ class RecipeStack:
     def measure(self, run: RunSetup, options: Mapping[str, Any]) -> Measurement:
         """One timed run; a γ option ``auto`` or ``adaptive`` (``triforce:gamma=auto``) tunes γ first, untimed, as
         ``specstack generate -o gamma=auto`` does (:mod:`specstack.autotune`), and the record notes the choice."""
-        from ..autotune import described, tuned, tuning_options
+        from ..autotune import described, tuned
 
-        options, mode = tuning_options(options)
-        draft = run.models.draft if self.recipe.needs_draft else None
-        stack = run.registry.stack(self.recipe.name, target=run.models.target, draft=draft, sampling=run.sampling,
-                                   stop_tokens=run.stop_tokens, seed=run.seed, **options)
+        stack, mode = self._built(run, options)
         shared = run.prefill is not None and run.prefill.lend(stack)
         run.models.synchronize()  # building the stack queues cache allocations: not part of the timed prefill
         tuning, retuner = tuned(stack, list(run.prompt), mode, seed=run.seed, reuse_cache=shared) if mode else (None, None)
@@ -147,6 +148,21 @@ class RecipeStack:
         notes = {"prefill_shared": shared} | ({"tuning": described(tuning, retuner)} if tuning else {})
         return Measurement(tokens=result.tokens, levels=result.levels, decode_seconds=result.seconds, prefill_seconds=result.prefill_seconds,
                            total_seconds=result.seconds + result.prefill_seconds, timing="decode", notes=notes)
+
+    def check(self, run: RunSetup, options: Mapping[str, Any]) -> None:
+        self._built(run, options)
+
+    def _built(self, run: RunSetup, options: Mapping[str, Any]) -> tuple[Any, str | None]:
+        """The run's stack, built (its caches still empty), and the γ tuning asked for (``None``: none)."""
+        from ..autotune import tunable_levels, tuning_options
+
+        options, mode = tuning_options(options)
+        draft = run.models.draft if self.recipe.needs_draft else None
+        stack = run.registry.stack(self.recipe.name, target=run.models.target, draft=draft, sampling=run.sampling,
+                                   stop_tokens=run.stop_tokens, seed=run.seed, **options)
+        if mode is not None:
+            tunable_levels(stack)
+        return stack, mode
 
 
 # -- transformers baselines ---------------------------------------------------------------------
@@ -170,19 +186,29 @@ class Baseline:
     def warm(self, run: RunSetup) -> None:
         self.measure(run, {})
 
+    def check(self, run: RunSetup, options: Mapping[str, Any]) -> None:
+        options = self._with_defaults(options)
+        with transformers_attention(*self._modules(run, options)):
+            pass
+
     def measure(self, run: RunSetup, options: Mapping[str, Any]) -> Measurement:
         options = self._with_defaults(options)
-        module = _module(run.models.target, "target")
         kwargs = {**_sampling_kwargs(run), **self.extra(run.models, options)}
-        modules = [module, *([kwargs["assistant_model"]] if "assistant_model" in kwargs else [])]
+        modules, attention = self._modules(run, options)
         clock = DecodeClock()
-        with transformers_attention(modules, options["attn_implementation"]):
-            tokens, seconds = _timed_generate(module, run, {**kwargs, "streamer": clock})
+        with transformers_attention(modules, attention):
+            tokens, seconds = _timed_generate(modules[0], run, {**kwargs, "streamer": clock})
         return Measurement(tokens=tokens, levels=(), decode_seconds=clock.seconds, prefill_seconds=None, total_seconds=seconds, timing="total",
                            decode_tokens=clock.tokens, notes={"attn_implementation": options["attn_implementation"]})
 
     def _with_defaults(self, options: Mapping[str, Any]) -> dict[str, Any]:
         return with_defaults(self.name, self.options(), options)
+
+    def _modules(self, run: RunSetup, options: Mapping[str, Any]) -> tuple[list[torch.nn.Module], str]:
+        """The transformers modules ``generate`` runs (the target's first, then any assistant), and the attention
+        implementation they run with."""
+        assistant = self.extra(run.models, options).get("assistant_model")
+        return [_module(run.models.target, "target"), *([assistant] if assistant is not None else [])], options["attn_implementation"]
 
 
 def with_defaults(name: str, allowed: Mapping[str, Any], options: Mapping[str, Any]) -> dict[str, Any]:
@@ -253,12 +279,25 @@ def _no_extra(models: Models, options: Mapping[str, Any]) -> dict:
 
 
 def _assisted(models: Models, options: Mapping[str, Any]) -> dict:
-    return {"assistant_model": _module(models.draft, "draft"), "num_assistant_tokens": options["num_assistant_tokens"],
-            "num_assistant_tokens_schedule": options["schedule"]}
+    if options["schedule"] not in ASSISTANT_SCHEDULES:
+        raise SpecstackError(f"hf-assisted schedule {options['schedule']!r} is not allowed; use one of {', '.join(ASSISTANT_SCHEDULES)}")
+    tokens = _positive("hf-assisted", "num_assistant_tokens", options)
+    return {"assistant_model": _module(models.draft, "draft"), "num_assistant_tokens": tokens, "num_assistant_tokens_schedule": options["schedule"]}
+
+
+ASSISTANT_SCHEDULES = ("heuristic", "heuristic_transient", "constant")  # transformers' num_assistant_tokens_schedule
 
 
 def _prompt_lookup(models: Models, options: Mapping[str, Any]) -> dict:
-    return {"prompt_lookup_num_tokens": options["num_tokens"], "max_matching_ngram_size": options["max_ngram"]}
+    return {"prompt_lookup_num_tokens": _positive("hf-prompt-lookup", "num_tokens", options),
+            "max_matching_ngram_size": _positive("hf-prompt-lookup", "max_ngram", options)}
+
+
+def _positive(stack: str, option: str, options: Mapping[str, Any]) -> int:
+    value = options[option]
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise SpecstackError(f"{stack} {option} {value!r} is not allowed; use an integer >= 1")
+    return value
 
 
 BASELINES = (
