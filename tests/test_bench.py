@@ -184,6 +184,8 @@ def test_a_grid_may_give_a_middle_level_gamma_zero(tmp_path) -> None:
         ('stacks = ["naive"]\ntasks = ["needle:depth=2"]\n', "task option depth 2 is not allowed"),
         ('stacks = ["naive"]\ncontext_lengths = []\n', "grid key 'context_lengths' must be a non-empty list"),
         ('stacks = []\n', "grid key 'stacks' must be a non-empty list"),
+        ('stacks = ["naive", "triforce:gamma2=4", "triforce:gamma2=4"]\n',
+         r'lists a value twice: \["naive", "triforce:gamma2=4", "triforce:gamma2=4"\]$'),
         ('budgets = [256]\n', "has no 'stacks'"),
         ('stacks = ["naive:budget"]\n', "stack option 'budget' is not KEY=VALUE"),
         ('stacks = ["naive"]\ndevice = "gpu0"\n', "grid key 'device': device 'gpu0' is not allowed; use cpu, cuda or cuda:N"),
@@ -422,35 +424,41 @@ def test_the_cli_runs_a_synthetic_grid(tmp_path, capsys) -> None:
     assert "| `speculative:gamma=3` | prose | 256 |" in out and "3 runs executed" in out
 
 
-def test_the_cli_exits_2_when_a_run_failed_on_bad_input(tmp_path, capsys) -> None:
+def test_the_cli_exits_2_when_a_run_failed_on_bad_input(tmp_path, capsys, monkeypatch) -> None:
     """The runs that worked are reported and written, and a script running the bench learns that some gave no figures:
-    exit code 2 (bad input, as everywhere) and one line on stderr naming the first failed run and its error. (A needle
-    prompt too short for the needle is found only when the group's prompt is made.)"""
-    args = bench_args(["--stacks", "naive", "--tasks", "needle", "--context-lengths", "256", "40", "--max-new-tokens", "8",
+    exit code 2 (bad input, as everywhere) and one line on stderr naming the first failed run and its error. (Here an
+    input error that only decoding finds: the prompt-lookup drafter refusing every draft call.)"""
+    from specstack.drafters import PromptLookupDrafter
+
+    def refuse(*args, **kwargs):
+        raise SpecstackError("a deliberate input error")
+
+    monkeypatch.setattr(PromptLookupDrafter, "propose", refuse)
+    args = bench_args(["--stacks", "naive", "prompt-lookup", "--context-lengths", "256", "--max-new-tokens", "8",
                        "--temperatures", "0", "--synthetic", "--out", str(tmp_path), "--quiet"])
     assert run_bench(args) == 2
     captured = capsys.readouterr()
-    assert "4 runs executed; 2 ok and 2 failed" in captured.out
-    assert captured.err.count("\n") == 1
-    assert captured.err == ("specstack bench: 2 run(s) failed, the first 'naive': context length 40 is too short for the needle task; "
-                            "use at least 100 tokens\n")
+    assert "3 runs executed; 2 ok and 1 failed" in captured.out
+    assert captured.err == "specstack bench: 1 run(s) failed, the first 'prompt-lookup': a deliberate input error\n"
 
 
-@pytest.mark.parametrize(("stack", "message"), [
-    ("triforce:budgett=5", "run 'triforce:budgett=5': stack 'triforce' has no option 'budgett'; options: gamma1, gamma2, budget, chunk_size, "
-                           "stride, draft_window, sinks, draft_vocab"),
-    ("triforce:gamma1=-1", "run 'triforce:gamma1=-1': gamma -1 is not allowed; use an integer >= 1"),
-    ("triforce:budget=512", "run 'triforce:budget=512': budget 512 is larger than the 256-token context; use a budget of at most 256"),
-    ("prompt-lookup:max_ngram=0", "run 'prompt-lookup:max_ngram=0': n-gram range 1..0 is not allowed"),
-    ("autoregressive:gamma=auto", "run 'autoregressive:gamma=auto': gamma=auto needs a stack with at least one verifying level"),
+@pytest.mark.parametrize(("flags", "message"), [
+    ("--stacks naive triforce:budgett=5", "run 'triforce:budgett=5': stack 'triforce' has no option 'budgett'; options: gamma1, gamma2, "
+                                          "budget, chunk_size, stride, draft_window, sinks, draft_vocab"),
+    ("--stacks naive triforce:gamma1=-1", "run 'triforce:gamma1=-1': gamma -1 is not allowed; use an integer >= 1"),
+    ("--stacks naive triforce:budget=512", "run 'triforce:budget=512': budget 512 is larger than the 256-token context; use a budget of at most 256"),
+    ("--stacks naive prompt-lookup:max_ngram=0", "run 'prompt-lookup:max_ngram=0': n-gram range 1..0 is not allowed"),
+    ("--stacks naive autoregressive:gamma=auto", "run 'autoregressive:gamma=auto': gamma=auto needs a stack with at least one verifying level"),
+    ("--stacks naive --tasks needle --context-lengths 256 40", "run 'autoregressive': context length 40 is too short for the needle task"),
 ])
-def test_the_cli_refuses_a_runs_bad_options_before_anything_runs(tmp_path, capsys, stack, message) -> None:
-    """Options a stack refuses are found by building the stack once the models are loaded: one error line and exit
-    code 2 before the first forward, where the run would meet them only after its group's baselines had run."""
+def test_the_cli_refuses_a_runs_bad_input_before_anything_runs(tmp_path, capsys, flags, message) -> None:
+    """Options a stack refuses are found by building the stack once the models are loaded, and a prompt its task
+    cannot make by making it: one error line and exit code 2 before the first forward, where the run would meet them
+    only after its group's baselines had run (after the other groups, for the needle's context of 40)."""
     from specstack.cli import main
 
-    assert main(["bench", "--stacks", "naive", stack, "--context-lengths", "256", "--max-new-tokens", "4", "--synthetic",
-                 "--out", str(tmp_path), "--quiet"]) == 2
+    assert main(["bench", "--context-lengths", "256", "--max-new-tokens", "4", "--synthetic", "--out", str(tmp_path), "--quiet",
+                 *flags.split()]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and message in err, err
     assert not (tmp_path / "results.jsonl").exists()  # nothing ran

@@ -91,7 +91,8 @@ def _axis(kind: str, check) -> Any:
 
 
 def _show(value: Any) -> str:
-    return json.dumps(list(value) if isinstance(value, tuple) else value, default=repr)
+    """A grid key's value as its file would give it: a stack or task spec as its text (``triforce:budget=256``)."""
+    return json.dumps(list(value) if isinstance(value, tuple) else value, default=lambda v: v.text if isinstance(v, Spec) else repr(v))
 
 
 def _is_int(minimum: int):

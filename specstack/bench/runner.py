@@ -95,22 +95,26 @@ class Runner:
 
     def check(self, groups: Iterable[list[Point]], pending: set[str]) -> None:
         """The first input error a pending run would meet before its first forward (options its stack refuses, as in
-        ``triforce:gamma1=-1``; a budget beyond its context), raised as one line before any group runs: the run
-        itself would meet it only after its group's baselines. Other faults (a plugin's crash) stay for the run to
-        record."""
+        ``triforce:gamma1=-1``; a budget beyond its context; a needle prompt too short for its needle), raised as one
+        line before any group runs (``Job.check_first``): the run itself would meet it only after its group's
+        baselines. Other faults (a plugin's crash) stay for the run to record."""
         built: set[str] = set()  # a stack is built once per options and sampling
         for point in (p for group in groups for p in group if p.id in pending):
             try:
-                _check_point(point, self.models.target)
-                setup = self._setup(point, ())
-                key = repr((point.stack, point.options, setup.sampling))
-                if key not in built:
-                    built.add(key)
-                    self.catalog.get(point.stack).check(setup, dict(point.options))
+                self._check_one(point, built)
             except SpecstackError as error:
                 raise SpecstackError(f"run {point.label!r}: {error}") from None
             except Exception:  # noqa: BLE001 - not the input's fault: the run records it
                 continue
+
+    def _check_one(self, point: Point, built: set[str]) -> None:
+        _check_point(point, self.models.target)
+        self._make_prompt(point)
+        setup = self._setup(point, ())
+        key = repr((point.stack, point.options, setup.sampling))
+        if key not in built:
+            built.add(key)
+            self.catalog.get(point.stack).check(setup, dict(point.options))
 
     def run_group(self, points: list[Point], pending: set[str]) -> Iterator[dict]:
         """A record for every pending point of the group, in order (baselines first)."""
@@ -165,9 +169,12 @@ class Runner:
 
     def _prompt(self, point: Point) -> Prompt | Failure:
         try:
-            return task_by_name(point.task.name).prompt(self.books, point.context_length, point.seed, dict(point.task.options))
+            return self._make_prompt(point)
         except Exception as error:  # noqa: BLE001 - recorded, the grid goes on
             return Failure.of(error)
+
+    def _make_prompt(self, point: Point) -> Prompt:
+        return task_by_name(point.task.name).prompt(self.books, point.context_length, point.seed, dict(point.task.options))
 
     def _measure(self, point: Point, prompt: Prompt, prefill: SharedPrefill | None = None) -> Measurement | Failure:
         try:
