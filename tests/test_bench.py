@@ -49,6 +49,33 @@ def test_axes_are_crossed_only_for_stacks_whose_recipe_has_the_option(registry) 
     assert found["nope"] == [{}]  # unknown: nothing crossed, its run records the error
 
 
+def test_a_policies_axis_crosses_the_stacks_that_take_a_policy(registry) -> None:
+    grid = Grid(stacks=["hierarchical", "self-speculative:policy=streaming", "naive"], policies=["retrieval", "h2o"], budgets=[64], **SMALL)
+    found = points_by_stack(expand(grid, Catalog(registry=registry), "synthetic"))
+    assert found["hierarchical"] == [{"budget": 64, "policy": "retrieval"}, {"budget": 64, "policy": "h2o"}]
+    assert found["self-speculative"] == [{"budget": 64, "policy": "streaming"}]  # fixed in its spec: not crossed
+    assert found["naive"] == [{}]
+
+
+def test_the_cli_compares_cache_policies_on_identical_prompts(tmp_path, capsys) -> None:
+    """Every policy's run of a group is measured against the same autoregressive run, so their speedups and
+    acceptances compare; each greedy run writes the baseline's text. An unknown policy stops the bench before it runs."""
+    from specstack.cli import main
+
+    flags = ["bench", "--stacks", "self-speculative", "--budgets", "64", "--context-lengths", "256", "--max-new-tokens", "8",
+             "--synthetic", "--quiet"]
+    assert main([*flags, "--policies", "retrieval", "h2o", "topk-oracle", "--out", str(tmp_path / "ok")]) == 0
+    records = read_jsonl(tmp_path / "ok" / "results.jsonl")
+    runs = {r["options"].get("policy"): r for r in records}
+    assert set(runs) == {None, "retrieval", "h2o", "topk-oracle"}  # None: the autoregressive baseline
+    assert len({r["group"] for r in records}) == 1
+    assert all(runs[p]["identical_to_baseline"] for p in ("retrieval", "h2o", "topk-oracle"))
+    assert main([*flags, "--policies", "retrieval", "nope", "--out", str(tmp_path / "bad")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "run 'self-speculative:budget=64,policy=nope': " in err and "nope" in err.split(": ", 2)[2], err
+    assert not (tmp_path / "bad" / "results.jsonl").exists()
+
+
 def test_groups_cross_task_axes_and_lead_with_their_baselines(registry) -> None:
     grid = Grid(stacks=["naive", "hf-assisted", "autoregressive"], temperatures=[0, 0.5], seeds=[0, 1], tasks=["prose", "needle"], **SMALL)
     groups = expand(grid, Catalog(registry=registry), "synthetic")

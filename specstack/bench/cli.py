@@ -13,7 +13,7 @@ from ..run import WIDEN_BF16_HELP
 # flag destination -> grid key; a flag left unset keeps the grid file's value (or the default)
 GRID_FLAGS = {
     "stacks": "stacks", "budgets": "budgets", "chunk_sizes": "chunk_sizes", "gamma": "gammas", "gamma1": "gamma1s",
-    "gamma2": "gamma2s", "trees": "trees", "temperatures": "temperatures", "context_lengths": "context_lengths", "tasks": "tasks",
+    "gamma2": "gamma2s", "trees": "trees", "policies": "policies", "temperatures": "temperatures", "context_lengths": "context_lengths", "tasks": "tasks",
     "max_new_tokens": "max_new_tokens", "seeds": "seeds", "repeats": "repeats", "dtype": "dtype", "threads": "threads", "top_p": "top_p", "top_k": "top_k", "coupled": "coupled",
     "device": "device", "draft_device": "draft_device", "cuda_graphs": "cuda_graphs", "widen_bf16": "widen_bf16", "context": "context", "rope_scaling": "rope_scaling",
 }
@@ -31,6 +31,8 @@ def add_bench_parser(commands) -> argparse.ArgumentParser:
     bench.add_argument("--gamma1", nargs="+", type=int, metavar="N", help="γ1 of three-level stacks (middle level)")
     bench.add_argument("--gamma2", nargs="+", type=int, metavar="N", help="γ2 of three-level stacks (target level)")
     bench.add_argument("--trees", nargs="+", metavar="SPEC", help="token-tree shapes, e.g. binary:3 widths:4/2/1 (stacks with a tree option)")
+    bench.add_argument("--policies", nargs="+", metavar="NAME",
+                       help="registered cache policies, e.g. retrieval h2o topk-oracle (stacks with a policy option: hierarchical, self-speculative)")
     bench.add_argument("--temperatures", nargs="+", type=float, metavar="T")
     bench.add_argument("--context-lengths", nargs="+", type=int, metavar="N", help="prompt lengths in tokens")
     bench.add_argument("--tasks", nargs="+", metavar="NAME[:k=v,...]", help="prose, needle (e.g. needle:depth=0.25)")

@@ -41,6 +41,7 @@ OPTION_AXES = (
     Axis(field="gamma1s", option="gamma1"),
     Axis(field="gamma2s", option="gamma2"),
     Axis(field="trees", option="tree"),
+    Axis(field="policies", option="policy"),
 )
 
 
@@ -161,6 +162,8 @@ class Grid:
     gamma2s: tuple[int, ...] | None = _option_axis()
     trees: tuple[str, ...] | None = attrs.field(  # token-tree specs such as binary:3 (the sequoia plugin's stacks)
         default=None, converter=_as_tuple, validator=_axis("tree specs such as \"binary:3\"", lambda v: isinstance(v, str) and bool(v.strip())))
+    policies: tuple[str, ...] | None = attrs.field(  # registered cache policies by name (stacks with a policy option: hierarchical, self-speculative)
+        default=None, converter=_as_tuple, validator=_axis("cache policy names such as \"h2o\"", lambda v: isinstance(v, str) and bool(v.strip())))
     temperatures: tuple[float, ...] = attrs.field(default=(0.0,), converter=_floats, validator=_axis("numbers >= 0", _is_temperature))
     context_lengths: tuple[int, ...] = attrs.field(default=(2048,), converter=_as_tuple, validator=_axis("integers >= 1", _is_int(1)))
     tasks: tuple[Spec, ...] = attrs.field(default=("prose",), converter=_specs("task"), validator=_check_tasks)
