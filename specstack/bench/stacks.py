@@ -188,27 +188,25 @@ class Baseline:
 
     def check(self, run: RunSetup, options: Mapping[str, Any]) -> None:
         options = self._with_defaults(options)
-        with transformers_attention(*self._modules(run, options)):
+        with transformers_attention(self._modules(run, self.extra(run.models, options)), options["attn_implementation"]):
             pass
 
     def measure(self, run: RunSetup, options: Mapping[str, Any]) -> Measurement:
         options = self._with_defaults(options)
-        kwargs = {**_sampling_kwargs(run), **self.extra(run.models, options)}
-        modules, attention = self._modules(run, options)
+        extra = self.extra(run.models, options)
+        modules = self._modules(run, extra)
         clock = DecodeClock()
-        with transformers_attention(modules, attention):
-            tokens, seconds = _timed_generate(modules[0], run, {**kwargs, "streamer": clock})
+        with transformers_attention(modules, options["attn_implementation"]):
+            tokens, seconds = _timed_generate(modules[0], run, {**_sampling_kwargs(run), **extra, "streamer": clock})
         return Measurement(tokens=tokens, levels=(), decode_seconds=clock.seconds, prefill_seconds=None, total_seconds=seconds, timing="total",
                            decode_tokens=clock.tokens, notes={"attn_implementation": options["attn_implementation"]})
 
     def _with_defaults(self, options: Mapping[str, Any]) -> dict[str, Any]:
         return with_defaults(self.name, self.options(), options)
 
-    def _modules(self, run: RunSetup, options: Mapping[str, Any]) -> tuple[list[torch.nn.Module], str]:
-        """The transformers modules ``generate`` runs (the target's first, then any assistant), and the attention
-        implementation they run with."""
-        assistant = self.extra(run.models, options).get("assistant_model")
-        return [_module(run.models.target, "target"), *([assistant] if assistant is not None else [])], options["attn_implementation"]
+    def _modules(self, run: RunSetup, extra: Mapping[str, Any]) -> list[torch.nn.Module]:
+        """The transformers modules ``generate`` runs: the target's first, then the assistant ``extra`` names, if any."""
+        return [_module(run.models.target, "target"), *([extra["assistant_model"]] if "assistant_model" in extra else [])]
 
 
 def with_defaults(name: str, allowed: Mapping[str, Any], options: Mapping[str, Any]) -> dict[str, Any]:
