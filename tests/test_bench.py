@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import re
 from pathlib import Path
 
 import attrs
@@ -528,7 +529,7 @@ def test_a_crash_while_checking_first_is_left_for_the_run_to_record(tmp_path, re
 def test_the_transformers_baselines_refuse_values_transformers_would_ignore_or_fail_on(registry, stack, options, message) -> None:
     """transformers runs an unknown schedule as a constant one, and fails on a zero count with a bare ValueError."""
     baseline = Catalog(registry=registry).get(stack)
-    with pytest.raises(SpecstackError, match=f"^{message}$".replace("(", r"\(").replace(")", r"\)")):
+    with pytest.raises(SpecstackError, match=f"^{re.escape(message)}$"):
         baseline.extra(None, baseline._with_defaults(options))
 
 

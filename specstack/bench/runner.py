@@ -98,22 +98,21 @@ class Runner:
         ``triforce:gamma1=-1``; a budget beyond its context; a needle prompt too short for its needle), raised as one
         line before any group runs (``Job.check_first``): the run itself would meet it only after its group's
         baselines. Other faults (a plugin's crash) stay for the run to record."""
-        built: set[str] = set()  # a stack is built once per options and sampling
+        seen: set[str] = set()  # a prompt is made once per task, length and seed; a stack built once per options and sampling
         for point in (p for group in groups for p in group if p.id in pending):
             try:
-                self._check_one(point, built)
+                self._check_one(point, seen)
             except SpecstackError as error:
                 raise SpecstackError(f"run {point.label!r}: {error}") from None
             except Exception:  # noqa: BLE001 - not the input's fault: the run records it
                 continue
 
-    def _check_one(self, point: Point, built: set[str]) -> None:
+    def _check_one(self, point: Point, seen: set[str]) -> None:
         _check_point(point, self.models.target)
-        self._make_prompt(point)
+        if _first_time(seen, ("prompt", point.task, point.context_length, point.seed)):
+            self._make_prompt(point)
         setup = self._setup(point, ())
-        key = repr((point.stack, point.options, setup.sampling))
-        if key not in built:
-            built.add(key)
+        if _first_time(seen, ("stack", point.stack, point.options, setup.sampling)):
             self.catalog.get(point.stack).check(setup, dict(point.options))
 
     def run_group(self, points: list[Point], pending: set[str]) -> Iterator[dict]:
@@ -213,6 +212,14 @@ class Runner:
         if isinstance(outcome, Failure):
             return {**head, "status": "error", "error": outcome.error, "error_kind": outcome.kind, **tail}
         return {**head, "status": "ok", **metrics(outcome, reference, prompt, self.books, greedy=self._one_text(point)), **tail}
+
+
+def _first_time(seen: set[str], key: tuple) -> bool:
+    """Whether ``key`` is new to ``seen`` (which then holds it)."""
+    if repr(key) in seen:
+        return False
+    seen.add(repr(key))
+    return True
 
 
 def _check_point(point: Point, target: Any) -> None:
