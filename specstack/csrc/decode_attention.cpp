@@ -44,7 +44,8 @@
 // AVX-512's bf16 dot products in registers instead, on any CPU that has them (attend_range_dp), the
 // weights rounded as on the tiles; where there are no tiles, so do up to fifteen rows (a verify of up to five
 // tokens), six at a time, and more rows take the same dot products a block laid out once for all rows
-// (attend_range_dp_rows). Whether a call takes the dot products is the caller's `dp` (specstack/bf16_products.py
+// (attend_range_dp_rows). Both read their keys transposed sixteen at a time, the column path's layout, from the KV
+// store's copy by groups where it is passed, and keep the groups they lay out there. Whether a call takes the dot products is the caller's `dp` (specstack/bf16_products.py
 // chooses per machine: where FMAs do more multiply-adds a second than vdpbf16ps, a bf16 cache is widened).
 // Compiled at first use by specstack/decode_attention.py; plain C++ with GCC vector types (and Intel
 // intrinsics for the AMX path), no torch headers. Not built with -ffast-math: the -infinities of the
@@ -1081,10 +1082,12 @@ constexpr int DP_AHEAD = 2;
 // Keys [begin, end) of one KV head for ROWS <= DP_ROWS rows (their queries as bf16 words, qw [ROWS, d / 2]), d = 16 * D16
 // (D16 a multiple of 2): each row's reference score ref[r], weight sums sums[r * 16 ..] (a lane a key) and weighted
 // values acc[r * d ..] move on from where they are (fresh: from nothing; a row's reference -inf, its sums and values zero).
-// Where `ask`, each block asks for the one DP_AHEAD ahead.
+// Where `ask`, each block asks for the one DP_AHEAD ahead. A block of sixteen keys below the store's mark is read from
+// its copy by groups (`columns`, the column path's layout: the transposed words themselves); any other is transposed
+// here and, when all sixteen are cached keys, kept there (begin a multiple of TILE).
 template <int ROWS, int D16>
 void attend_range_dp(const uint32_t *qw, float scale, const uint16_t *k, const uint16_t *v, int64_t begin, int64_t end,
-                     float *ref, float *sums, float *acc, bool fresh, bool ask) {
+                     float *ref, float *sums, float *acc, bool fresh, bool ask, Columns columns) {
     constexpr int d = 16 * D16, WORDS = d / 2;
     constexpr int BLOCK_LINES = TILE * d * 2 / 64;  // cache lines of a block's keys (and as many of its values)
     const __m512i low = pairs_low(), high = pairs_high();
@@ -1097,15 +1100,25 @@ void attend_range_dp(const uint32_t *qw, float scale, const uint16_t *k, const u
     for (int64_t b = begin; b < end; b += TILE) {
         const int len = (int)(end - b < TILE ? end - b : TILE);
         const bool spread = ask && b + (DP_AHEAD + 1) * TILE <= end;  // the block DP_AHEAD ahead is whole
-        const char *k_ahead = (const char *)(k + (b + DP_AHEAD * TILE) * d), *v_ahead = (const char *)(v + (b + DP_AHEAD * TILE) * d);
+        float *group = columns.groups ? (float *)columns.groups + b / TILE * WORDS * TILE : nullptr;  // its place in the store's copy
+        const bool kept = group && b + TILE <= columns.upto, keep = group && !kept && len == TILE;
+        const char *k_ahead = group && b + (DP_AHEAD + 1) * TILE <= columns.upto ? (const char *)(group + DP_AHEAD * WORDS * TILE)
+                                                                                : (const char *)(k + (b + DP_AHEAD * TILE) * d);
+        const char *v_ahead = (const char *)(v + (b + DP_AHEAD * TILE) * d);
         __m512 s[ROWS], s2[ROWS];  // two sums a row: even and odd words (shorter chains of dependent products)
         for (int r = 0; r < ROWS; ++r) s[r] = s2[r] = _mm512_setzero_ps();
         for (int c = 0; c < WORDS; c += TILE) {  // words c .. c+15 of the sixteen keys, transposed: lane i is key i
-            if (spread)  // this share of the keys ahead
+            if (spread)  // this share of the keys ahead (a group's words are as many bytes as its keys)
                 for (int line = BLOCK_LINES * c / WORDS; line < BLOCK_LINES * (c + TILE) / WORDS; ++line) _mm_prefetch(k_ahead + 64 * line, _MM_HINT_T1);
             __m512 t[TILE];
-            for (int i = 0; i < TILE; ++i) t[i] = i < len ? _mm512_loadu_ps(k + (b + i) * d + 2 * c) : _mm512_setzero_ps();
-            transpose16(t);
+            if (kept) {
+                for (int w = 0; w < TILE; ++w) t[w] = _mm512_loadu_ps(group + (c + w) * TILE);
+            } else {
+                for (int i = 0; i < TILE; ++i) t[i] = i < len ? _mm512_loadu_ps(k + (b + i) * d + 2 * c) : _mm512_setzero_ps();
+                transpose16(t);
+                if (keep)
+                    for (int w = 0; w < TILE; ++w) _mm512_storeu_ps(group + (c + w) * TILE, t[w]);
+            }
             for (int w = 0; w < TILE; w += 2)
                 for (int r = 0; r < ROWS; ++r) {
                     s[r] = _mm512_dpbf16_ps(s[r], (__m512bh)t[w], (__m512bh)_mm512_set1_epi32((int)qw[r * WORDS + c + w]));
@@ -1154,28 +1167,32 @@ inline bool dp_fits(int rows, int d, bool tiles) { return rows <= (tiles ? DP_RO
 
 // attend_range_dp for rows <= DP_ROWS rows and heads of d (64 or 128).
 void attend_range_dp_any(const uint32_t *qw, int rows, int d, float scale, const uint16_t *k, const uint16_t *v, int64_t begin, int64_t end,
-                         float *ref, float *sums, float *acc, bool fresh, bool ask) {
-    typedef void (*Range)(const uint32_t *, float, const uint16_t *, const uint16_t *, int64_t, int64_t, float *, float *, float *, bool, bool);
+                         float *ref, float *sums, float *acc, bool fresh, bool ask, Columns columns) {
+    typedef void (*Range)(const uint32_t *, float, const uint16_t *, const uint16_t *, int64_t, int64_t, float *, float *, float *, bool, bool, Columns);
     static const Range ranges[2][DP_ROWS] = {{attend_range_dp<1, 4>, attend_range_dp<2, 4>, attend_range_dp<3, 4>, attend_range_dp<4, 4>, attend_range_dp<5, 4>, attend_range_dp<6, 4>},
                                              {attend_range_dp<1, 8>, attend_range_dp<2, 8>, attend_range_dp<3, 8>, attend_range_dp<4, 8>, attend_range_dp<5, 8>, attend_range_dp<6, 8>}};
-    ranges[d == 128][rows - 1](qw, scale, k, v, begin, end, ref, sums, acc, fresh, ask);
+    ranges[d == 128][rows - 1](qw, scale, k, v, begin, end, ref, sums, acc, fresh, ask, columns);
 }
 
 // One work item on the register path (dp_fits): keys [begin, end) of one KV head into running maxima m (the rows'
 // references), sums l and weighted values acc, as attend_range does. The rows go in groups of at most DP_ROWS, as even
 // as can be, each group in turn over each chunk of DP_CHUNK keys (the first asking for the blocks ahead, which the
-// later groups then read from L2); sums is scratch of 16 floats a row.
+// later groups then read from L2); sums is scratch of 16 floats a row. The first group of rows lays out the chunk's keys
+// where the store's copy (`columns`) does not hold them yet, and the later ones read them from there.
 void attend_range_dp_groups(const float *q, int rows, int d, float scale, const uint16_t *k, const uint16_t *v, int64_t begin, int64_t end,
-                            float *sums, float *m, float *l, float *acc) {
+                            float *sums, float *m, float *l, float *acc, Columns columns) {
     const int groups = (rows + DP_ROWS - 1) / DP_ROWS;
     uint32_t qw[DP_GROUPED_ROWS * MAX_DIM / 2];  // each row's dimension pairs as bf16 words, made once for every chunk
     query_words(q, rows, d, qw);
-    for (int64_t c = begin; c < end || c == begin; c += DP_CHUNK)
+    for (int64_t c = begin; c < end || c == begin; c += DP_CHUNK) {
+        const int64_t chunk_end = end - c < DP_CHUNK ? end : c + DP_CHUNK;
         for (int g = 0, first = 0; g < groups; first = rows * ++g / groups) {
             const int count = rows * (g + 1) / groups - first;
-            attend_range_dp_any(qw + first * d / 2, count, d, scale, k, v, c, end - c < DP_CHUNK ? end : c + DP_CHUNK, m + first, sums + 16 * first,
-                                acc + first * d, c == begin, g == 0);
+            const Columns read = g == 0 || !columns.groups ? columns : Columns{columns.groups, std::max(columns.upto, chunk_end - chunk_end % TILE)};
+            attend_range_dp_any(qw + first * d / 2, count, d, scale, k, v, c, chunk_end, m + first, sums + 16 * first, acc + first * d, c == begin,
+                                g == 0, read);
         }
+    }
     for (int r = 0; r < rows; ++r) l[r] = _mm512_reduce_add_ps(_mm512_loadu_ps(sums + 16 * r));
 }
 
@@ -1201,20 +1218,26 @@ constexpr int DP_ROWS_BLOCK = 64;  // keys a block: four vectors of sixteen
 // at 8 tokens than two, four blocks as two (docs/benchmarks.md, "A wide verify's prefetches spread over its passes").
 constexpr int DP_ROWS_AHEAD = 2;
 
-// The block's keys [0, len) transposed into words, kt [d / 2, 4, 16] (word w of key 16u + i at (w * 4 + u) * 16
-// + i), and its values interleaved by key pairs, vi [DP_ROWS_BLOCK / 2, D16, 32] bf16 (pair p's columns 16c .. 16c+15
-// as a0 b0 a1 b1 ...); keys and values past len are zeros.
+// The block's keys [0, len) transposed into words by groups of sixteen, kt [4, d / 2, 16] (word w of key 16u + i at
+// (u * d / 2 + w) * 16 + i: four groups as the store's copy by groups holds them); keys past len are zeros.
 template <int D16>
-void dp_rows_layout(const uint16_t *k, const uint16_t *v, int len, float *kt, uint16_t *vi) {
+void dp_rows_keys(const uint16_t *k, int len, float *kt) {
     constexpr int d = 16 * D16, WORDS = d / 2;
-    const __m512i low = pairs_low(), high = pairs_high();
     for (int u = 0; u < 4; ++u)
         for (int c = 0; c < WORDS; c += TILE) {
             __m512 t[TILE];
             for (int i = 0; i < TILE; ++i) t[i] = 16 * u + i < len ? _mm512_loadu_ps(k + (16 * u + i) * d + 2 * c) : _mm512_setzero_ps();
             transpose16(t);
-            for (int w = 0; w < TILE; ++w) _mm512_storeu_ps(kt + ((c + w) * 4 + u) * 16, t[w]);
+            for (int w = 0; w < TILE; ++w) _mm512_storeu_ps(kt + (u * WORDS + c + w) * 16, t[w]);
         }
+}
+
+// The block's values [0, len) interleaved by key pairs, vi [DP_ROWS_BLOCK / 2, D16, 32] bf16 (pair p's columns
+// 16c .. 16c+15 as a0 b0 a1 b1 ...); values past len are zeros.
+template <int D16>
+void dp_rows_values(const uint16_t *v, int len, uint16_t *vi) {
+    constexpr int d = 16 * D16;
+    const __m512i low = pairs_low(), high = pairs_high();
     for (int j = 0; j < DP_ROWS_BLOCK; j += 2) {
         const uint16_t *va = v + j * d, *vb = va + d;
         uint16_t *out = vi + (j / 2) * D16 * 32;
@@ -1242,7 +1265,7 @@ void dp_rows(const uint32_t *qw, float scale, const float *kt, const uint16_t *v
         for (int u = 0; u < 4; ++u) s[r][u] = _mm512_setzero_ps();
     for (int w = 0; w < WORDS; ++w) {
         __m512 x[4];
-        for (int u = 0; u < 4; ++u) x[u] = _mm512_loadu_ps(kt + (w * 4 + u) * 16);
+        for (int u = 0; u < 4; ++u) x[u] = _mm512_loadu_ps(kt + (u * WORDS + w) * 16);
         for (int r = 0; r < G; ++r) {
             const __m512bh qb = (__m512bh)_mm512_set1_epi32((int)qw[r * WORDS + w]);
             for (int u = 0; u < 4; ++u) s[r][u] = _mm512_dpbf16_ps(s[r][u], (__m512bh)x[u], qb);
@@ -1284,9 +1307,11 @@ void dp_rows(const uint32_t *qw, float scale, const float *kt, const uint16_t *v
 
 // One work item as attend_range_dp, for any number of rows, d = 16 * D16. scratch holds the laid-out block (kt: d / 2 * 64
 // floats; vi: as many) and the queries as words (rows * d / 2): at most 3 * 64 * d / 2 floats, within scratch_floats(d).
+// A block's keys come from the store's copy by groups where it holds all four of its groups (`columns`, below its
+// mark); else they are laid out here and its whole groups kept there (begin a multiple of TILE).
 template <int D16>
 void attend_range_dp_rows(const float *q, int rows, float scale, const uint16_t *k, const uint16_t *v, int64_t begin, int64_t end,
-                          float *scratch, float *m, float *l, float *acc) {
+                          float *scratch, float *m, float *l, float *acc, Columns columns) {
     constexpr int d = 16 * D16, WORDS = d / 2, G = D16 == 4 ? 4 : 2;  // G rows a pass: G * D16 outputs and 4G sums in registers
     float *kt = scratch;
     uint16_t *vi = (uint16_t *)(kt + WORDS * 64);
@@ -1299,20 +1324,29 @@ void attend_range_dp_rows(const float *q, int rows, float scale, const uint16_t 
     for (int64_t b = begin; b < end; b += DP_ROWS_BLOCK) {
         const int len = (int)(end - b < DP_ROWS_BLOCK ? end - b : DP_ROWS_BLOCK);
         const int64_t ahead = b + DP_ROWS_AHEAD * DP_ROWS_BLOCK;  // the block asked for while this one is computed
-        dp_rows_layout<D16>(k + b * d, v + b * d, len, kt, vi);
+        float *groups = columns.groups ? (float *)columns.groups + b / TILE * WORDS * TILE : nullptr;  // the block's place in the store's copy
+        const float *keys = groups;
+        if (!groups || b + DP_ROWS_BLOCK > columns.upto) {
+            dp_rows_keys<D16>(k + b * d, len, kt);
+            if (groups) memcpy(groups, kt, sizeof(float) * (len / TILE) * WORDS * TILE);  // its whole groups kept
+            keys = kt;
+        }
+        dp_rows_values<D16>(v + b * d, len, vi);
+        const char *keys_ahead = groups && ahead + DP_ROWS_BLOCK <= columns.upto ? (const char *)(groups + DP_ROWS_AHEAD * DP_ROWS_BLOCK / TILE * WORDS * TILE)
+                                                                                 : (const char *)(k + ahead * d);  // as many bytes either way
         int r = 0;
         for (int pass = 0; r + G <= rows; r += G, ++pass) {
             if (ahead < end)  // this pass's share of the block ahead, keys and values, into L2
                 for (int line = LINES * pass / passes; line < LINES * (pass + 1) / passes; ++line) {
-                    _mm_prefetch((const char *)(k + ahead * d) + 64 * line, _MM_HINT_T1);
+                    _mm_prefetch(keys_ahead + 64 * line, _MM_HINT_T1);
                     _mm_prefetch((const char *)(v + ahead * d) + 64 * line, _MM_HINT_T1);
                 }
-            dp_rows<G, D16>(qw + r * WORDS, scale, kt, vi, len, m + r, l + r, acc + r * d);
+            dp_rows<G, D16>(qw + r * WORDS, scale, keys, vi, len, m + r, l + r, acc + r * d);
         }
         switch (rows - r) {
-            case 3: dp_rows<3, D16>(qw + r * WORDS, scale, kt, vi, len, m + r, l + r, acc + r * d); break;
-            case 2: dp_rows<2, D16>(qw + r * WORDS, scale, kt, vi, len, m + r, l + r, acc + r * d); break;
-            case 1: dp_rows<1, D16>(qw + r * WORDS, scale, kt, vi, len, m + r, l + r, acc + r * d); break;
+            case 3: dp_rows<3, D16>(qw + r * WORDS, scale, keys, vi, len, m + r, l + r, acc + r * d); break;
+            case 2: dp_rows<2, D16>(qw + r * WORDS, scale, keys, vi, len, m + r, l + r, acc + r * d); break;
+            case 1: dp_rows<1, D16>(qw + r * WORDS, scale, keys, vi, len, m + r, l + r, acc + r * d); break;
             default: break;
         }
     }
@@ -1320,9 +1354,9 @@ void attend_range_dp_rows(const float *q, int rows, float scale, const uint16_t 
 
 // attend_range_dp_rows for heads of 64 or 128.
 void attend_range_dp_rows_any(const float *q, int rows, int d, float scale, const uint16_t *k, const uint16_t *v, int64_t begin, int64_t end,
-                              float *scratch, float *m, float *l, float *acc) {
-    if (d == 64) attend_range_dp_rows<4>(q, rows, scale, k, v, begin, end, scratch, m, l, acc);
-    else attend_range_dp_rows<8>(q, rows, scale, k, v, begin, end, scratch, m, l, acc);
+                              float *scratch, float *m, float *l, float *acc, Columns columns) {
+    if (d == 64) attend_range_dp_rows<4>(q, rows, scale, k, v, begin, end, scratch, m, l, acc, columns);
+    else attend_range_dp_rows<8>(q, rows, scale, k, v, begin, end, scratch, m, l, acc, columns);
 }
 
 #ifdef SPECSTACK_AMX
@@ -1638,14 +1672,15 @@ extern "C" {
 int specstack_max_rows() { return MAX_ROWS; }
 int specstack_max_dim() { return MAX_DIM; }
 
-// 1 where `rows` query rows a KV head over a cache (bfloat16 where kv_bf16 is nonzero) with heads of width d, a bfloat16
-// cache not taking the bf16 dot-product paths (dp zero, or none built), take the column path and so read a store's keys by
-// groups where they are passed: specstack_decode_attention_columns' `columns` [hkv, ceil(capacity / 16), key_words, 16]
-// 32-bit words (key_words: d, or d / 2 for bfloat16).
+// 1 where `rows` query rows a KV head over a cache (bfloat16 where kv_bf16 is nonzero) with heads of width d read a store's
+// keys by groups where they are passed: specstack_decode_attention_columns' `columns` [hkv, ceil(capacity / 16),
+// key_words, 16] 32-bit words (key_words: d, or d / 2 for bfloat16). The widening paths' column path does (six rows or
+// more), and a bfloat16 cache taking the bf16 dot products (dp nonzero, built) does at any number of rows, with heads of
+// 64 or 128 (beside AMX tiles, the rows the tiles take read the keys as stored and leave the copy as it is).
 int specstack_column_keys(int kv_bf16, int d, int rows, int dp) {
 #if defined(__AVX512F__)
 #ifdef SPECSTACK_DP
-    if (kv_bf16 && dp) return 0;  // a bfloat16 cache takes the dot products
+    if (kv_bf16 && dp) return d == 64 || d == 128 ? 1 : 0;  // the dot products read the groups at any number of rows
 #else
     (void)dp;
 #endif
@@ -1718,8 +1753,10 @@ int specstack_decode_attention_columns(const float *q, const void *k, const void
     const size_t item_floats = registers ? 16 * (size_t)rows : scratch_floats(d);
 #endif
     // below: the bf16 dot products and the AMX tiles, over the cached keys in ranges cut at the threads' shares, the new
-    // tokens' own keys folded in at the merge (their verifies round otherwise than their steps)
-    (void)columns, (void)columns_head_stride, (void)columns_upto;  // the column path is the widening paths'
+    // tokens' own keys folded in at the merge (their verifies round otherwise than their steps). The dot products read
+    // and keep the store's copy of the keys by groups (`columns`) where it is passed; the tiles read the keys as stored.
+    const bool lays_out = columns && (registers || (dot_rows && !tiles));
+    const int64_t upto = lays_out ? std::min(*columns_upto, past - past % GROUP) : 0;
     const size_t own = (size_t)hkv * t * d;  // the new tokens' own keys (and values), as float32
     // one buffer a call, the calling thread's (scratch.h): scaled queries, each item's partials and scratch, the own keys and values
     float *scaled = thread_scratch<0>((size_t)hkv * rows * d + (size_t)items * (rows * (d + 2) + item_floats) + 2 * own);
@@ -1737,10 +1774,13 @@ int specstack_decode_attention_columns(const float *q, const void *k, const void
         const int h = item / splits, s = item % splits;
         const int64_t begin = range_start(s), end = range_start(s + 1);
         float *item_m = m + (int64_t)item * rows, *item_l = l + (int64_t)item * rows, *item_acc = acc + (int64_t)item * rows * d;
+        const Columns head_columns = lays_out ? Columns{columns + h * columns_head_stride, upto} : Columns{};
+        (void)head_columns;  // a build without the dot products
 #ifdef SPECSTACK_DP
         if (registers) {
             attend_range_dp_groups(q + (int64_t)h * rows * d, rows, d, scale, (const uint16_t *)k + h * k_head_stride,
-                                   (const uint16_t *)v + h * v_head_stride, begin, end, scratch + (size_t)item * item_floats, item_m, item_l, item_acc);
+                                   (const uint16_t *)v + h * v_head_stride, begin, end, scratch + (size_t)item * item_floats, item_m, item_l, item_acc,
+                                   head_columns);
             continue;
         }
 #endif
@@ -1754,12 +1794,14 @@ int specstack_decode_attention_columns(const float *q, const void *k, const void
 #ifdef SPECSTACK_DP
         if (dot_rows) {
             attend_range_dp_rows_any(q + (int64_t)h * rows * d, rows, d, scale, (const uint16_t *)k + h * k_head_stride,
-                                     (const uint16_t *)v + h * v_head_stride, begin, end, scratch + (size_t)item * item_floats, item_m, item_l, item_acc);
+                                     (const uint16_t *)v + h * v_head_stride, begin, end, scratch + (size_t)item * item_floats, item_m, item_l, item_acc,
+                                     head_columns);
             continue;
         }
 #endif
         (void)h, (void)begin, (void)end, (void)item_m, (void)item_l, (void)item_acc;  // a build with neither: every call takes the spans
     }
+    if (lays_out) *columns_upto = std::max(upto, past - past % GROUP);  // every whole group of the cached keys was read there, or laid out and kept
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int hr = 0; hr < hkv * rows; ++hr) {
         const int h = hr / rows, r = hr % rows;
