@@ -16,7 +16,8 @@ the tiles over 7,500 and 32,000 keys), fifteen or fewer without them (a verify o
 six rows or fewer); without AMX, more rows take the same dot products, block by block (1.5-1.7x faster than
 widening at 3-16 tokens over 32,000 keys on the AMD Zen 4 host). The dot products take their keys transposed sixteen
 at a time, as the column path does, and so read (and keep) the same copy in the store at any number of rows: whole
-forwards 1.02-1.13x faster at 1-16 tokens over 7,500 keys and 32,000 on the Zen 4 host, the same bits. Without AMX they are taken only where they pay
+forwards on the Zen 4 host took 0.99-1.13x the previous kernel's speed at 1-16 tokens over 7,500 keys (1.02-1.13x in
+the longer of two runs) and 1.01-1.09x over 32,000, the same bits. Without AMX they are taken only where they pay
 (:mod:`specstack.bf16_products`): on an Intel host with them, whose FMAs do twice their multiply-adds a second,
 the widening paths took attention over 7,500 keys 1.15-1.63x less time at 3-16 tokens. The widening paths cut the
 keys into spans fixed from key 0 and fold the new tokens' own keys into them under the mask (a token tree's node over
