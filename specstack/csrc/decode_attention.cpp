@@ -1016,6 +1016,23 @@ constexpr int FEW_ROWS = 6;     // groups of up to this many rows take the softm
 inline v16 load16(const float *p) { return *(const v16 *)p; }
 inline void store16(float *p, v16 x) { *(v16 *)p = x; }
 
+// e^x for the softmax weights of the bf16 paths below, which are rounded to bf16 next: 2^f for f = x log2(e) - n in
+// [-1/2, 1/2] by its Taylor polynomial of degree 6 (its relative error at most 1.6e-7, against the rounding's 2^-9 =
+// 2e-3), scaled by 2^n (vscalefps). Ten instructions against expv's sixteen. A lane of x at -infinity comes out NaN: the
+// dot-product paths' masks zero their padding lanes, and the tiles' scores are finite.
+inline v16 exp_for_weights(v16 x) {
+    const __m512 y = _mm512_mul_ps((__m512)x, _mm512_set1_ps(1.44269504088896341f));
+    const __m512 n = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), f = _mm512_sub_ps(y, n);
+    __m512 p = _mm512_set1_ps(1.5403530e-4f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    return (v16)_mm512_scalef_ps(p, n);
+}
+
 // ---- Six rows or fewer: AVX-512's bf16 dot products, no tiles --------------------------------------
 //
 // A one-token step gives each KV head three query rows, and a 16 x 16 tile product then wastes 13 of
@@ -1026,6 +1043,10 @@ inline void store16(float *p, v16 x) { *(v16 *)p = x; }
 // of sixteen scores, and the weights, rounded to bf16 as on the tiles, weigh the values by key pairs
 // (two keys' values interleaved, one dot product per sixteen columns per row). On the AMD Zen 4 host six
 // rows here took 1.35x (7,500 keys) and 1.41x (32,000) less time than the block-by-block path below.
+// The weights' e^x is the tiles' (exp_for_weights, ten instructions) rather than the float32-accurate expv
+// (sixteen): on the AMD Zen 4 host whole bf16 forwards over 7,500 slots took 1.01-1.07x less time at four to
+// sixteen tokens (1.03-1.09x over 32,000) and as much at one to three, and the logits stayed as near float32's on three texts
+// (docs/benchmarks.md, "The dot products' weights by the tiles' exponential").
 //
 // A row's weights are taken against a reference score that moves up only when a block's scores rise more
 // than RESCALE_ABOVE over it (FlashAttention-4's conditional rescaling), not against the running maximum:
@@ -1135,7 +1156,7 @@ void attend_range_dp(const uint32_t *qw, float scale, const uint16_t *k, const u
                 for (int c = 0; c < D16; ++c) o[r][c] = _mm512_mul_ps(o[r][c], _mm512_set1_ps(rescale));
                 top[r] = next;
             }
-            const __m512 w = _mm512_maskz_mov_ps(valid, (__m512)expv<v16, v16i>((v16)x - top[r]));  // keys past len weigh nothing
+            const __m512 w = _mm512_maskz_mov_ps(valid, (__m512)exp_for_weights((v16)x - top[r]));  // keys past len weigh nothing
             const __m256bh rounded = _mm512_cvtneps_pbh(w);  // [16] bf16
             sum[r] = _mm512_add_ps(sum[r], _mm512_cvtpbh_ps(rounded));  // the weights as they weigh the values
             _mm256_store_si256((__m256i *)weights[r], (__m256i)rounded);
@@ -1287,7 +1308,7 @@ void dp_rows(const uint32_t *qw, float scale, const float *kt, const uint16_t *v
             sum[r] *= rescale[r], top[r] = next;
         }
         __m512 w[4];
-        for (int u = 0; u < 4; ++u) w[u] = _mm512_maskz_mov_ps(valid[u], (__m512)expv<v16, v16i>((v16)x[u] - top[r]));
+        for (int u = 0; u < 4; ++u) w[u] = _mm512_maskz_mov_ps(valid[u], (__m512)exp_for_weights((v16)x[u] - top[r]));
         const __m512bh first = _mm512_cvtne2ps_pbh(w[1], w[0]), second = _mm512_cvtne2ps_pbh(w[3], w[2]);  // keys 0-31, 32-63 as bf16
         _mm512_store_si512(weights[r], (__m512i)first);
         _mm512_store_si512(weights[r] + 16, (__m512i)second);
@@ -1360,22 +1381,6 @@ void attend_range_dp_rows_any(const float *q, int rows, int d, float scale, cons
 }
 
 #ifdef SPECSTACK_AMX
-
-// e^x for the tiles' softmax weights, which are rounded to bf16 next: 2^f for f = x log2(e) - n in [-1/2, 1/2] by
-// its Taylor polynomial of degree 6 (its relative error at most 1.6e-7, against the rounding's 2^-9 = 2e-3), scaled by 2^n
-// (vscalefps). Ten instructions against expv's sixteen; x must be finite.
-inline v16 exp_for_weights(v16 x) {
-    const __m512 y = _mm512_mul_ps((__m512)x, _mm512_set1_ps(1.44269504088896341f));
-    const __m512 n = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), f = _mm512_sub_ps(y, n);
-    __m512 p = _mm512_set1_ps(1.5403530e-4f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    return (v16)_mm512_scalef_ps(p, n);
-}
 
 // Tiles 0-7 (per thread), each 16 rows of 64 bytes. The scores: 0-1 two score tiles side by side, 2-5 keys, 6-7
 // queries; the outputs: 0-3 four output tiles side by side, 4-5 values in turn, 6-7 weights. Tiles are not
